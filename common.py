@@ -1,0 +1,569 @@
+"""The small shared part of the kit: what every algorithm script needs identically.
+
+Data loading, the rollout "details" of SPEC.md (truncation after EOS, reward at the last real
+token, missing-EOS penalty, temperature-scaled log-probs), DeepSpeed setup, evaluation,
+checkpoints and logging. The training loops themselves live in the scripts.
+"""
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+INVALID_LOGPROB = 1.0  # sentinel written at padded positions; masked out of every sum and mean
+
+
+def fail(message: str):
+    """Stop with a one-line error (on every rank) and a non-zero exit."""
+    raise SystemExit(f"error: {message}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed setup
+# ----------------------------------------------------------------------------------------------
+def init_distributed():
+    """Start torch.distributed through DeepSpeed; a plain `python script.py` becomes a 1-rank world."""
+    if "RANK" not in os.environ:  # not under the deepspeed launcher
+        with socket.socket() as s:  # a free port, so parallel single-process runs do not collide
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+
+    deepspeed.init_distributed()
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def seed_everything(seed: int, torch_deterministic: bool):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(torch_deterministic)
+
+
+def disable_dropout(model: torch.nn.Module):
+    """RL on a model with dropout gives log-probs that differ between rollout and training."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def deepspeed_config(args, stage: int, train: bool) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": args.bf16},
+        "steps_per_print": 10**9,
+    }
+    if train:
+        config["gradient_clipping"] = args.max_grad_norm
+    return config
+
+
+def prepare_deepspeed(model, args, optimizer=None, lr_scheduler=None):
+    """Wrap `model` in a DeepSpeed engine: trained with `optimizer`, or frozen for inference.
+
+    Frozen models (reference, reward) are partitioned under ZeRO-3 like the policy, and simply
+    replicated (stage 0) under ZeRO-2, where partitioning would only save optimizer state they
+    do not have.
+    """
+    import deepspeed
+
+    train = optimizer is not None
+    stage = args.zero_stage if (train or args.zero_stage == 3) else 0
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                      config=deepspeed_config(args, stage, train))
+    if not train:
+        engine.eval()
+    return engine
+
+
+@contextlib.contextmanager
+def full_parameters(engine):
+    """Gather ZeRO-3 partitioned parameters for generation (one gather, not one per step)."""
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            yield engine.module
+    else:
+        yield engine.module
+
+
+def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
+    """Average logged numbers over ranks, so metrics describe the whole batch, not rank 0's share."""
+    if not values or torch.distributed.get_world_size() == 1:
+        return values
+    stacked = torch.tensor(list(values.values()), dtype=torch.float64)
+    torch.distributed.all_reduce(stacked)
+    stacked /= torch.distributed.get_world_size()
+    return dict(zip(values, stacked.tolist()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Models and data
+# ----------------------------------------------------------------------------------------------
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not os.path.exists(path) and path.count("/") != 1:
+        fail(f"model path {path!r} does not exist (give a local directory or an owner/name hub id)")
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tokenizer.pad_token_id is None:
+        fail(f"tokenizer of {path!r} has no pad token; save it with one "
+             "(e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and resize the model)")
+    if tokenizer.eos_token_id is None:
+        fail(f"tokenizer of {path!r} has no eos token; the stop token is needed for truncation")
+    return tokenizer
+
+
+def eos_token_ids(path: str, tokenizer) -> list[int]:
+    """Every stop token the tokenizer or the model's generation config declares."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    with contextlib.suppress(OSError):
+        declared = GenerationConfig.from_pretrained(path).eos_token_id
+        ids.update(declared if isinstance(declared, list) else [declared] if declared is not None else [])
+    return sorted(ids)
+
+
+def load_reward_model(path: str, dtype):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    if model.config.num_labels != 1:
+        fail(f"reward model {path!r} has {model.config.num_labels} labels; a reward model has exactly 1")
+    return model
+
+
+def same_vocabulary(tokenizer_a, tokenizer_b) -> bool:
+    return tokenizer_a.get_vocab() == tokenizer_b.get_vocab()
+
+
+def load_split(name_or_path: str, split: str):
+    """A split from a hub dataset, a `save_to_disk` directory, a data directory, or one json/jsonl/parquet file."""
+    import datasets
+
+    if os.path.isfile(name_or_path):
+        builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(os.path.splitext(name_or_path)[1])
+        if builder is None:
+            fail(f"dataset file {name_or_path!r} is not .json, .jsonl or .parquet")
+        if split != "train":
+            fail(f"dataset file {name_or_path!r} has one split, 'train', not {split!r}; "
+                 "give a directory with one file per split (train.jsonl, validation.jsonl)")
+        return datasets.load_dataset(builder, data_files=name_or_path, split="train")
+    if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
+        splits = datasets.load_from_disk(name_or_path)
+        if split not in splits:
+            fail(f"dataset {name_or_path!r} has no split {split!r}; it has {sorted(splits)}")
+        return splits[split]
+    if not os.path.exists(name_or_path) and name_or_path.count("/") != 1:
+        fail(f"dataset {name_or_path!r} does not exist (give a directory, a .json/.jsonl/.parquet file, "
+             "or an owner/name hub id)")
+    try:
+        return datasets.load_dataset(name_or_path, split=split)
+    except ValueError as error:  # datasets says which splits exist
+        fail(f"dataset {name_or_path!r}: {str(error).splitlines()[0]}")
+
+
+def load_prompts(args, tokenizer, split: str, keep_columns: tuple[str, ...] = ()):
+    """Tokenized prompts of one split; prompts longer than `max_prompt_length` are dropped."""
+    dataset = load_split(args.dataset_name, split)
+    for column in (args.prompt_column, *keep_columns):
+        if column not in dataset.column_names:
+            fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
+                 f"it has {dataset.column_names}")
+    if len(dataset) == 0:
+        fail(f"dataset {args.dataset_name!r} split {split!r} is empty")
+    if args.chat_template and tokenizer.chat_template is None:
+        fail(f"--chat_template was given but the tokenizer of {args.model_name_or_path!r} has no chat template")
+
+    def tokenize(row):
+        prompt = row[args.prompt_column]
+        if args.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return {"input_ids": ids}
+
+    dataset = dataset.map(tokenize, remove_columns=[c for c in dataset.column_names if c not in keep_columns],
+                          desc=f"tokenizing {split}")
+    kept = dataset.filter(lambda row: 0 < len(row["input_ids"]) <= args.max_prompt_length)
+    if len(kept) < len(dataset):
+        print(f"{split}: dropped {len(dataset) - len(kept)} of {len(dataset)} prompts longer than "
+              f"max_prompt_length={args.max_prompt_length} tokens")
+    if len(kept) == 0:
+        fail(f"every prompt of {args.dataset_name!r} split {split!r} is longer than "
+             f"max_prompt_length={args.max_prompt_length}; raise --max_prompt_length")
+    return kept
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, max_len) token ids and attention mask, padded on the left."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
+        mask[row, width - len(sequence):] = 1
+    return ids, mask
+
+
+class PromptSampler:
+    """Endless shuffled prompt batches; each rank takes its own slice of every global batch.
+
+    The order depends only on (seed, epoch), and `position` counts global batches drawn, so a
+    resumed run continues with exactly the batches the interrupted run would have seen.
+    """
+
+    def __init__(self, num_prompts: int, local_batch_size: int, rank: int, world_size: int, seed: int):
+        self.global_batch_size = local_batch_size * world_size
+        if num_prompts < self.global_batch_size:
+            fail(f"the train split has {num_prompts} prompts, fewer than one batch of {self.global_batch_size}")
+        self.num_prompts, self.local_batch_size, self.rank, self.seed = num_prompts, local_batch_size, rank, seed
+        self.batches_per_epoch = num_prompts // self.global_batch_size
+        self.position = 0
+
+    def next_indices(self) -> list[int]:
+        epoch, batch = divmod(self.position, self.batches_per_epoch)
+        order = torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
+        start = batch * self.global_batch_size + self.rank * self.local_batch_size
+        self.position += 1
+        return order[start:start + self.local_batch_size].tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout details (SPEC.md, "Shared rollout rules")
+# ----------------------------------------------------------------------------------------------
+def truncate_after_eos(responses: torch.Tensor, eos_ids: list[int], pad_token_id: int):
+    """Pad every token after the first stop token.
+
+    Returns the truncated responses, their lengths (counting the stop token) and whether each
+    one contains a stop token. Lengths come from the stop token's position, never from comparing
+    with the pad id, so EOS == pad works.  responses: (batch, response_len)
+    """
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
+    contains_eos = is_eos.any(dim=1)
+    first_eos = torch.where(contains_eos, is_eos.int().argmax(dim=1), responses.shape[1])
+    lengths = torch.where(contains_eos, first_eos + 1, responses.shape[1])
+    positions = torch.arange(responses.shape[1], device=responses.device)
+    truncated = responses.masked_fill(positions[None, :] >= lengths[:, None], pad_token_id)
+    return truncated, lengths, contains_eos
+
+
+def response_mask(lengths: torch.Tensor, response_len: int) -> torch.Tensor:
+    """(batch, response_len) bool mask of real response tokens."""
+    return torch.arange(response_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as `generate` uses them, so scores match sampling."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-token log-probs of `tokens` under `logits / (temperature + 1e-7)`.  (batch, len)"""
+    logp = F.log_softmax(logits.float() / (temperature + 1e-7), dim=-1)
+    return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def response_logprobs(model, query_ids, query_mask, responses, lengths, temperature):
+    """Log-probs of each response token given its query; padded positions hold INVALID_LOGPROB.
+
+    query_ids, query_mask: (batch, query_len) left-padded; responses: (batch, response_len).
+    """
+    mask = response_mask(lengths, responses.shape[1])
+    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
+    input_ids = torch.cat([query_ids, responses], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids(attention_mask)).logits
+    response_logits = logits[:, query_ids.shape[1] - 1:-1]  # the logits that predicted each response token
+    logprobs = logprobs_from_logits(response_logits, responses, temperature)
+    return logprobs.masked_fill(~mask, INVALID_LOGPROB)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over real tokens of each row.  values, mask: (batch, len) -> (batch,)"""
+    return (values * mask).sum(dim=1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over the entries where mask is 1 (0 when there are none)."""
+    return ((values * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def reward_scores(reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score head read at the last real token of each row.  input_ids: (batch, len) -> (batch,)
+
+    Read by hand rather than through the model's pad-token pooling, which breaks with left
+    padding and with EOS == pad.
+    """
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids(attention_mask)).last_hidden_state
+    last_real = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).int().argmax(dim=1)
+    hidden_at_last = hidden[torch.arange(len(hidden)), last_real]
+    return reward_model.score(hidden_at_last).squeeze(-1).float()
+
+
+def retokenize(query_ids, query_mask, responses, lengths, contains_eos, policy_tokenizer, reward_tokenizer):
+    """Decode policy tokens and re-encode them with the reward model's tokenizer.
+
+    The stop token is re-added as the reward tokenizer's own EOS, so a finished response still
+    ends in a stop token the reward model knows.
+    """
+    texts = []
+    for q, m, r, n, done in zip(query_ids, query_mask, responses, lengths, contains_eos):
+        query = policy_tokenizer.decode(q[m.bool()], skip_special_tokens=True)
+        response = policy_tokenizer.decode(r[:n], skip_special_tokens=True)
+        texts.append(query + response + (reward_tokenizer.eos_token if done else ""))
+    encoded = reward_tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt",
+                               padding_side="left")
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos,
+                    penalty_reward_value, policy_tokenizer, reward_tokenizer=None):
+    """Reward of each truncated response; a response with no stop token gets the penalty instead.
+
+    `reward_tokenizer=None` means the reward model shares the policy's vocabulary.
+    """
+    if reward_tokenizer is None:
+        input_ids = torch.cat([query_ids, responses], dim=1)
+        attention_mask = torch.cat([query_mask, response_mask(lengths, responses.shape[1]).long()], dim=1)
+    else:
+        input_ids, attention_mask = retokenize(query_ids, query_mask, responses, lengths, contains_eos,
+                                               policy_tokenizer, reward_tokenizer)
+    scores = reward_scores(reward_model, input_ids, attention_mask)
+    return torch.where(contains_eos, scores, torch.full_like(scores, penalty_reward_value))
+
+
+def generate(model, query_ids, query_mask, response_length, temperature, eos_ids, pad_token_id):
+    """Sample `response_length` new tokens with HF generate; rows that stop early are right-padded."""
+    output = model.generate(input_ids=query_ids, attention_mask=query_mask, max_new_tokens=response_length,
+                            do_sample=True, temperature=temperature + 1e-7, top_k=0, top_p=1.0,
+                            eos_token_id=eos_ids, pad_token_id=pad_token_id)
+    responses = output[:, query_ids.shape[1]:]
+    return F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation (SPEC.md, "Evaluation")
+# ----------------------------------------------------------------------------------------------
+def load_gold_scorer(path: str, dtype, policy_tokenizer):
+    """A function (queries, responses as text) -> gold scores.
+
+    "toy" is the embedded task's programmatic scorer; anything else is a reward model path.
+    Responses end with the policy's EOS text when they stopped.
+    """
+    if path == "toy":
+        import toy
+
+        return toy.gold_score
+    model = load_reward_model(path, dtype).eval()
+    tokenizer = load_tokenizer(path)
+
+    @torch.no_grad()
+    def gold_score(queries: list[str], responses: list[str]) -> list[float]:
+        scores = []
+        for start in range(0, len(queries), 16):
+            texts = [(q + r).replace(policy_tokenizer.eos_token, tokenizer.eos_token)
+                     for q, r in zip(queries[start:start + 16], responses[start:start + 16])]
+            encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+            scores += reward_scores(model, encoded["input_ids"], encoded["attention_mask"]).tolist()
+        return scores
+
+    return gold_score
+
+
+@torch.no_grad()
+def evaluate(args, policy, ref_policy, reward_model, tokenizer, reward_tokenizer, eos_ids, eval_prompts,
+             gold_score) -> dict[str, float]:
+    """Gold win-rate of near-greedy completions against the references, and KL to the SFT policy.
+
+    Each rank evaluates its own share of `eval_prompts`; the numbers are averaged over ranks.
+    """
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rows = eval_prompts.select(range(rank, len(eval_prompts), world_size))
+    totals = {"gold_win_rate": 0.0, "gold_score": 0.0, "proxy_score": 0.0, "kl": 0.0,
+              "num_eos_tokens": 0.0, "response_length": 0.0}
+    for start in range(0, len(rows), args.local_rollout_forward_batch_size):
+        batch = rows.select(range(start, min(start + args.local_rollout_forward_batch_size, len(rows))))
+        query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id)
+        with full_parameters(policy) as model:
+            greedy = generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
+                              eos_ids, tokenizer.pad_token_id)
+            sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
+                               eos_ids, tokenizer.pad_token_id)
+        greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
+        queries = tokenizer.batch_decode(query_ids, skip_special_tokens=True)
+        responses = [tokenizer.decode(r[:n]) for r, n in zip(greedy, lengths)]
+        policy_gold = torch.tensor(gold_score(queries, responses))
+        reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
+        proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos,
+                                args.penalty_reward_value, tokenizer, reward_tokenizer)
+        # KL is estimated on samples at the training temperature: near-greedy samples say little about it
+        sampled, sampled_lengths, _ = truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
+        mask = response_mask(sampled_lengths, sampled.shape[1])
+        logprobs = response_logprobs(policy, query_ids, query_mask, sampled, sampled_lengths, args.temperature)
+        ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
+                                         args.temperature)
+        totals["gold_win_rate"] += (policy_gold > reference_gold).float().sum().item()
+        totals["gold_score"] += policy_gold.sum().item()
+        totals["proxy_score"] += proxy.sum().item()
+        totals["kl"] += masked_sum(logprobs - ref_logprobs, mask).sum().item()
+        totals["num_eos_tokens"] += contains_eos.float().sum().item()
+        totals["response_length"] += lengths.float().sum().item()
+    counts = torch.tensor([float(len(rows))] + list(totals.values()), dtype=torch.float64)
+    torch.distributed.all_reduce(counts)
+    return {f"eval/{name}": value / counts[0].item() for name, value in zip(totals, counts[1:].tolist())}
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and resume
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class OnlineTrainerState:
+    """Everything besides model and optimizer that a resumed run needs to continue exactly."""
+
+    update: int = 0  # completed updates
+    episode: int = 0  # prompts trained on so far, over all ranks
+    data_position: int = 0  # global prompt batches drawn
+    rng: dict = field(default_factory=dict)  # per-rank RNG states, filled at save time
+
+    @staticmethod
+    def capture_rng() -> dict:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    @staticmethod
+    def restore_rng(rng: dict):
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+
+
+def prepare_output_dir(output_dir: str, resume: bool):
+    """Refuse to mix a new run into an old one: resuming needs a run directory, a fresh run an empty one."""
+    exists = os.path.isdir(output_dir) and os.listdir(output_dir)
+    if resume and not latest_checkpoint(output_dir):
+        fail(f"--resume: no complete checkpoint in {output_dir!r}")
+    if not resume and exists:
+        fail(f"output directory {output_dir!r} is not empty; pass --resume to continue that run "
+             "or choose another --output_dir")
+    os.makedirs(output_dir, exist_ok=True)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint; half-written ones live under a temporary name and are ignored."""
+    folder = os.path.join(output_dir, "checkpoints")
+    complete = [n for n in os.listdir(folder) if n.startswith("update-")] if os.path.isdir(folder) else []
+    return os.path.join(folder, max(complete, key=lambda n: int(n.split("-")[1]))) if complete else None
+
+
+def save_checkpoint(output_dir: str, engine, state: OnlineTrainerState):
+    """Write the checkpoint under a temporary name, then rename it: a crash never leaves a corrupt one."""
+    rank = torch.distributed.get_rank()
+    folder = os.path.join(output_dir, "checkpoints")
+    final = os.path.join(folder, f"update-{state.update}")
+    partial = os.path.join(folder, f".partial-update-{state.update}")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    torch.distributed.barrier()
+    engine.save_checkpoint(partial, tag="engine")
+    state.rng = OnlineTrainerState.capture_rng()
+    torch.save(asdict(state), os.path.join(partial, f"trainer_state_rank{rank}.pt"))
+    torch.distributed.barrier()
+    if rank == 0:
+        os.rename(partial, final)
+        for name in os.listdir(folder):  # older checkpoints are superseded once this one is complete
+            if name != os.path.basename(final):
+                shutil.rmtree(os.path.join(folder, name))
+    torch.distributed.barrier()
+
+
+def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
+    path = latest_checkpoint(output_dir)
+    engine.load_checkpoint(path, tag="engine")
+    saved = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"),
+                       weights_only=False)
+    state = OnlineTrainerState(**saved)
+    OnlineTrainerState.restore_rng(state.rng)
+    return state
+
+
+def save_policy(output_dir: str, engine, tokenizer):
+    """The trained policy in Hugging Face format (loadable by `from_pretrained` and vLLM), written atomically."""
+    rank = torch.distributed.get_rank()
+    final, partial = os.path.join(output_dir, "policy"), os.path.join(output_dir, ".partial-policy")
+    with full_parameters(engine) as model:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            model.save_pretrained(partial, state_dict=state_dict)
+            tokenizer.save_pretrained(partial)
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+    torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging
+# ----------------------------------------------------------------------------------------------
+class MetricsLogger:
+    """metrics.jsonl in the output directory, a progress bar, and wandb with --track (rank 0 only)."""
+
+    def __init__(self, args, run_name: str, num_updates: int, start_update: int, progress_keys: tuple[str, ...]):
+        self.enabled = torch.distributed.get_rank() == 0
+        self.progress_keys = progress_keys
+        self.path = os.path.join(args.output_dir, "metrics.jsonl")
+        self.wandb = None
+        if not self.enabled:
+            return
+        if os.path.exists(self.path):  # a resumed run drops what was logged after its checkpoint
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        from tqdm import tqdm
+
+        self.progress = tqdm(total=num_updates, initial=start_update, desc=run_name, file=sys.stdout,
+                             dynamic_ncols=True, mininterval=1.0)
+        if args.track:
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
+                                    config=vars(args), dir=args.output_dir, resume="allow", id=run_name)
+        self.last = {}
+
+    def log(self, update: int, metrics: dict[str, float]):
+        if not self.enabled:
+            return
+        self.last.update(metrics)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"update": update, "time": time.time(), **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=update)
+        self.progress.n = update
+        self.progress.set_postfix({k.split("/")[-1]: f"{self.last[k]:.3g}" for k in self.progress_keys
+                                   if k in self.last}, refresh=True)
+
+    def close(self):
+        if self.enabled:
+            self.progress.close()
+            if self.wandb is not None:
+                self.wandb.finish()
