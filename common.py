@@ -163,6 +163,8 @@ def load_split(name_or_path: str, split: str):
         if split != "train":
             fail(f"dataset file {name_or_path!r} has one split, 'train', not {split!r}; "
                  "give a directory with one file per split (train.jsonl, validation.jsonl)")
+        if os.path.getsize(name_or_path) == 0:
+            fail(f"dataset {name_or_path!r} split {split!r} is empty")
         return datasets.load_dataset(builder, data_files=name_or_path, split="train")
     if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
         splits = datasets.load_from_disk(name_or_path)
@@ -319,17 +321,29 @@ def reward_scores(reward_model, input_ids: torch.Tensor, attention_mask: torch.T
     return reward_model.score(hidden_at_last).squeeze(-1).float()
 
 
+def decode_responses(tokenizer, query_ids, query_mask, responses, lengths, skip_special_tokens: bool):
+    """Texts of queries and of their responses (up to and including the stop token).
+
+    The response text is cut from the decoded whole, so the spacing between query and response
+    is what the tokenizer gives the pair (word-level and BPE tokenizers differ there).
+    """
+    queries, texts = [], []
+    for q, m, r, n in zip(query_ids, query_mask, responses, lengths):
+        query = tokenizer.decode(q[m.bool()], skip_special_tokens=skip_special_tokens)
+        whole = tokenizer.decode(torch.cat([q[m.bool()], r[:n]]), skip_special_tokens=skip_special_tokens)
+        queries.append(query)
+        texts.append(whole[len(query):] if whole.startswith(query) else whole)
+    return queries, texts
+
+
 def retokenize(query_ids, query_mask, responses, lengths, contains_eos, policy_tokenizer, reward_tokenizer):
     """Decode policy tokens and re-encode them with the reward model's tokenizer.
 
     The stop token is re-added as the reward tokenizer's own EOS, so a finished response still
     ends in a stop token the reward model knows.
     """
-    texts = []
-    for q, m, r, n, done in zip(query_ids, query_mask, responses, lengths, contains_eos):
-        query = policy_tokenizer.decode(q[m.bool()], skip_special_tokens=True)
-        response = policy_tokenizer.decode(r[:n], skip_special_tokens=True)
-        texts.append(query + response + (reward_tokenizer.eos_token if done else ""))
+    queries, texts = decode_responses(policy_tokenizer, query_ids, query_mask, responses, lengths, True)
+    texts = [q + r + (reward_tokenizer.eos_token if done else "") for q, r, done in zip(queries, texts, contains_eos)]
     encoded = reward_tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt",
                                padding_side="left")
     return encoded["input_ids"], encoded["attention_mask"]
@@ -409,8 +423,7 @@ def evaluate(args, policy, ref_policy, reward_model, tokenizer, reward_tokenizer
             sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
                                eos_ids, tokenizer.pad_token_id)
         greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
-        queries = tokenizer.batch_decode(query_ids, skip_special_tokens=True)
-        responses = [tokenizer.decode(r[:n]) for r, n in zip(greedy, lengths)]
+        queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
         policy_gold = torch.tensor(gold_score(queries, responses))
         reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
         proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos,

@@ -1,0 +1,209 @@
+"""Unit tests of the shared rollout details, on hand-computed numbers and tiny local models."""
+
+import json
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import word_tokenizer
+
+import common
+
+PAD, EOS, OTHER_EOS = 0, 1, 7
+
+
+# ---- truncation after the first stop token ----------------------------------------------------
+def test_truncation_no_eos_keeps_everything():
+    responses = torch.tensor([[5, 6, 5, 6]])
+    truncated, lengths, contains_eos = common.truncate_after_eos(responses, [EOS], PAD)
+    assert truncated.tolist() == [[5, 6, 5, 6]]
+    assert lengths.tolist() == [4] and contains_eos.tolist() == [False]
+
+
+def test_truncation_pads_after_first_eos_and_keeps_it():
+    responses = torch.tensor([[5, EOS, 6, EOS], [EOS, 5, 6, 5]])
+    truncated, lengths, contains_eos = common.truncate_after_eos(responses, [EOS], PAD)
+    assert truncated.tolist() == [[5, EOS, PAD, PAD], [EOS, PAD, PAD, PAD]]
+    assert lengths.tolist() == [2, 1]  # EOS first: a one-token response
+    assert contains_eos.tolist() == [True, True]
+
+
+def test_truncation_honours_every_eos_id():
+    responses = torch.tensor([[5, OTHER_EOS, 6, EOS], [5, 6, EOS, OTHER_EOS]])
+    truncated, lengths, _ = common.truncate_after_eos(responses, [EOS, OTHER_EOS], PAD)
+    assert truncated.tolist() == [[5, OTHER_EOS, PAD, PAD], [5, 6, EOS, PAD]]
+    assert lengths.tolist() == [2, 3]
+
+
+def test_truncation_with_eos_equal_to_pad():
+    # generate pads finished rows with the pad id, which here is also the stop token
+    responses = torch.tensor([[5, 6, 0, 0], [5, 6, 5, 6]])
+    truncated, lengths, contains_eos = common.truncate_after_eos(responses, [0], 0)
+    assert lengths.tolist() == [3, 4] and contains_eos.tolist() == [True, False]
+    assert common.response_mask(lengths, 4).tolist() == [[True, True, True, False], [True] * 4]
+    assert truncated.tolist() == [[5, 6, 0, 0], [5, 6, 5, 6]]
+
+
+# ---- log-probs -----------------------------------------------------------------------------------
+def test_logprobs_use_temperature():
+    logits = torch.tensor([[[math.log(1.0), math.log(3.0)]]])  # probabilities 1/4, 3/4 at temperature 1
+    assert common.logprobs_from_logits(logits, torch.tensor([[1]]), 1.0).item() == pytest.approx(math.log(0.75))
+    # temperature 0.5 squares the odds: 1:9
+    assert common.logprobs_from_logits(logits, torch.tensor([[1]]), 0.5).item() == pytest.approx(math.log(0.9), 1e-5)
+
+
+def test_masked_sum_and_mean_ignore_padding():
+    values = torch.tensor([[1.0, 2.0, common.INVALID_LOGPROB], [4.0, common.INVALID_LOGPROB, common.INVALID_LOGPROB]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert common.masked_sum(values, mask).tolist() == [3.0, 4.0]
+    assert common.masked_mean(values, mask) == pytest.approx(7 / 3)
+    assert common.masked_mean(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0])) == 0.0
+
+
+def load_tiny(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return (AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").eval(),
+            AutoModelForSequenceClassification.from_pretrained(tiny_dir / "reward").eval())
+
+
+def test_response_logprobs_match_manual_and_ignore_left_padding(tiny_dir):
+    policy, _ = load_tiny(tiny_dir)
+    query = torch.tensor([[4, 5, 6]])
+    responses = torch.tensor([[7, 8, PAD]])
+    lengths = torch.tensor([2])
+    with torch.no_grad():
+        got = common.response_logprobs(policy, query, torch.ones_like(query), responses, lengths, 0.7)
+        logits = policy(torch.tensor([[4, 5, 6, 7, 8]])).logits[0] / (0.7 + 1e-7)
+        manual = [logits[2].log_softmax(-1)[7], logits[3].log_softmax(-1)[8]]
+        assert got[0, :2].tolist() == pytest.approx([m.item() for m in manual], abs=1e-5)
+        assert got[0, 2].item() == common.INVALID_LOGPROB
+        padded_query, padded_mask = common.left_pad([[4, 5, 6], [4, 5, 6, 7, 8]], PAD)
+        padded = common.response_logprobs(policy, padded_query, padded_mask, responses.repeat(2, 1),
+                                          lengths.repeat(2), 0.7)
+        assert padded[0, :2].tolist() == pytest.approx(got[0, :2].tolist(), abs=1e-5)
+
+
+# ---- reward at the last real token ---------------------------------------------------------------
+def test_reward_is_read_at_last_real_token_and_penalises_missing_eos(tiny_dir):
+    _, reward_model = load_tiny(tiny_dir)
+    tokenizer = word_tokenizer()
+    query_ids, query_mask = common.left_pad([[4, 5], [4, 5, 6, 7]], PAD)
+    responses = torch.tensor([[8, EOS, PAD], [8, 9, 10]])
+    lengths, contains_eos = torch.tensor([2, 3]), torch.tensor([True, False])
+    with torch.no_grad():
+        scores = common.score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos,
+                                        -1.0, tokenizer)
+        backbone_alone = reward_model.model(torch.tensor([[4, 5, 8, EOS]])).last_hidden_state[0, -1]
+        expected = reward_model.score(backbone_alone).item()
+    assert scores[0].item() == pytest.approx(expected, abs=1e-5)
+    assert scores[1].item() == -1.0
+
+
+def test_reward_model_with_another_tokenizer_sees_the_same_text(tiny_dir):
+    _, reward_model = load_tiny(tiny_dir)
+    policy_tokenizer = word_tokenizer()
+    # same words, different ids and special tokens: the scores must come from decode + re-encode
+    reward_tokenizer = word_tokenizer(words=list(reversed(word_tokenizer().convert_ids_to_tokens(range(3, 12)))),
+                                      specials=("[PAD]", "[END]", "<unk>"))
+    query = policy_tokenizer("the cat sat on", add_special_tokens=False)["input_ids"]
+    response = policy_tokenizer("the mat <eos>", add_special_tokens=False)["input_ids"]
+    query_ids, query_mask = common.left_pad([query], policy_tokenizer.pad_token_id)
+    responses, lengths, contains_eos = common.truncate_after_eos(torch.tensor([response + [PAD]]), [EOS], PAD)
+    with torch.no_grad():
+        score = common.score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos,
+                                       -1.0, policy_tokenizer, reward_tokenizer)
+        ids = reward_tokenizer("the cat sat on the mat [END]", add_special_tokens=False, return_tensors="pt")
+        expected = common.reward_scores(reward_model, ids["input_ids"], ids["attention_mask"])
+    assert ids["input_ids"][0, -1].item() == reward_tokenizer.eos_token_id
+    assert score.item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def data_args(path, **overrides):
+    return SimpleNamespace(**{"dataset_name": str(path), "prompt_column": "query", "chat_template": False,
+                              "max_prompt_length": 4, "model_name_or_path": "tiny", **overrides})
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_prompts_from_jsonl_drop_long_ones_with_a_count(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"query": "the cat sat"}, {"query": "the cat sat on the mat"}])
+    prompts = common.load_prompts(data_args(path), word_tokenizer(), "train")
+    assert [len(ids) for ids in prompts["input_ids"]] == [3]
+    assert "dropped 1 of 2 prompts" in capsys.readouterr().out
+
+
+def test_prompts_from_a_save_to_disk_directory_keep_extra_columns(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"query": ["hello world"], "ref": ["cat"]})}) \
+        .save_to_disk(tmp_path / "data")
+    prompts = common.load_prompts(data_args(tmp_path / "data"), word_tokenizer(), "validation", keep_columns=("ref",))
+    assert prompts["ref"] == ["cat"] and prompts["input_ids"] == [[3, 4]]
+
+
+def test_chat_template_wraps_the_prompt(tmp_path):
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}hello {{ m['content'] }}{% endfor %} TL;DR:"
+    path = write_jsonl(tmp_path / "p.jsonl", [{"query": "cat"}])
+    prompts = common.load_prompts(data_args(path, chat_template=True), tokenizer, "train")
+    assert tokenizer.decode(prompts["input_ids"][0]) == "hello cat TL;DR:"
+
+
+@pytest.mark.parametrize(("rows", "args", "message"), [
+    ([{"text": "cat"}], {}, "has no column 'query'; it has ['text']"),
+    ([], {}, "is empty"),
+    ([{"query": "the cat sat on the mat"}], {}, "every prompt of"),
+    ([{"query": "cat"}], {"chat_template": True}, "has no chat template"),
+])
+def test_bad_data_gives_a_clear_error(tmp_path, rows, args, message):
+    path = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        common.load_prompts(data_args(path, **args), word_tokenizer(), "train")
+
+
+def test_empty_parquet_gives_a_clear_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"query": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(SystemExit, match="split 'train' is empty"):
+        common.load_prompts(data_args(tmp_path / "empty.parquet"), word_tokenizer(), "train")
+
+
+def test_missing_split_and_missing_path(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"query": "cat"}])
+    with pytest.raises(SystemExit, match="has one split, 'train', not 'validation'"):
+        common.load_split(str(path), "validation")
+    with pytest.raises(SystemExit, match="does not exist"):
+        common.load_split(str(tmp_path / "nowhere" / "data"), "train")
+
+
+def test_tokenizer_without_pad_token_is_refused(tmp_path):
+    tokenizer = word_tokenizer()
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match="has no pad token"):
+        common.load_tokenizer(str(tmp_path))
+
+
+def test_left_pad():
+    ids, mask = common.left_pad([[5], [6, 7, 8]], PAD)
+    assert ids.tolist() == [[PAD, PAD, 5], [6, 7, 8]] and mask.tolist() == [[0, 0, 1], [1, 1, 1]]
+
+
+def test_prompt_sampler_gives_ranks_disjoint_prompts_and_resumes_exactly():
+    ranks = [common.PromptSampler(10, 2, rank, 2, seed=3) for rank in range(2)]
+    first = [[s.next_indices() for _ in range(5)] for s in ranks]  # 2 epochs of 2 batches, and one more
+    for batch in range(5):
+        assert not set(first[0][batch]) & set(first[1][batch])
+    resumed = common.PromptSampler(10, 2, 1, 2, seed=3)
+    resumed.position = 3
+    assert [resumed.next_indices() for _ in range(2)] == first[1][3:]
+    assert sorted(first[0][0] + first[1][0] + first[0][1] + first[1][1]) != list(range(10))  # 2 left out per epoch
