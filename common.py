@@ -163,9 +163,10 @@ def load_split(name_or_path: str, split: str):
         if split != "train":
             fail(f"dataset file {name_or_path!r} has one split, 'train', not {split!r}; "
                  "give a directory with one file per split (train.jsonl, validation.jsonl)")
-        if os.path.getsize(name_or_path) == 0:
-            fail(f"dataset {name_or_path!r} split {split!r} is empty")
-        return datasets.load_dataset(builder, data_files=name_or_path, split="train")
+        try:
+            return datasets.load_dataset(builder, data_files=name_or_path, split="train")
+        except (datasets.exceptions.DatasetGenerationError, StopIteration):  # how datasets reports 0 rows
+            fail(f"dataset {name_or_path!r} split {split!r} is empty or unreadable")
     if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
         splits = datasets.load_from_disk(name_or_path)
         if split not in splits:
