@@ -111,6 +111,21 @@ def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, stacked.tolist()))
 
 
+def batch_sizes(args, world_size: int) -> tuple[int, int]:
+    """(local_batch_size, num_updates) from SPEC.md's batch arithmetic, failing loudly when it does not divide."""
+    for name in ("response_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "num_mini_batches", "num_epochs", "total_episodes", "eval_num_prompts", "eval_every",
+                 "local_rollout_forward_batch_size"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name} must be positive, got {getattr(args, name)}")
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    batch_size = local_batch_size * world_size
+    if args.total_episodes % batch_size:
+        fail(f"--total_episodes {args.total_episodes} is not a multiple of the batch size {batch_size} "
+             "(per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size)")
+    return local_batch_size, args.total_episodes // batch_size
+
+
 # ----------------------------------------------------------------------------------------------
 # Models and data
 # ----------------------------------------------------------------------------------------------
@@ -373,6 +388,108 @@ def generate(model, query_ids, query_mask, response_length, temperature, eos_ids
                             eos_token_id=eos_ids, pad_token_id=pad_token_id)
     responses = output[:, query_ids.shape[1]:]
     return F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str):
+    """Per-pair DPO loss on sequence log-prob sums (SPEC.md, "Online DPO").  All inputs: (pairs,)"""
+    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * logits)
+    return (logits - 1 / (2 * beta)) ** 2
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM: placement, generation and weight sync (one place that knows vLLM's internals)
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def patched_environ(values: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def start_vllm(args, world_size: int):
+    """A vLLM engine for the policy, in its own process, on its own device.
+
+    GPU: the engine takes `--vllm_device` (default the GPU after the training ranks'). CPU: it
+    takes the last `--vllm_cpu_threads` cores and the trainer keeps the others. Its own process
+    because an in-process engine hangs beside a multi-rank torch.distributed group.
+    """
+    device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else f"cuda:{world_size}")
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    if device == "cpu":
+        cores = sorted(os.sched_getaffinity(0))
+        if not 0 < args.vllm_cpu_threads < len(cores):
+            fail(f"--vllm_cpu_threads {args.vllm_cpu_threads} must leave the trainer at least one of "
+                 f"the {len(cores)} cores")
+        engine_cores = cores[-args.vllm_cpu_threads:]
+        environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)),
+                           VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib))
+        torch.set_num_threads(len(cores) - len(engine_cores))
+    elif device.startswith("cuda:"):
+        environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]  # the engine process sees only its GPU
+    else:
+        fail(f"--vllm_device {device!r} is neither 'cpu' nor 'cuda:<index>'")
+    from vllm import LLM
+
+    with patched_environ(environment):
+        return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                   max_model_len=args.max_prompt_length + args.response_length, enforce_eager=device == "cpu",
+                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                   logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
+
+
+def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids, pad_token_id):
+    """Sample one completion per prompt with a per-row seed (reproducible however vLLM batches).
+
+    Returns responses (rows, response_len) right-padded, and the engine's log-probs of the sampled
+    tokens at the sampling temperature (INVALID_LOGPROB at pads).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=args.temperature, top_k=0, top_p=1.0, max_tokens=args.response_length,
+                             stop_token_ids=eos_ids, logprobs=0, seed=seed) for seed in seeds]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    responses = torch.full((len(prompts), args.response_length), pad_token_id, dtype=torch.long)
+    logprobs = torch.full((len(prompts), args.response_length), INVALID_LOGPROB)
+    for row, output in enumerate(outputs):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        responses[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs[row, :len(tokens)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, tokens)])
+    return responses, logprobs
+
+
+def publish_weights(engine, folder: str):
+    """Snapshot the trained weights as safetensors in `folder` (tmpfs), written atomically.
+
+    The engine later reads this snapshot, never the tensors the optimizer is mutating.
+    Every rank must call this (ZeRO-3 gathers); rank 0 writes.
+    """
+    from safetensors.torch import save_file
+
+    with full_parameters(engine) as model:
+        if torch.distributed.get_rank() == 0:
+            partial = folder + ".partial"
+            os.makedirs(partial, exist_ok=True)
+            # clone: tied embeddings share storage, which safetensors refuses
+            save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+                      os.path.join(partial, "model.safetensors"))
+            os.rename(partial, folder)
+
+
+def load_vllm_weights(llm, folder: str):
+    """Load a published snapshot into the engine. The worker's `reload_weights` re-runs the CPU
+    backend's weight repacking, which per-parameter `load_weights` skips (it breaks on CPU)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
 
 
 # ----------------------------------------------------------------------------------------------

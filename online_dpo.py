@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 import tyro
 
 import common
@@ -116,30 +115,11 @@ class Args:
 
 
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
-    """Derived batch sizes, failing loudly when the arithmetic does not divide (SPEC.md)."""
-    for name in ("response_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "num_mini_batches", "num_epochs", "total_episodes", "eval_num_prompts", "eval_every",
-                 "local_rollout_forward_batch_size"):
-        if getattr(args, name) <= 0:
-            common.fail(f"--{name} must be positive, got {getattr(args, name)}")
     if args.num_samples < 2:
         common.fail(f"--num_samples must be at least 2 to form a (chosen, rejected) pair, got {args.num_samples}")
     if args.beta <= 0:
         common.fail(f"--beta must be positive, got {args.beta}")
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    batch_size = local_batch_size * world_size
-    if args.total_episodes % batch_size:
-        common.fail(f"--total_episodes {args.total_episodes} is not a multiple of the batch size {batch_size} "
-                    f"(per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size)")
-    return local_batch_size, args.total_episodes // batch_size
-
-
-def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str):
-    """Per-pair DPO loss on sequence log-prob sums.  All inputs: (pairs,)"""
-    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
-    if loss_type == "sigmoid":
-        return -F.logsigmoid(beta * logits)
-    return (logits - 1 / (2 * beta)) ** 2
+    return common.batch_sizes(args, world_size)
 
 
 def main(args: Args):
@@ -150,9 +130,6 @@ def main(args: Args):
         if args.resume:
             common.fail("--resume needs --output_dir, the directory of the run to continue")
         args.output_dir = os.path.join("runs", f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    if rank == 0:
-        common.prepare_output_dir(args.output_dir, args.resume)
-    torch.distributed.barrier()
     if toy.TOY_DIR in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
         if rank == 0:
             toy.build()
@@ -171,6 +148,10 @@ def main(args: Args):
     eval_prompts = common.load_prompts(args, tokenizer, args.eval_split, keep_columns=(args.reference_column,))
     eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
     gold_score = common.load_gold_scorer(args.gold_model_path, dtype, tokenizer)
+    sampler = common.PromptSampler(len(train_prompts), local_batch_size, rank, world_size, args.seed)
+    if rank == 0:  # only now, so that bad input leaves no output directory behind
+        common.prepare_output_dir(args.output_dir, args.resume)
+    torch.distributed.barrier()
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
@@ -184,7 +165,6 @@ def main(args: Args):
     ref_policy = common.prepare_deepspeed(ref_policy, args).module
     reward_model = common.prepare_deepspeed(reward_model, args).module
 
-    sampler = common.PromptSampler(len(train_prompts), local_batch_size, rank, world_size, args.seed)
     state = common.OnlineTrainerState()
     if args.resume:
         state = common.load_checkpoint(args.output_dir, policy)
@@ -252,7 +232,7 @@ def main(args: Args):
                     mask[rows])
                 policy_chosen, policy_rejected = seq_logps.chunk(2)
                 ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
-                losses = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
+                losses = common.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
                                   args.loss_type)
                 pair_mask = valid[pairs]
                 loss = (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)

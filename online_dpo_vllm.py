@@ -1,0 +1,424 @@
+"""Asynchronous online DPO: a vLLM engine samples batch t+1 while the trainer learns on batch t.
+The method of "Asynchronous RLHF" (Noukhovitch et al., 2024); online_dpo.py is its synchronous
+twin and SPEC.md has every formula.
+
+Batch t is sampled with exactly the weights after update t-1-K (`--async_steps K`): K=0 is
+synchronous, K=1 the paper's setting (every batch after the first is one update stale). The
+staleness of each batch is measured from the weight version that produced it and logged.
+
+    python online_dpo_vllm.py                                  # toy task: trainer on one core, vLLM on the other
+    deepspeed --num_gpus 2 online_dpo_vllm.py --vllm_cpu_threads 1   # two CPU training ranks, one engine
+    deepspeed --num_gpus 3 online_dpo_vllm.py --bf16 ...       # GPU node: 3 training GPUs, vLLM on cuda:3
+"""
+
+import contextlib
+import os
+import queue
+import random
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+import common
+import toy
+
+
+@dataclass
+class Args:
+    # Model and data
+    model_name_or_path: str = toy.SFT_POLICY
+    """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
+    reward_model_path: str = toy.REWARD_MODEL
+    """proxy reward model (sequence classification, one label) that RL optimises"""
+    gold_model_path: str = "toy"
+    """gold reward model for evaluation; "toy" is the embedded task's programmatic scorer"""
+    dataset_name: str = toy.DATASET
+    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "validation"
+    """split to evaluate on (needs the reference column)"""
+    prompt_column: str = "query"
+    """column holding the prompt text"""
+    reference_column: str = "reference_response"
+    """column holding the reference completion that evaluation compares against"""
+    chat_template: bool = False
+    """wrap each prompt as a user message in the tokenizer's chat template"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (the count is printed)"""
+
+    # Generation
+    response_length: int = 12
+    """new tokens sampled per completion"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    penalty_reward_value: float = -1.0
+    """reward given instead of the score to a completion with no stop token"""
+
+    # Algorithm
+    num_samples: int = 2
+    """k: completions per prompt; DPO trains on the best (chosen) vs the worst (rejected)"""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: -logsigmoid(beta * logits); ipo: (logits - 1 / (2 beta))^2"""
+    beta: float = 0.1
+    """strength of the implicit KL constraint to the reference policy"""
+    kl_coef: float = 0.05
+    """weight of KL in the logged objective/rlhf_reward (DPO's loss does not use it)"""
+
+    # Optimisation
+    total_episodes: int = 4480
+    """prompts to train on, over all ranks"""
+    per_device_train_batch_size: int = 16
+    """prompts (pairs) per micro-batch on each rank"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per generated batch; the i-th is i-1 updates off-policy"""
+    num_epochs: int = 1
+    """passes over each generated batch"""
+    learning_rate: float = 1e-4
+    """peak learning rate, decayed linearly to 0 (the paper's 3e-6 is for 1B-parameter models)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / scoring forward pass"""
+
+    # Evaluation, logging, checkpoints
+    eval_every: int = 10
+    """evaluate every this many updates (and before the first and after the last)"""
+    eval_num_prompts: int = 256
+    """validation prompts used by each evaluation"""
+    eval_temperature: float = 0.01
+    """near-greedy temperature of evaluation completions (the paper's protocol)"""
+    save_every: int = 0
+    """write a resumable checkpoint every this many updates (0: never)"""
+    output_dir: str | None = None
+    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
+    resume: bool = False
+    """continue the run in --output_dir from its latest complete checkpoint"""
+    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
+    """experiment name, used for the run directory and wandb"""
+    seed: int = 1
+    """seed of sampling, data order and initialisation"""
+    torch_deterministic: bool = True
+    """torch.use_deterministic_algorithms"""
+    track: bool = False
+    """log to wandb (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team)"""
+
+    # Asynchronous generation
+    async_steps: int = 1
+    """K: how many updates the sampling weights may lag behind the trained weights (0: synchronous)"""
+    vllm_device: str | None = None
+    """device of the vLLM engine: "cpu", or "cuda:<i>" (default: the GPU after the training ranks, else cpu)"""
+    vllm_cpu_threads: int = 1
+    """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """CPU only: RAM reserved for the engine's KV cache"""
+    vllm_gpu_memory_utilization: float = 0.9
+    """GPU only: share of the engine's GPU memory vLLM may use"""
+    generator_timeout: float = 600.0
+    """seconds the trainer waits for a batch before it stops with an error"""
+
+    # Distributed
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models)"""
+    bf16: bool = False
+    """train and generate in bfloat16 (GPU runs)"""
+    local_rank: int = -1
+    """set by the deepspeed launcher"""
+
+
+def check_args(args: Args, world_size: int) -> tuple[int, int]:
+    if args.num_samples < 2:
+        common.fail(f"--num_samples must be at least 2 to form a (chosen, rejected) pair, got {args.num_samples}")
+    if args.beta <= 0:
+        common.fail(f"--beta must be positive, got {args.beta}")
+    if args.async_steps < 0:
+        common.fail(f"--async_steps must be 0 (synchronous) or more, got {args.async_steps}")
+    return common.batch_sizes(args, world_size)
+
+
+def generate_ahead(llm, args, prompts, sampler, updates: range, eos_ids, pad_token_id, snapshots: str,
+                   published: queue.Queue, batches: queue.Queue, stop: threading.Event):
+    """Rank 0's generator thread: batch t is sampled with exactly the weights after update t-1-K.
+
+    The trainer announces each published weight version on `published`; batches (or the error
+    that stopped this thread) go to `batches`.
+    """
+    try:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        # the trainer's model holding the sampling weights, for async/logprob_diff
+        sampling_policy = AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
+        loaded = latest = 0  # the engine starts with the SFT weights, version 0
+        for update in updates:
+            version = max(update - 1 - args.async_steps, updates.start - 1)
+            while latest < version:
+                if stop.is_set():
+                    return
+                with contextlib.suppress(queue.Empty):
+                    latest = published.get(timeout=0.1)
+            t0 = time.time()
+            if version != loaded:
+                folder = os.path.join(snapshots, f"version-{version}")
+                common.load_vllm_weights(llm, folder)
+                sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+                for old in range(loaded, version):  # nothing will sample with older weights again
+                    shutil.rmtree(os.path.join(snapshots, f"version-{old}"), ignore_errors=True)
+                loaded = version
+            t1 = time.time()
+            queries = [prompts[i] for i in sampler.next_indices() for _ in range(args.num_samples)]
+            rng = random.Random(args.seed * 1_000_003 + update)  # per-row seeds: reproducible, resumable
+            responses, logprobs = common.vllm_generate(llm, queries, [rng.getrandbits(63) for _ in queries], args,
+                                                       eos_ids, pad_token_id)  # (B*k, R) each
+            t2 = time.time()
+            query_ids, query_mask = common.left_pad(queries, pad_token_id)
+            _, lengths, _ = common.truncate_after_eos(responses, eos_ids, pad_token_id)
+            with torch.no_grad():
+                trainer_logprobs = torch.cat([common.response_logprobs(
+                    sampling_policy, query_ids[i:i + args.local_rollout_forward_batch_size],
+                    query_mask[i:i + args.local_rollout_forward_batch_size],
+                    responses[i:i + args.local_rollout_forward_batch_size],
+                    lengths[i:i + args.local_rollout_forward_batch_size], args.temperature)
+                    for i in range(0, len(queries), args.local_rollout_forward_batch_size)])
+            mask = common.response_mask(lengths, args.response_length)
+            batches.put({"update": update, "version": version, "queries": queries, "responses": responses,
+                         "logprobs": logprobs, "time/generate": t2 - t1, "time/weight_load": t1 - t0,
+                         "async/logprob_diff": common.masked_mean((logprobs - trainer_logprobs).abs(), mask)})
+    except BaseException as error:  # noqa: B036 -- any failure must reach the trainer, which re-raises it
+        batches.put(error)
+
+
+def next_batch(batches: queue.Queue, generator: threading.Thread, timeout: float) -> dict:
+    """The next generated batch; stops within a second when the generator has failed or died."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            item = batches.get(timeout=0.5)
+        except queue.Empty:
+            if not generator.is_alive():
+                common.fail("the generator thread ended without producing the next batch")
+            if time.time() > deadline:
+                common.fail(f"no batch from the generator within --generator_timeout {timeout:g} s")
+            continue
+        if isinstance(item, BaseException):
+            common.fail(f"generation failed: {type(item).__name__}: {item}")
+        return item
+
+
+def main(args: Args):
+    rank, world_size = common.init_distributed()
+    local_batch_size, num_updates = check_args(args, world_size)
+    batch_size = local_batch_size * world_size
+    if args.output_dir is None:
+        if args.resume:
+            common.fail("--resume needs --output_dir, the directory of the run to continue")
+        args.output_dir = os.path.join("runs", f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    if toy.TOY_DIR in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
+        if rank == 0:
+            toy.build()
+        torch.distributed.barrier()
+
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    common.seed_everything(args.seed + rank, args.torch_deterministic)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    tokenizer = common.load_tokenizer(args.model_name_or_path)
+    eos_ids = common.eos_token_ids(args.model_name_or_path, tokenizer)
+    reward_tokenizer = common.load_tokenizer(args.reward_model_path)
+    if common.same_vocabulary(tokenizer, reward_tokenizer):
+        reward_tokenizer = None  # score token ids directly, no decode / re-encode
+    train_prompts = common.load_prompts(args, tokenizer, args.train_split)
+    eval_prompts = common.load_prompts(args, tokenizer, args.eval_split, keep_columns=(args.reference_column,))
+    eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
+    gold_score = common.load_gold_scorer(args.gold_model_path, dtype, tokenizer)
+    # rank 0 draws whole global batches for the engine; each rank's share is its slice of one
+    sampler = common.PromptSampler(len(train_prompts), batch_size, 0, 1, args.seed)
+    if rank == 0:  # only now, so that bad input leaves no output directory behind
+        common.prepare_output_dir(args.output_dir, args.resume)
+    torch.distributed.barrier()
+
+    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    reward_model = common.load_reward_model(args.reward_model_path, dtype)
+    for model in (policy, ref_policy, reward_model):
+        common.disable_dropout(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
+    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
+    ref_policy = common.prepare_deepspeed(ref_policy, args).module
+    reward_model = common.prepare_deepspeed(reward_model, args).module
+
+    state = common.OnlineTrainerState()
+    if args.resume:
+        state = common.load_checkpoint(args.output_dir, policy)
+        sampler.position = state.data_position
+    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+                                  ("loss/policy_avg", "objective/scores", "async/staleness", "eval/gold_win_rate"))
+
+    # The engine and its generator thread live on rank 0; weight snapshots go through tmpfs.
+    snapshots = published = batches = generator = None
+    stop = threading.Event()
+    if rank == 0:
+        llm = common.start_vllm(args, world_size)
+        tmpfs = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-", dir=tmpfs)
+        published, batches = queue.Queue(), queue.Queue()
+        generator = threading.Thread(target=generate_ahead, daemon=True, name="generator", args=(
+            llm, args, train_prompts["input_ids"], sampler, range(state.update + 1, num_updates + 1), eos_ids,
+            tokenizer.pad_token_id, snapshots, published, batches, stop))
+    if state.update > 0:  # a resumed run samples from its checkpoint's weights
+        common.publish_weights(policy, os.path.join(snapshots or "", f"version-{state.update}"))
+        if rank == 0:
+            published.put(state.update)
+    if rank == 0:
+        generator.start()
+
+    def run_evaluation():
+        metrics = common.evaluate(args, policy, ref_policy, reward_model, tokenizer, reward_tokenizer, eos_ids,
+                                  eval_prompts, gold_score)
+        logger.log(state.update, {**metrics, "episode": state.episode})
+        if rank == 0:
+            logger.progress.write(f"update {state.update}: gold win-rate {metrics['eval/gold_win_rate']:.3f}, "
+                                  f"gold score {metrics['eval/gold_score']:.3f}, KL {metrics['eval/kl']:.3f}")
+
+    try:
+        if state.update == 0:
+            run_evaluation()
+        k, pad = args.num_samples, tokenizer.pad_token_id
+        start_time, start_episode = time.time(), state.episode
+        for update in range(state.update + 1, num_updates + 1):
+            # Rollout: rank 0 takes the batch the engine sampled ahead and gives each rank its share.
+            t0 = time.time()
+            shares = None
+            if rank == 0:
+                batch = next_batch(batches, generator, args.generator_timeout)
+                assert batch["update"] == update
+                rows = local_batch_size * k
+                shares = [{**batch, "queries": batch["queries"][r * rows:(r + 1) * rows],
+                           "responses": batch["responses"][r * rows:(r + 1) * rows],
+                           "logprobs": batch["logprobs"][r * rows:(r + 1) * rows]} for r in range(world_size)]
+            received = [None]
+            torch.distributed.scatter_object_list(received, shares, src=0)
+            batch = received[0]
+            t1 = time.time()
+            query_ids, query_mask = common.left_pad(batch["queries"], pad)  # (B*k, P)
+            responses, lengths, contains_eos = common.truncate_after_eos(batch["responses"], eos_ids, pad)
+            mask = common.response_mask(lengths, args.response_length)  # (B*k, R)
+            logprobs = batch["logprobs"]  # the engine's, under the weights that sampled them
+            chunks = range(0, len(query_ids), args.local_rollout_forward_batch_size)
+            with torch.no_grad():
+                ref_logprobs, scores = [], []
+                for i in chunks:
+                    rows = slice(i, i + args.local_rollout_forward_batch_size)
+                    chunk = (query_ids[rows], query_mask[rows], responses[rows], lengths[rows])
+                    ref_logprobs.append(common.response_logprobs(ref_policy, *chunk, args.temperature))
+                    scores.append(common.score_responses(reward_model, *chunk, contains_eos[rows],
+                                                         args.penalty_reward_value, tokenizer, reward_tokenizer))
+                ref_logprobs, scores = torch.cat(ref_logprobs), torch.cat(scores)
+            ref_seq_logps = common.masked_sum(ref_logprobs, mask)  # (B*k,)
+            kl = common.masked_sum(logprobs - ref_logprobs, mask)  # (B*k,)
+
+            # Pairs: best vs worst of each prompt's k samples; a prompt whose samples all tie is masked out.
+            per_prompt = scores.view(-1, k)  # (B, k)
+            offsets = torch.arange(len(per_prompt)) * k
+            chosen_rows, rejected_rows = offsets + per_prompt.argmax(1), offsets + per_prompt.argmin(1)  # (B,)
+            valid = (per_prompt.max(1).values > per_prompt.min(1).values).float()  # (B,)
+            t2 = time.time()
+
+            # Learn: epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
+            stats = {name: [] for name in ("loss", "chosen_rewards", "rejected_rewards", "chosen_logps",
+                                           "rejected_logps", "valid")}
+            for _ in range(args.num_epochs):
+                order = torch.randperm(local_batch_size)
+                for start in range(0, local_batch_size, args.per_device_train_batch_size):
+                    pairs = order[start:start + args.per_device_train_batch_size]
+                    rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
+                    seq_logps = common.masked_sum(common.response_logprobs(
+                        policy, query_ids[rows], query_mask[rows], responses[rows], lengths[rows],
+                        args.temperature), mask[rows])
+                    policy_chosen, policy_rejected = seq_logps.chunk(2)
+                    ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
+                    losses = common.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
+                                             args.loss_type)
+                    pair_mask = valid[pairs]
+                    loss = (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
+                    policy.backward(loss)
+                    policy.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
+                    stats["loss"].append(losses.detach())
+                    stats["chosen_rewards"].append(args.beta * (policy_chosen - ref_chosen).detach())
+                    stats["rejected_rewards"].append(args.beta * (policy_rejected - ref_rejected).detach())
+                    stats["chosen_logps"].append(policy_chosen.detach())
+                    stats["rejected_logps"].append(policy_rejected.detach())
+                    stats["valid"].append(pair_mask)
+            t3 = time.time()
+
+            # Weight sync: a snapshot of the new weights for the engine, announced by version number.
+            common.publish_weights(policy, os.path.join(snapshots or "", f"version-{update}"))
+            if rank == 0:
+                published.put(update)
+            t4 = time.time()
+
+            # Log: pair statistics over non-tied pairs only; rollout statistics over every sample.
+            stats = {name: torch.cat(values) for name, values in stats.items()}
+            pair_valid = stats.pop("valid")
+            state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
+            metrics = common.all_reduce_mean({
+                "loss/policy_avg": common.masked_mean(stats["loss"], pair_valid),
+                "rewards/chosen": common.masked_mean(stats["chosen_rewards"], pair_valid),
+                "rewards/rejected": common.masked_mean(stats["rejected_rewards"], pair_valid),
+                "rewards/accuracies": common.masked_mean(
+                    (stats["chosen_rewards"] > stats["rejected_rewards"]).float(), pair_valid),
+                "rewards/margins": common.masked_mean(stats["chosen_rewards"] - stats["rejected_rewards"], pair_valid),
+                "logps/chosen": common.masked_mean(stats["chosen_logps"], pair_valid),
+                "logps/rejected": common.masked_mean(stats["rejected_logps"], pair_valid),
+                "objective/scores": scores.mean().item(),
+                "objective/scores_margin": common.masked_mean(scores[chosen_rows] - scores[rejected_rows], valid),
+                "objective/tie_fraction": 1 - valid.mean().item(),
+                "objective/kl": kl.mean().item(),
+                "objective/entropy": -common.masked_sum(logprobs, mask).mean().item(),
+                "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
+                # a count over the whole batch: each rank's count times world_size averages to the sum
+                "val/num_eos_tokens": contains_eos.sum().item() * world_size,
+                "time/wait": t1 - t0,
+                "time/score": t2 - t1,
+                "time/train": t3 - t2,
+            })
+            metrics.update({
+                "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
+                "async/logprob_diff": batch["async/logprob_diff"],
+                "time/generate": batch["time/generate"],
+                "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # publish here + load into the engine
+                "lr": policy.get_lr()[0], "episode": state.episode,
+                "eps": (state.episode - start_episode) / (time.time() - start_time)})
+            logger.log(update, metrics)
+            if update % args.eval_every == 0 or update == num_updates:
+                run_evaluation()
+            if args.save_every and update % args.save_every == 0:
+                common.save_checkpoint(args.output_dir, policy, state)
+
+        common.save_policy(args.output_dir, policy, tokenizer)
+        logger.close()
+        if rank == 0:
+            print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
+    finally:
+        stop.set()
+        if rank == 0:
+            shutil.rmtree(snapshots, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
