@@ -96,7 +96,7 @@ def test_resume_after_kill_gives_the_same_weights(tmp_path):
 
 def test_short_run_beats_the_sft_policy(tmp_path):
     out = tmp_path / "run"
-    run_script("--total_episodes", "1920", "--eval_every", "1000", "--eval_num_prompts", "256",
+    run_script("--total_episodes", "640", "--eval_every", "1000", "--eval_num_prompts", "256",
                "--output_dir", out)
     evals = [m["eval/gold_win_rate"] for m in read_metrics(out) if "eval/gold_win_rate" in m]
     assert evals[-1] >= evals[0] + 0.10, evals
