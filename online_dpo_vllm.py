@@ -196,6 +196,7 @@ def generate_ahead(llm, args, prompts, sampler, updates: range, eos_ids, pad_tok
             mask = common.response_mask(lengths, args.response_length)
             batches.put({"update": update, "version": version, "queries": queries, "responses": responses,
                          "logprobs": logprobs, "time/generate": t2 - t1, "time/weight_load": t1 - t0,
+                         "time/logprob_check": time.time() - t2,
                          "async/logprob_diff": common.masked_mean((logprobs - trainer_logprobs).abs(), mask)})
     except BaseException as error:  # noqa: B036 -- any failure must reach the trainer, which re-raises it
         batches.put(error)
@@ -401,6 +402,7 @@ def main(args: Args):
                 "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
                 "async/logprob_diff": batch["async/logprob_diff"],
                 "time/generate": batch["time/generate"],
+                "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
                 "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # publish here + load into the engine
                 "lr": policy.get_lr()[0], "episode": state.episode,
                 "eps": (state.episode - start_episode) / (time.time() - start_time)})

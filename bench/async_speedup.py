@@ -52,10 +52,11 @@ def summarise(name: str, metrics: list[dict]) -> dict:
     def mean(key):
         return statistics.mean(m.get(key, 0.0) for m in steady)
 
+    final = [m for m in metrics if "eval/gold_win_rate" in m][-1]
     return {"name": name, "seconds_per_update": statistics.median(seconds), "generate": mean("time/generate"),
-            "weight_sync": mean("time/weight_sync"), "score": mean("time/score"), "train": mean("time/train"),
-            "wait": mean("time/wait"), "gold_win_rate": [m for m in metrics if "eval/gold_win_rate" in m][-1][
-                "eval/gold_win_rate"], "staleness": mean("async/staleness")}
+            "weight_sync": mean("time/weight_sync"), "logprob_check": mean("time/logprob_check"),
+            "score": mean("time/score"), "train": mean("time/train"), "wait": mean("time/wait"),
+            "gold_win_rate": final["eval/gold_win_rate"], "staleness": mean("async/staleness")}
 
 
 def main(args: Args):
@@ -63,17 +64,19 @@ def main(args: Args):
         results = [summarise("sync, HF generate (online_dpo.py)", run("online_dpo.py", args, folder)),
                    summarise("sync, vLLM (K=0)", run("online_dpo_vllm.py", args, folder, "--async_steps", "0")),
                    summarise("async, vLLM (K=1)", run("online_dpo_vllm.py", args, folder, "--async_steps", "1"))]
-    print(f"\n{'run':36} {'s/update':>9} {'generate':>9} {'w-sync':>7} {'score':>7} {'train':>7} {'wait':>7}"
-          f" {'stale':>6} {'gold win':>9}")
+    print(f"\n{'run':36} {'s/update':>9} {'generate':>9} {'w-sync':>7} {'lp-check':>8} {'score':>7} {'train':>7}"
+          f" {'wait':>7} {'stale':>6} {'gold win':>9}")
     for r in results:
         print(f"{r['name']:36} {r['seconds_per_update']:9.3f} {r['generate']:9.3f} {r['weight_sync']:7.3f}"
-              f" {r['score']:7.3f} {r['train']:7.3f} {r['wait']:7.3f} {r['staleness']:6.2f} {r['gold_win_rate']:9.3f}")
+              f" {r['logprob_check']:8.3f} {r['score']:7.3f} {r['train']:7.3f} {r['wait']:7.3f} {r['staleness']:6.2f}"
+              f" {r['gold_win_rate']:9.3f}")
     hf, k0, k1 = results
-    generation = k0["generate"] + k0["weight_sync"]  # G: the engine's side of one update
+    generation = k0["generate"] + k0["weight_sync"] + k0["logprob_check"]  # G: the generator's side of one update
     trainer = k0["score"] + k0["train"]  # T: the trainer's side of one update
     bound = (generation + trainer) / max(generation, trainer)
     speedup = k0["seconds_per_update"] / k1["seconds_per_update"]
-    print(f"\nK=0 run: G = {generation:.3f} s (generate + weight sync), T = {trainer:.3f} s (score + train)")
+    print(f"\nK=0 run: G = {generation:.3f} s (generate + weight sync + log-prob check), "
+          f"T = {trainer:.3f} s (score + train)")
     print(f"overlap bound (G + T) / max(G, T) = {bound:.2f}x")
     print(f"K=1 over K=0: {speedup:.2f}x = {speedup / bound:.0%} of the bound")
     print(f"K=1 over sync HF generate: {hf['seconds_per_update'] / k1['seconds_per_update']:.2f}x")

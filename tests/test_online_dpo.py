@@ -20,7 +20,8 @@ QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", 
 
 
 def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900):
-    result = subprocess.run([*launcher, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT, text=True,
+    script = [os.path.join(ROOT, script)] if script else []  # no script: python -c CODE
+    result = subprocess.run([*launcher, *script, *map(str, args)], cwd=ROOT, text=True,
                             capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

@@ -74,17 +74,64 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync(tmp_path):
     assert "greedy completions equal after weight sync" in result.stdout
 
 
-@pytest.mark.parametrize(("async_steps", "staleness"), [(0, [0, 0, 0, 0]), (1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])])
-def test_measured_staleness_is_exactly_k(tmp_path, async_steps, staleness):
-    out = tmp_path / "run"
+def async_run(folder, async_steps):
+    out = folder / f"k{async_steps}"
     run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--async_steps", async_steps,
                "--output_dir", out, script="online_dpo_vllm.py")
-    train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
+    return [m for m in read_metrics(out) if "loss/policy_avg" in m], out
+
+
+@pytest.fixture(scope="module")
+def synchronous_run(tmp_path_factory):
+    return async_run(tmp_path_factory.mktemp("k0"), 0)
+
+
+@pytest.mark.parametrize(("async_steps", "staleness"), [(0, [0, 0, 0, 0]), (1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])])
+def test_measured_staleness_is_exactly_k(tmp_path, synchronous_run, async_steps, staleness):
+    train, out = synchronous_run if async_steps == 0 else async_run(tmp_path, async_steps)
     assert [m["async/staleness"] for m in train] == staleness
     # the engine's log-probs match the trainer's under the same weights: no stale-weight bug
     assert all(m["async/logprob_diff"] < 1e-3 for m in train), [m["async/logprob_diff"] for m in train]
     assert all(m["time/weight_sync"] > 0 for m in train)
     assert load_policy_weights(out)
+
+
+# Stands in for the generator thread: each batch is sampled when the trainer asks for it.
+INLINE_GENERATOR = """
+import threading, types, online_dpo_vllm, tyro
+
+class InlineGenerator:
+    def __init__(self, target, args, **kwargs):
+        self.target, self.args = target, list(args)
+    def start(self):
+        pass
+    def is_alive(self):
+        return True
+
+threaded_next_batch = online_dpo_vllm.next_batch
+def next_batch_inline(batches, generator, timeout):
+    updates = generator.args[4]  # generate_ahead's `updates`
+    generator.args[4] = range(updates.start, updates.start + 1)
+    generator.target(*generator.args)
+    generator.args[4] = range(updates.start + 1, updates.stop)
+    return threaded_next_batch(batches, generator, timeout)
+
+online_dpo_vllm.threading = types.SimpleNamespace(Thread=InlineGenerator, Event=threading.Event)
+online_dpo_vllm.next_batch = next_batch_inline
+if __name__ == "__main__":
+    online_dpo_vllm.main(tyro.cli(online_dpo_vllm.Args))
+"""
+
+
+def test_k0_gives_the_same_losses_as_inline_generation(tmp_path, synchronous_run):
+    out = tmp_path / "inline"
+    run_script("-c", INLINE_GENERATOR, *QUICK, "--total_episodes", "64", "--eval_every", "100",
+               "--async_steps", "0", "--output_dir", out, script="")
+    inline = [m for m in read_metrics(out) if "loss/policy_avg" in m]
+    threaded = synchronous_run[0]
+    for name in ("loss/policy_avg", "objective/scores", "objective/kl", "rewards/margins"):
+        assert [m[name] for m in inline] == [m[name] for m in threaded], name
+    assert len({m["loss/policy_avg"] for m in inline}) == 4  # four different batches, not one repeated
 
 
 FAULTY_GENERATOR = """
