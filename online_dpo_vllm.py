@@ -376,7 +376,8 @@ def main(args: Args):
             # Log: pair statistics over non-tied pairs only; rollout statistics over every sample.
             stats = {name: torch.cat(values) for name, values in stats.items()}
             pair_valid = stats.pop("valid")
-            state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
+            # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
+            state.update, state.episode, state.data_position = update, state.episode + batch_size, update
             metrics = common.all_reduce_mean({
                 "loss/policy_avg": common.masked_mean(stats["loss"], pair_valid),
                 "rewards/chosen": common.masked_mean(stats["chosen_rewards"], pair_valid),

