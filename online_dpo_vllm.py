@@ -198,7 +198,7 @@ def generate_ahead(llm, args, prompts, sampler, updates: range, eos_ids, pad_tok
                          "logprobs": logprobs, "time/generate": t2 - t1, "time/weight_load": t1 - t0,
                          "time/logprob_check": time.time() - t2,
                          "async/logprob_diff": common.masked_mean((logprobs - trainer_logprobs).abs(), mask)})
-    except BaseException as error:  # noqa: B036 -- any failure must reach the trainer, which re-raises it
+    except BaseException as error:  # any failure must reach the trainer, which stops with it
         batches.put(error)
 
 
