@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from unittest import mock
 
 import numpy as np
 import torch
@@ -315,6 +316,11 @@ def response_logprobs(model, query_ids, query_mask, responses, lengths, temperat
     return logprobs.masked_fill(~mask, INVALID_LOGPROB)
 
 
+def in_chunks(function, chunk_size: int, *tensors: torch.Tensor) -> torch.Tensor:
+    """`function` on row chunks of `tensors` (to bound memory), the results concatenated along rows."""
+    return torch.cat([function(*(t[i:i + chunk_size] for t in tensors)) for i in range(0, len(tensors[0]), chunk_size)])
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over real tokens of each row.  values, mask: (batch, len) -> (batch,)"""
     return (values * mask).sum(dim=1)
@@ -403,20 +409,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 # ----------------------------------------------------------------------------------------------
 # vLLM: placement, generation and weight sync (one place that knows vLLM's internals)
 # ----------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def patched_environ(values: dict[str, str]):
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
-
-
 def start_vllm(args, world_size: int):
     """A vLLM engine for the policy, in its own process, on its own device.
 
@@ -441,7 +433,7 @@ def start_vllm(args, world_size: int):
         fail(f"--vllm_device {device!r} is neither 'cpu' nor 'cuda:<index>'")
     from vllm import LLM
 
-    with patched_environ(environment):
+    with mock.patch.dict(os.environ, environment):  # the engine process inherits these
         return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                    max_model_len=args.max_prompt_length + args.response_length, enforce_eager=device == "cpu",
                    gpu_memory_utilization=args.vllm_gpu_memory_utilization,

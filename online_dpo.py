@@ -7,6 +7,7 @@ reward model, and run a DPO step on (best, worst) pairs. The synchronous baselin
     deepspeed --num_gpus 4 online_dpo.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
 """
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -190,25 +191,23 @@ def main(args: Args):
         prompts = train_prompts.select(sampler.next_indices())["input_ids"]
         query_ids, query_mask = common.left_pad(prompts, pad)
         query_ids, query_mask = query_ids.repeat_interleave(k, 0), query_mask.repeat_interleave(k, 0)  # (B*k, P)
-        chunks = range(0, len(query_ids), args.local_rollout_forward_batch_size)
+        chunk = args.local_rollout_forward_batch_size
         with torch.no_grad(), common.full_parameters(policy) as model:
-            responses = torch.cat([
-                common.generate(model, query_ids[i:i + args.local_rollout_forward_batch_size],
-                                query_mask[i:i + args.local_rollout_forward_batch_size], args.response_length,
-                                args.temperature, eos_ids, pad) for i in chunks])  # (B*k, R)
+            responses = common.in_chunks(functools.partial(
+                common.generate, model, response_length=args.response_length, temperature=args.temperature,
+                eos_ids=eos_ids, pad_token_id=pad), chunk, query_ids, query_mask)  # (B*k, R)
         t1 = time.time()
         responses, lengths, contains_eos = common.truncate_after_eos(responses, eos_ids, pad)
         mask = common.response_mask(lengths, args.response_length)  # (B*k, R)
+        rollout = (query_ids, query_mask, responses, lengths)
         with torch.no_grad():
-            logprobs, ref_logprobs, scores = [], [], []
-            for i in chunks:
-                rows = slice(i, i + args.local_rollout_forward_batch_size)
-                batch = (query_ids[rows], query_mask[rows], responses[rows], lengths[rows])
-                logprobs.append(common.response_logprobs(policy, *batch, args.temperature))
-                ref_logprobs.append(common.response_logprobs(ref_policy, *batch, args.temperature))
-                scores.append(common.score_responses(reward_model, *batch, contains_eos[rows],
-                                                     args.penalty_reward_value, tokenizer, reward_tokenizer))
-            logprobs, ref_logprobs, scores = torch.cat(logprobs), torch.cat(ref_logprobs), torch.cat(scores)
+            logprobs = common.in_chunks(functools.partial(
+                common.response_logprobs, policy, temperature=args.temperature), chunk, *rollout)
+            ref_logprobs = common.in_chunks(functools.partial(
+                common.response_logprobs, ref_policy, temperature=args.temperature), chunk, *rollout)
+            scores = common.in_chunks(functools.partial(
+                common.score_responses, reward_model, penalty_reward_value=args.penalty_reward_value,
+                policy_tokenizer=tokenizer, reward_tokenizer=reward_tokenizer), chunk, *rollout, contains_eos)
         ref_seq_logps = common.masked_sum(ref_logprobs, mask)  # (B*k,)
         kl = common.masked_sum(logprobs - ref_logprobs, mask)  # (B*k,)
 

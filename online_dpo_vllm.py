@@ -12,6 +12,7 @@ staleness of each batch is measured from the weight version that produced it and
 """
 
 import contextlib
+import functools
 import os
 import queue
 import random
@@ -187,12 +188,9 @@ def generate_ahead(llm, args, prompts, sampler, updates: range, eos_ids, pad_tok
             query_ids, query_mask = common.left_pad(queries, pad_token_id)
             _, lengths, _ = common.truncate_after_eos(responses, eos_ids, pad_token_id)
             with torch.no_grad():
-                trainer_logprobs = torch.cat([common.response_logprobs(
-                    sampling_policy, query_ids[i:i + args.local_rollout_forward_batch_size],
-                    query_mask[i:i + args.local_rollout_forward_batch_size],
-                    responses[i:i + args.local_rollout_forward_batch_size],
-                    lengths[i:i + args.local_rollout_forward_batch_size], args.temperature)
-                    for i in range(0, len(queries), args.local_rollout_forward_batch_size)])
+                trainer_logprobs = common.in_chunks(functools.partial(
+                    common.response_logprobs, sampling_policy, temperature=args.temperature),
+                    args.local_rollout_forward_batch_size, query_ids, query_mask, responses, lengths)
             mask = common.response_mask(lengths, args.response_length)
             batches.put({"update": update, "version": version, "queries": queries, "responses": responses,
                          "logprobs": logprobs, "time/generate": t2 - t1, "time/weight_load": t1 - t0,
@@ -320,16 +318,13 @@ def main(args: Args):
             responses, lengths, contains_eos = common.truncate_after_eos(batch["responses"], eos_ids, pad)
             mask = common.response_mask(lengths, args.response_length)  # (B*k, R)
             logprobs = batch["logprobs"]  # the engine's, under the weights that sampled them
-            chunks = range(0, len(query_ids), args.local_rollout_forward_batch_size)
+            chunk, rollout = args.local_rollout_forward_batch_size, (query_ids, query_mask, responses, lengths)
             with torch.no_grad():
-                ref_logprobs, scores = [], []
-                for i in chunks:
-                    rows = slice(i, i + args.local_rollout_forward_batch_size)
-                    chunk = (query_ids[rows], query_mask[rows], responses[rows], lengths[rows])
-                    ref_logprobs.append(common.response_logprobs(ref_policy, *chunk, args.temperature))
-                    scores.append(common.score_responses(reward_model, *chunk, contains_eos[rows],
-                                                         args.penalty_reward_value, tokenizer, reward_tokenizer))
-                ref_logprobs, scores = torch.cat(ref_logprobs), torch.cat(scores)
+                ref_logprobs = common.in_chunks(functools.partial(
+                    common.response_logprobs, ref_policy, temperature=args.temperature), chunk, *rollout)
+                scores = common.in_chunks(functools.partial(
+                    common.score_responses, reward_model, penalty_reward_value=args.penalty_reward_value,
+                    policy_tokenizer=tokenizer, reward_tokenizer=reward_tokenizer), chunk, *rollout, contains_eos)
             ref_seq_logps = common.masked_sum(ref_logprobs, mask)  # (B*k,)
             kl = common.masked_sum(logprobs - ref_logprobs, mask)  # (B*k,)
 
