@@ -6,6 +6,7 @@ checkpoints and logging. The training loops themselves live in the scripts.
 """
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -93,15 +94,17 @@ def prepare_deepspeed(model, args, optimizer=None, lr_scheduler=None):
 
 
 @contextlib.contextmanager
-def full_parameters(engine):
-    """Gather ZeRO-3 partitioned parameters for generation (one gather, not one per step)."""
+def full_parameters(engine, part: str | None = None):
+    """The engine's model (or its attribute `part`, e.g. PPO's "policy") with ZeRO-3 partitioned
+    parameters gathered: one gather for a whole generation, not one per step."""
+    model = engine.module if part is None else getattr(engine.module, part)
     if engine.zero_optimization_stage() == 3:
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            yield engine.module
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield model
     else:
-        yield engine.module
+        yield model
 
 
 def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
@@ -230,6 +233,44 @@ def load_prompts(args, tokenizer, split: str, keep_columns: tuple[str, ...] = ()
         fail(f"every prompt of {args.dataset_name!r} split {split!r} is longer than "
              f"max_prompt_length={args.max_prompt_length}; raise --max_prompt_length")
     return kept
+
+
+@dataclass
+class Task:
+    """What every script loads identically: tokenizers, stop tokens, prompts and the gold scorer."""
+
+    tokenizer: object
+    eos_ids: list[int]
+    reward_tokenizer: object | None  # None: the reward model shares the policy's vocabulary
+    train_prompts: object  # datasets.Dataset with "input_ids"
+    eval_prompts: object  # the first --eval_num_prompts validation prompts, with the reference column
+    gold_score: object  # (queries, responses as text) -> gold scores
+
+
+def load_task(args, rank: int, dtype) -> Task:
+    """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for."""
+    import toy
+
+    if toy.TOY_DIR in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
+        if rank == 0:
+            toy.build()
+        torch.distributed.barrier()
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    reward_tokenizer = load_tokenizer(args.reward_model_path)
+    eval_prompts = load_prompts(args, tokenizer, args.eval_split, keep_columns=(args.reference_column,))
+    return Task(tokenizer=tokenizer, eos_ids=eos_token_ids(args.model_name_or_path, tokenizer),
+                reward_tokenizer=None if same_vocabulary(tokenizer, reward_tokenizer) else reward_tokenizer,
+                train_prompts=load_prompts(args, tokenizer, args.train_split),
+                eval_prompts=eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts)))),
+                gold_score=load_gold_scorer(args.gold_model_path, dtype, tokenizer))
+
+
+def resolve_output_dir(args):
+    """Default run directory runs/<exp_name>__<seed>__<time>; --resume must name the run it continues."""
+    if args.output_dir is None:
+        if args.resume:
+            fail("--resume needs --output_dir, the directory of the run to continue")
+        args.output_dir = os.path.join("runs", f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,6 +439,74 @@ def generate(model, query_ids, query_mask, response_length, temperature, eos_ids
     return F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
 
 
+@dataclass
+class Rollout:
+    """A batch of completions, truncated after the first stop token and scored.
+
+    N rows = prompts x samples per prompt, each prompt's samples adjacent.
+    """
+
+    query_ids: torch.Tensor  # (N, query_len), left-padded
+    query_mask: torch.Tensor  # (N, query_len)
+    responses: torch.Tensor  # (N, response_len), pad after the first stop token
+    lengths: torch.Tensor  # (N,) real response tokens, the stop token included
+    contains_eos: torch.Tensor  # (N,)
+    mask: torch.Tensor  # (N, response_len) real response tokens
+    ref_logprobs: torch.Tensor  # (N, response_len) under the reference policy, INVALID_LOGPROB at pads
+    scores: torch.Tensor  # (N,) reward-model scores, the missing-EOS penalty applied
+
+
+def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, task: Task, part: str | None = None):
+    """`num_samples` completions per prompt with HF generate.
+
+    Returns query_ids, query_mask (N, query_len) and raw responses (N, response_len).
+    `part`: the policy's attribute name when the engine trains more than the policy (PPO).
+    """
+    pad = task.tokenizer.pad_token_id
+    query_ids, query_mask = left_pad(prompts, pad)
+    query_ids, query_mask = query_ids.repeat_interleave(num_samples, 0), query_mask.repeat_interleave(num_samples, 0)
+    with torch.no_grad(), full_parameters(policy, part) as model:
+        responses = in_chunks(functools.partial(
+            generate, model, response_length=args.response_length, temperature=args.temperature,
+            eos_ids=task.eos_ids, pad_token_id=pad), args.local_rollout_forward_batch_size, query_ids, query_mask)
+    return query_ids, query_mask, responses
+
+
+@torch.no_grad()
+def score_rollout(args, task: Task, ref_policy, reward_model, query_ids, query_mask, responses) -> Rollout:
+    """Truncate sampled responses after their first stop token, then reference log-probs and rewards."""
+    responses, lengths, contains_eos = truncate_after_eos(responses, task.eos_ids, task.tokenizer.pad_token_id)
+    chunk, rows = args.local_rollout_forward_batch_size, (query_ids, query_mask, responses, lengths)
+    ref_logprobs = in_chunks(functools.partial(response_logprobs, ref_policy, temperature=args.temperature),
+                             chunk, *rows)
+    scores = in_chunks(functools.partial(
+        score_responses, reward_model, penalty_reward_value=args.penalty_reward_value,
+        policy_tokenizer=task.tokenizer, reward_tokenizer=task.reward_tokenizer), chunk, *rows, contains_eos)
+    return Rollout(query_ids, query_mask, responses, lengths, contains_eos,
+                   response_mask(lengths, responses.shape[1]), ref_logprobs, scores)
+
+
+@torch.no_grad()
+def rollout_logprobs(model, rollout: Rollout, args) -> torch.Tensor:
+    """(N, response_len) log-probs of the rollout's tokens under `model`, INVALID_LOGPROB at pads."""
+    return in_chunks(functools.partial(response_logprobs, model, temperature=args.temperature),
+                     args.local_rollout_forward_batch_size, rollout.query_ids, rollout.query_mask,
+                     rollout.responses, rollout.lengths)
+
+
+def rollout_metrics(args, rollout: Rollout, logprobs: torch.Tensor) -> dict[str, float]:
+    """SPEC.md's objective/* numbers of a rollout; `logprobs` are the sampling policy's."""
+    kl = masked_sum(logprobs - rollout.ref_logprobs, rollout.mask)  # (N,)
+    return {
+        "objective/scores": rollout.scores.mean().item(),
+        "objective/kl": kl.mean().item(),
+        "objective/entropy": -masked_sum(logprobs, rollout.mask).mean().item(),
+        "objective/rlhf_reward": (rollout.scores - args.kl_coef * kl).mean().item(),
+        # a count over the whole batch: all_reduce_mean of each rank's count times world_size is the sum
+        "val/num_eos_tokens": rollout.contains_eos.sum().item() * torch.distributed.get_world_size(),
+    }
+
+
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str):
     """Per-pair DPO loss on sequence log-prob sums (SPEC.md, "Online DPO").  All inputs: (pairs,)"""
     logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
@@ -516,34 +625,35 @@ def load_gold_scorer(path: str, dtype, policy_tokenizer):
 
 
 @torch.no_grad()
-def evaluate(args, policy, ref_policy, reward_model, tokenizer, reward_tokenizer, eos_ids, eval_prompts,
-             gold_score) -> dict[str, float]:
+def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | None = None) -> dict[str, float]:
     """Gold win-rate of near-greedy completions against the references, and KL to the SFT policy.
 
-    Each rank evaluates its own share of `eval_prompts`; the numbers are averaged over ranks.
+    Each rank evaluates its own share of the eval prompts; the numbers are averaged over ranks.
+    `part`: the policy's attribute name when the engine trains more than the policy (PPO).
     """
+    tokenizer, eos_ids, gold_score = task.tokenizer, task.eos_ids, task.gold_score
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    rows = eval_prompts.select(range(rank, len(eval_prompts), world_size))
+    rows = task.eval_prompts.select(range(rank, len(task.eval_prompts), world_size))
     totals = {"gold_win_rate": 0.0, "gold_score": 0.0, "proxy_score": 0.0, "kl": 0.0,
               "num_eos_tokens": 0.0, "response_length": 0.0}
     for start in range(0, len(rows), args.local_rollout_forward_batch_size):
         batch = rows.select(range(start, min(start + args.local_rollout_forward_batch_size, len(rows))))
         query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id)
-        with full_parameters(policy) as model:
+        with full_parameters(policy, part) as model:
             greedy = generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
                               eos_ids, tokenizer.pad_token_id)
+            # KL is estimated on samples at the training temperature: near-greedy samples say little about it
             sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
                                eos_ids, tokenizer.pad_token_id)
+            sampled, sampled_lengths, _ = truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
+            logprobs = response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths, args.temperature)
+        mask = response_mask(sampled_lengths, sampled.shape[1])
         greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
         queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
         policy_gold = torch.tensor(gold_score(queries, responses))
         reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
         proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos,
-                                args.penalty_reward_value, tokenizer, reward_tokenizer)
-        # KL is estimated on samples at the training temperature: near-greedy samples say little about it
-        sampled, sampled_lengths, _ = truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
-        mask = response_mask(sampled_lengths, sampled.shape[1])
-        logprobs = response_logprobs(policy, query_ids, query_mask, sampled, sampled_lengths, args.temperature)
+                                args.penalty_reward_value, tokenizer, task.reward_tokenizer)
         ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
                                          args.temperature)
         totals["gold_win_rate"] += (policy_gold > reference_gold).float().sum().item()
@@ -630,11 +740,14 @@ def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
     return state
 
 
-def save_policy(output_dir: str, engine, tokenizer):
-    """The trained policy in Hugging Face format (loadable by `from_pretrained` and vLLM), written atomically."""
+def save_policy(output_dir: str, engine, tokenizer, part: str | None = None):
+    """The trained policy in Hugging Face format (loadable by `from_pretrained` and vLLM), written atomically.
+
+    `part`: the policy's attribute name when the engine trains more than the policy (PPO).
+    """
     rank = torch.distributed.get_rank()
     final, partial = os.path.join(output_dir, "policy"), os.path.join(output_dir, ".partial-policy")
-    with full_parameters(engine) as model:
+    with full_parameters(engine, part) as model:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -686,6 +799,12 @@ class MetricsLogger:
         self.progress.n = update
         self.progress.set_postfix({k.split("/")[-1]: f"{self.last[k]:.3g}" for k in self.progress_keys
                                    if k in self.last}, refresh=True)
+
+    def log_evaluation(self, update: int, episode: int, metrics: dict[str, float]):
+        self.log(update, {**metrics, "episode": episode})
+        if self.enabled:
+            self.progress.write(f"update {update}: gold win-rate {metrics['eval/gold_win_rate']:.3f}, "
+                                f"gold score {metrics['eval/gold_score']:.3f}, KL {metrics['eval/kl']:.3f}")
 
     def close(self):
         if self.enabled:

@@ -7,7 +7,6 @@ reward model, and run a DPO step on (best, worst) pairs. The synchronous baselin
     deepspeed --num_gpus 4 online_dpo.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
 """
 
-import functools
 import os
 import time
 from dataclasses import dataclass
@@ -127,32 +126,16 @@ def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)
     batch_size = local_batch_size * world_size
-    if args.output_dir is None:
-        if args.resume:
-            common.fail("--resume needs --output_dir, the directory of the run to continue")
-        args.output_dir = os.path.join("runs", f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    if toy.TOY_DIR in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
-        if rank == 0:
-            toy.build()
-        torch.distributed.barrier()
-
-    from transformers import AutoModelForCausalLM, get_scheduler
-
+    common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    tokenizer = common.load_tokenizer(args.model_name_or_path)
-    eos_ids = common.eos_token_ids(args.model_name_or_path, tokenizer)
-    reward_tokenizer = common.load_tokenizer(args.reward_model_path)
-    if common.same_vocabulary(tokenizer, reward_tokenizer):
-        reward_tokenizer = None  # score token ids directly, no decode / re-encode
-    train_prompts = common.load_prompts(args, tokenizer, args.train_split)
-    eval_prompts = common.load_prompts(args, tokenizer, args.eval_split, keep_columns=(args.reference_column,))
-    eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
-    gold_score = common.load_gold_scorer(args.gold_model_path, dtype, tokenizer)
-    sampler = common.PromptSampler(len(train_prompts), local_batch_size, rank, world_size, args.seed)
+    task = common.load_task(args, rank, dtype)
+    sampler = common.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
         common.prepare_output_dir(args.output_dir, args.resume)
     torch.distributed.barrier()
+
+    from transformers import AutoModelForCausalLM, get_scheduler
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
@@ -172,46 +155,22 @@ def main(args: Args):
         sampler.position = state.data_position
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
-
-    def run_evaluation():
-        metrics = common.evaluate(args, policy, ref_policy, reward_model, tokenizer, reward_tokenizer, eos_ids,
-                                  eval_prompts, gold_score)
-        logger.log(state.update, {**metrics, "episode": state.episode})
-        if rank == 0:
-            logger.progress.write(f"update {state.update}: gold win-rate {metrics['eval/gold_win_rate']:.3f}, "
-                                  f"gold score {metrics['eval/gold_score']:.3f}, KL {metrics['eval/kl']:.3f}")
-
     if state.update == 0:
-        run_evaluation()
-    k, pad = args.num_samples, tokenizer.pad_token_id
+        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
+    k = args.num_samples
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
         # Rollout: k samples per prompt, truncated after the first stop token, scored.
         t0 = time.time()
-        prompts = train_prompts.select(sampler.next_indices())["input_ids"]
-        query_ids, query_mask = common.left_pad(prompts, pad)
-        query_ids, query_mask = query_ids.repeat_interleave(k, 0), query_mask.repeat_interleave(k, 0)  # (B*k, P)
-        chunk = args.local_rollout_forward_batch_size
-        with torch.no_grad(), common.full_parameters(policy) as model:
-            responses = common.in_chunks(functools.partial(
-                common.generate, model, response_length=args.response_length, temperature=args.temperature,
-                eos_ids=eos_ids, pad_token_id=pad), chunk, query_ids, query_mask)  # (B*k, R)
+        prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
+        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (B*k, R)
         t1 = time.time()
-        responses, lengths, contains_eos = common.truncate_after_eos(responses, eos_ids, pad)
-        mask = common.response_mask(lengths, args.response_length)  # (B*k, R)
-        rollout = (query_ids, query_mask, responses, lengths)
-        with torch.no_grad():
-            logprobs = common.in_chunks(functools.partial(
-                common.response_logprobs, policy, temperature=args.temperature), chunk, *rollout)
-            ref_logprobs = common.in_chunks(functools.partial(
-                common.response_logprobs, ref_policy, temperature=args.temperature), chunk, *rollout)
-            scores = common.in_chunks(functools.partial(
-                common.score_responses, reward_model, penalty_reward_value=args.penalty_reward_value,
-                policy_tokenizer=tokenizer, reward_tokenizer=reward_tokenizer), chunk, *rollout, contains_eos)
-        ref_seq_logps = common.masked_sum(ref_logprobs, mask)  # (B*k,)
-        kl = common.masked_sum(logprobs - ref_logprobs, mask)  # (B*k,)
+        rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
+        logprobs = common.rollout_logprobs(policy, rollout, args)  # (B*k, R)
+        ref_seq_logps = common.masked_sum(rollout.ref_logprobs, rollout.mask)  # (B*k,)
 
         # Pairs: best vs worst of each prompt's k samples; a prompt whose samples all tie is masked out.
+        scores = rollout.scores
         per_prompt = scores.view(-1, k)  # (B, k)
         offsets = torch.arange(len(per_prompt)) * k
         chosen_rows, rejected_rows = offsets + per_prompt.argmax(1), offsets + per_prompt.argmin(1)  # (B,)
@@ -227,12 +186,12 @@ def main(args: Args):
                 pairs = order[start:start + args.per_device_train_batch_size]
                 rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
                 seq_logps = common.masked_sum(common.response_logprobs(
-                    policy, query_ids[rows], query_mask[rows], responses[rows], lengths[rows], args.temperature),
-                    mask[rows])
+                    policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
+                    rollout.lengths[rows], args.temperature), rollout.mask[rows])
                 policy_chosen, policy_rejected = seq_logps.chunk(2)
                 ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
                 losses = common.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
-                                  args.loss_type)
+                                         args.loss_type)
                 pair_mask = valid[pairs]
                 loss = (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
                 policy.backward(loss)
@@ -258,14 +217,9 @@ def main(args: Args):
             "rewards/margins": common.masked_mean(stats["chosen_rewards"] - stats["rejected_rewards"], pair_valid),
             "logps/chosen": common.masked_mean(stats["chosen_logps"], pair_valid),
             "logps/rejected": common.masked_mean(stats["rejected_logps"], pair_valid),
-            "objective/scores": scores.mean().item(),
+            **common.rollout_metrics(args, rollout, logprobs),
             "objective/scores_margin": common.masked_mean(scores[chosen_rows] - scores[rejected_rows], valid),
             "objective/tie_fraction": 1 - valid.mean().item(),
-            "objective/kl": kl.mean().item(),
-            "objective/entropy": -common.masked_sum(logprobs, mask).mean().item(),
-            "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
-            # a count over the whole batch: each rank's count times world_size averages to the sum
-            "val/num_eos_tokens": contains_eos.sum().item() * world_size,
             "time/generate": t1 - t0,
             "time/score": t2 - t1,
             "time/train": t3 - t2,
@@ -274,11 +228,11 @@ def main(args: Args):
                         "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
         if update % args.eval_every == 0 or update == num_updates:
-            run_evaluation()
+            logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
         if args.save_every and update % args.save_every == 0:
             common.save_checkpoint(args.output_dir, policy, state)
 
-    common.save_policy(args.output_dir, policy, tokenizer)
+    common.save_policy(args.output_dir, policy, task.tokenizer)
     logger.close()
     if rank == 0:
         print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
