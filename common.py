@@ -120,9 +120,9 @@ def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
 def batch_sizes(args, world_size: int) -> tuple[int, int]:
     """(local_batch_size, num_updates) from SPEC.md's batch arithmetic, failing loudly when it does not divide."""
     for name in ("response_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "num_mini_batches", "num_epochs", "total_episodes", "eval_num_prompts", "eval_every",
-                 "local_rollout_forward_batch_size"):
-        if getattr(args, name) <= 0:
+                 "num_mini_batches", "num_epochs", "num_ppo_epochs", "total_episodes", "eval_num_prompts",
+                 "eval_every", "local_rollout_forward_batch_size"):
+        if hasattr(args, name) and getattr(args, name) <= 0:
             fail(f"--{name} must be positive, got {getattr(args, name)}")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * world_size
@@ -342,24 +342,37 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def response_inputs(query_ids, query_mask, responses, lengths) -> tuple[dict, torch.Tensor]:
+    """Model inputs for query + response (pads after the stop token masked out), and the response mask.
+
+    The outputs at positions [query_len - 1, -1) are the ones that predicted each response token.
+    query_ids, query_mask: (batch, query_len) left-padded; responses: (batch, response_len).
+    """
+    mask = response_mask(lengths, responses.shape[1])
+    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
+    inputs = {"input_ids": torch.cat([query_ids, responses], dim=1), "attention_mask": attention_mask,
+              "position_ids": position_ids(attention_mask)}
+    return inputs, mask
+
+
 def response_logprobs(model, query_ids, query_mask, responses, lengths, temperature):
     """Log-probs of each response token given its query; padded positions hold INVALID_LOGPROB.
 
     query_ids, query_mask: (batch, query_len) left-padded; responses: (batch, response_len).
     """
-    mask = response_mask(lengths, responses.shape[1])
-    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
-    input_ids = torch.cat([query_ids, responses], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids(attention_mask)).logits
-    response_logits = logits[:, query_ids.shape[1] - 1:-1]  # the logits that predicted each response token
+    inputs, mask = response_inputs(query_ids, query_mask, responses, lengths)
+    response_logits = model(**inputs).logits[:, query_ids.shape[1] - 1:-1]
     logprobs = logprobs_from_logits(response_logits, responses, temperature)
     return logprobs.masked_fill(~mask, INVALID_LOGPROB)
 
 
-def in_chunks(function, chunk_size: int, *tensors: torch.Tensor) -> torch.Tensor:
-    """`function` on row chunks of `tensors` (to bound memory), the results concatenated along rows."""
-    return torch.cat([function(*(t[i:i + chunk_size] for t in tensors)) for i in range(0, len(tensors[0]), chunk_size)])
+def in_chunks(function, chunk_size: int, *tensors: torch.Tensor):
+    """`function` on row chunks of `tensors` (to bound memory), its results concatenated along rows
+    (each of them, when it returns a tuple)."""
+    results = [function(*(t[i:i + chunk_size] for t in tensors)) for i in range(0, len(tensors[0]), chunk_size)]
+    if isinstance(results[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*results))
+    return torch.cat(results)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,42 +1,21 @@
 """online_dpo.py: the loss on hand-computed numbers, and the script end to end on the toy task."""
 
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
+from scripts import (
+    QUICK,
+    TOY_RUN,
+    assert_learns,
+    assert_same_weights_and_metrics,
+    load_policy_weights,
+    read_metrics,
+    run_script,
+    uninterrupted_and_resumed_runs,
+)
 
 import common
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# a short run: 16 prompts x 2 samples per update, a small evaluation
-QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--eval_num_prompts", "32",
-         "--local_rollout_forward_batch_size", "32"]
-
-
-def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900):
-    script = [os.path.join(ROOT, script)] if script else []  # no script: python -c CODE
-    result = subprocess.run([*launcher, *script, *map(str, args)], cwd=ROOT, text=True,
-                            capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def load_policy_weights(output_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy")).state_dict()
 
 
 def test_dpo_losses_on_hand_computed_numbers():
@@ -49,58 +28,37 @@ def test_dpo_losses_on_hand_computed_numbers():
     assert ipo.tolist() == pytest.approx([(2 - 5) ** 2, (-3 - 5) ** 2])
 
 
-def test_end_to_end_with_wandb_offline(tmp_path):
-    out = tmp_path / "run"
-    result = run_script(*QUICK, "--total_episodes", "32", "--eval_every", "1", "--output_dir", out, "--track",
-                        env={"WANDB_MODE": "offline"})
-    metrics = read_metrics(out)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("online_dpo"), "online_dpo.py",
+                                          [*TOY_RUN, "--track"])
+
+
+def test_logs_every_metric_to_jsonl_and_wandb_offline(runs):
+    metrics = read_metrics(runs[0])
     train = [m for m in metrics if "loss/policy_avg" in m]
     evals = [m for m in metrics if "eval/gold_win_rate" in m]
-    assert [m["update"] for m in train] == [1, 2] and [m["update"] for m in evals] == [0, 1, 2]
+    assert [m["update"] for m in train] == [1, 2, 3, 4, 5] and [m["update"] for m in evals] == [0, 1, 2, 3, 4, 5]
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected", "objective/scores", "objective/scores_margin", "objective/kl",
                  "objective/entropy", "objective/rlhf_reward", "loss/policy_avg", "val/num_eos_tokens", "lr",
                  "episode", "eps"):
         assert all(math.isfinite(m[name]) for m in train), name
-    assert train[0]["episode"] == 16 and train[1]["episode"] == 32
-    assert 0 <= train[0]["val/num_eos_tokens"] <= 32
+    assert [m["episode"] for m in train] == [64, 128, 192, 256, 320]
+    assert 0 <= train[0]["val/num_eos_tokens"] <= 128
     assert train[0]["objective/scores_margin"] >= 0  # chosen is the best sample
     assert train[1]["lr"] < train[0]["lr"]  # linear decay
     assert evals[0]["eval/kl"] == pytest.approx(0, abs=1e-4)  # before any update the policy is the reference
-    assert list((out / "wandb").glob("offline-run-*")), "wandb offline run missing"
-    assert "gold win-rate" in result.stdout
-    assert load_policy_weights(out)  # the saved policy loads with from_pretrained
+    assert list((runs[0] / "wandb").glob("offline-run-*")), "wandb offline run missing"
+    assert load_policy_weights(runs[0])  # the saved policy loads with from_pretrained
 
 
-def test_resume_after_kill_gives_the_same_weights(tmp_path):
-    args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2"]
-    run_script(*args, "--output_dir", tmp_path / "whole")
-
-    interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen([sys.executable, "online_dpo.py", *args, "--output_dir", str(interrupted)], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while not (interrupted / "checkpoints" / "update-2").exists() and process.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert not (interrupted / "policy").exists(), "the run finished before it could be interrupted"
-    run_script(*args, "--output_dir", interrupted, "--resume")
-
-    whole, resumed = load_policy_weights(tmp_path / "whole"), load_policy_weights(interrupted)
-    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
-    losses = [[m["loss/policy_avg"] for m in read_metrics(d) if "loss/policy_avg" in m]
-              for d in (tmp_path / "whole", interrupted)]
-    assert losses[0] == losses[1] and len(losses[0]) == 4
+def test_short_run_beats_the_sft_policy(runs):
+    assert_learns(runs[0])
 
 
-def test_short_run_beats_the_sft_policy(tmp_path):
-    out = tmp_path / "run"
-    run_script("--total_episodes", "640", "--eval_every", "1000", "--eval_num_prompts", "256",
-               "--output_dir", out)
-    evals = [m["eval/gold_win_rate"] for m in read_metrics(out) if "eval/gold_win_rate" in m]
-    assert evals[-1] >= evals[0] + 0.10, evals
+def test_resume_after_kill_gives_the_same_weights(runs):
+    assert_same_weights_and_metrics(*runs, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_online_dpo import QUICK, ROOT, load_policy_weights, read_metrics, run_script
+from scripts import QUICK, ROOT, kill_after_checkpoint, load_policy_weights, read_metrics, run_script
 
 import toy
 
@@ -103,13 +103,7 @@ def test_measured_staleness_is_exactly_k(tmp_path, synchronous_run, async_steps,
 
 def test_k0_resumes_after_a_kill_with_the_same_weights(tmp_path, synchronous_run):
     interrupted = tmp_path / "interrupted"
-    command = [sys.executable, "online_dpo_vllm.py", *ASYNC_QUICK, "--async_steps", "0", "--output_dir", interrupted]
-    process = subprocess.Popen(list(map(str, command)), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (interrupted / "checkpoints" / "update-2").exists() and process.poll() is None:
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert not (interrupted / "policy").exists(), "the run finished before it could be interrupted"
+    kill_after_checkpoint("online_dpo_vllm.py", [*ASYNC_QUICK, "--async_steps", "0"], interrupted, update=2)
     run_script(*ASYNC_QUICK, "--async_steps", "0", "--output_dir", interrupted, "--resume", script="online_dpo_vllm.py")
     whole, resumed = load_policy_weights(synchronous_run[1]), load_policy_weights(interrupted)
     assert all(torch.equal(whole[name], resumed[name]) for name in whole)

@@ -1,0 +1,218 @@
+"""Online best-of-k: sample k completions per prompt, keep the one the reward model scores highest,
+and train on it with the negative log-likelihood (supervised learning on the best of k). One of the
+baselines of "Asynchronous RLHF" (Noukhovitch et al., 2024); see SPEC.md.
+
+    python bok.py                                          # toy task, one CPU process
+    deepspeed --num_gpus 2 bok.py                          # two ranks (CPU: add --bind_cores_to_rank)
+    deepspeed --num_gpus 4 bok.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+import common
+import toy
+
+
+@dataclass
+class Args:
+    # Model and data
+    model_name_or_path: str = toy.SFT_POLICY
+    """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
+    reward_model_path: str = toy.REWARD_MODEL
+    """proxy reward model (sequence classification, one label) that RL optimises"""
+    gold_model_path: str = "toy"
+    """gold reward model for evaluation; "toy" is the embedded task's programmatic scorer"""
+    dataset_name: str = toy.DATASET
+    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "validation"
+    """split to evaluate on (needs the reference column)"""
+    prompt_column: str = "query"
+    """column holding the prompt text"""
+    reference_column: str = "reference_response"
+    """column holding the reference completion that evaluation compares against"""
+    chat_template: bool = False
+    """wrap each prompt as a user message in the tokenizer's chat template"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (the count is printed)"""
+
+    # Generation
+    response_length: int = 12
+    """new tokens sampled per completion"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    penalty_reward_value: float = -1.0
+    """reward given instead of the score to a completion with no stop token"""
+
+    # Algorithm
+    num_samples: int = 2
+    """k: completions per prompt; the one the reward model scores highest is trained on"""
+    kl_coef: float = 0.05
+    """weight of KL in the logged objective/rlhf_reward (the loss has no KL term)"""
+
+    # Optimisation
+    total_episodes: int = 4480
+    """prompts to train on, over all ranks"""
+    per_device_train_batch_size: int = 16
+    """prompts (best completions) per micro-batch on each rank"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per generated batch; the i-th is i-1 updates off-policy"""
+    num_epochs: int = 1
+    """passes over each generated batch"""
+    learning_rate: float = 1e-4
+    """peak learning rate, decayed linearly to 0 (the paper's 3e-6 is for 1B-parameter models)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / scoring forward pass"""
+
+    # Evaluation, logging, checkpoints
+    eval_every: int = 10
+    """evaluate every this many updates (and before the first and after the last)"""
+    eval_num_prompts: int = 256
+    """validation prompts used by each evaluation"""
+    eval_temperature: float = 0.01
+    """near-greedy temperature of evaluation completions (the paper's protocol)"""
+    save_every: int = 0
+    """write a resumable checkpoint every this many updates (0: never)"""
+    output_dir: str | None = None
+    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
+    resume: bool = False
+    """continue the run in --output_dir from its latest complete checkpoint"""
+    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
+    """experiment name, used for the run directory and wandb"""
+    seed: int = 1
+    """seed of sampling, data order and initialisation"""
+    torch_deterministic: bool = True
+    """torch.use_deterministic_algorithms"""
+    track: bool = False
+    """log to wandb (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team)"""
+
+    # Distributed
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models)"""
+    bf16: bool = False
+    """train and generate in bfloat16 (GPU runs)"""
+    local_rank: int = -1
+    """set by the deepspeed launcher"""
+
+
+
+def best_of_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Row of the highest-scoring sample of each prompt; among tied best samples, the first.
+    scores: (prompts * k,) -> (prompts,)"""
+    per_prompt = scores.view(-1, k)  # (prompts, k)
+    return torch.arange(len(per_prompt)) * k + per_prompt.argmax(dim=1)  # argmax returns the first maximum
+
+
+def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood per real token, averaged over the micro-batch's tokens.  (batch, len)"""
+    return -(logprobs * mask).sum() / mask.sum()
+
+
+def main(args: Args):
+    rank, world_size = common.init_distributed()
+    if args.num_samples < 2:
+        common.fail(f"--num_samples must be at least 2 to choose the best of them, got {args.num_samples}")
+    local_batch_size, num_updates = common.batch_sizes(args, world_size)
+    batch_size = local_batch_size * world_size
+    common.resolve_output_dir(args)
+    common.seed_everything(args.seed + rank, args.torch_deterministic)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    task = common.load_task(args, rank, dtype)
+    sampler = common.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
+    if rank == 0:  # only now, so that bad input leaves no output directory behind
+        common.prepare_output_dir(args.output_dir, args.resume)
+    torch.distributed.barrier()
+
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    reward_model = common.load_reward_model(args.reward_model_path, dtype)
+    for model in (policy, ref_policy, reward_model):
+        common.disable_dropout(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
+    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
+    ref_policy = common.prepare_deepspeed(ref_policy, args).module  # for the logged KL only
+    reward_model = common.prepare_deepspeed(reward_model, args).module
+
+    state = common.OnlineTrainerState()
+    if args.resume:
+        state = common.load_checkpoint(args.output_dir, policy)
+        sampler.position = state.data_position
+    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+                                  ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
+    if state.update == 0:
+        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
+    k = args.num_samples
+    start_time, start_episode = time.time(), state.episode
+    for update in range(state.update + 1, num_updates + 1):
+        # Rollout: k samples per prompt, truncated after the first stop token, scored; keep the best.
+        t0 = time.time()
+        prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
+        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (B*k, R)
+        t1 = time.time()
+        rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
+        logprobs = common.rollout_logprobs(policy, rollout, args)  # (B*k, R), for the logged KL
+        best_rows = best_of_k(rollout.scores, k)  # (B,)
+        t2 = time.time()
+
+        # Learn: epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
+        losses = []
+        for _ in range(args.num_epochs):
+            order = torch.randperm(local_batch_size)
+            for start in range(0, local_batch_size, args.per_device_train_batch_size):
+                rows = best_rows[order[start:start + args.per_device_train_batch_size]]
+                new_logprobs = common.response_logprobs(
+                    policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
+                    rollout.lengths[rows], args.temperature)
+                loss = nll_loss(new_logprobs, rollout.mask[rows])
+                policy.backward(loss)
+                policy.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
+                losses.append(loss.item())
+        t3 = time.time()
+
+        # Log
+        per_prompt = rollout.scores.view(-1, k)  # (B, k)
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
+        metrics = common.all_reduce_mean({
+            "loss/policy_avg": sum(losses) / len(losses),
+            "objective/best_scores": rollout.scores[best_rows].mean().item(),
+            "objective/tie_fraction": (per_prompt.max(1).values == per_prompt.min(1).values).float().mean().item(),
+            **common.rollout_metrics(args, rollout, logprobs),
+            "time/generate": t1 - t0,
+            "time/score": t2 - t1,
+            "time/train": t3 - t2,
+        })
+        metrics.update({"lr": policy.get_lr()[0], "episode": state.episode,
+                        "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        logger.log(update, metrics)
+        if update % args.eval_every == 0 or update == num_updates:
+            logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
+        if args.save_every and update % args.save_every == 0:
+            common.save_checkpoint(args.output_dir, policy, state)
+
+    common.save_policy(args.output_dir, policy, task.tokenizer)
+    logger.close()
+    if rank == 0:
+        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

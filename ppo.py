@@ -1,0 +1,333 @@
+"""PPO with a value model: one completion per prompt, a per-token KL penalty, GAE, clipped policy
+and value losses. The PPO baseline of "Asynchronous RLHF" (Noukhovitch et al., 2024), after "The N+
+Implementation Details of RLHF with PPO" (Huang et al., 2024); see SPEC.md for every formula.
+
+    python ppo.py                                          # toy task, one CPU process
+    deepspeed --num_gpus 2 ppo.py                          # two ranks (CPU: add --bind_cores_to_rank)
+    deepspeed --num_gpus 4 ppo.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+import common
+import toy
+
+
+@dataclass
+class Args:
+    # Model and data
+    model_name_or_path: str = toy.SFT_POLICY
+    """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
+    reward_model_path: str = toy.REWARD_MODEL
+    """proxy reward model (sequence classification, one label) that RL optimises; the value model starts from it"""
+    gold_model_path: str = "toy"
+    """gold reward model for evaluation; "toy" is the embedded task's programmatic scorer"""
+    dataset_name: str = toy.DATASET
+    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "validation"
+    """split to evaluate on (needs the reference column)"""
+    prompt_column: str = "query"
+    """column holding the prompt text"""
+    reference_column: str = "reference_response"
+    """column holding the reference completion that evaluation compares against"""
+    chat_template: bool = False
+    """wrap each prompt as a user message in the tokenizer's chat template"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (the count is printed)"""
+
+    # Generation
+    response_length: int = 12
+    """new tokens sampled per completion"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    penalty_reward_value: float = -1.0
+    """reward given instead of the score to a completion with no stop token"""
+
+    # Algorithm
+    kl_coef: float = 0.05
+    """weight of the per-token KL penalty -kl_coef * (logp - ref_logp) in the reward"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards (masked, mean kept) before GAE"""
+    gamma: float = 1.0
+    """discount of GAE"""
+    lam: float = 0.95
+    """lambda of GAE"""
+    cliprange: float = 0.2
+    """clip range of the per-token policy ratio"""
+    cliprange_value: float = 0.2
+    """clip range of the value prediction around the rollout's value"""
+    vf_coef: float = 0.1
+    """weight of the value loss: loss = policy loss + vf_coef * value loss"""
+
+    # Optimisation
+    total_episodes: int = 4480
+    """prompts to train on, over all ranks"""
+    per_device_train_batch_size: int = 16
+    """completions per micro-batch on each rank"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
+    num_ppo_epochs: int = 4
+    """passes over each generated batch, mini-batch order shuffled each time"""
+    learning_rate: float = 3e-5
+    """peak learning rate of policy and value model, decayed linearly to 0"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (over policy and value model together)"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / scoring forward pass"""
+
+    # Evaluation, logging, checkpoints
+    eval_every: int = 10
+    """evaluate every this many updates (and before the first and after the last)"""
+    eval_num_prompts: int = 256
+    """validation prompts used by each evaluation"""
+    eval_temperature: float = 0.01
+    """near-greedy temperature of evaluation completions (the paper's protocol)"""
+    save_every: int = 0
+    """write a resumable checkpoint every this many updates (0: never)"""
+    output_dir: str | None = None
+    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
+    resume: bool = False
+    """continue the run in --output_dir from its latest complete checkpoint"""
+    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
+    """experiment name, used for the run directory and wandb"""
+    seed: int = 1
+    """seed of sampling, data order and initialisation"""
+    torch_deterministic: bool = True
+    """torch.use_deterministic_algorithms"""
+    track: bool = False
+    """log to wandb (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team)"""
+
+    # Distributed
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage of policy and value model (3 also partitions the reference and reward models)"""
+    bf16: bool = False
+    """train and generate in bfloat16 (GPU runs)"""
+    local_rank: int = -1
+    """set by the deepspeed launcher"""
+
+
+class PolicyAndValue(torch.nn.Module):
+    """Policy and value model as one module, so one DeepSpeed engine trains both, as the reference
+    does: the loss is one sum (policy loss + vf_coef * value loss), so one backward, one optimizer
+    step and one gradient clip cover both. Only `policy` is saved as the trained model."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        """Policy logits (batch, len, vocab) and the value head at every position (batch, len)."""
+        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        backbone = getattr(self.value_model, self.value_model.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids).last_hidden_state
+        return logits, self.value_model.score(hidden).squeeze(-1).float()
+
+
+def forward_responses(model, query_ids, query_mask, responses, lengths, temperature):
+    """Log-probs (INVALID_LOGPROB at pads), values (0 at pads) and entropies of each response token,
+    from the positions that predicted it.  Each (batch, response_len)."""
+    inputs, mask = common.response_inputs(query_ids, query_mask, responses, lengths)
+    logits, values = model(**inputs)
+    start = query_ids.shape[1] - 1
+    logits = logits[:, start:-1].float() / (temperature + 1e-7)
+    logprobs = torch.gather(torch.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return logprobs.masked_fill(~mask, common.INVALID_LOGPROB), values[:, start:-1] * mask, entropy
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(values - mean) / std over the real entries (unbiased variance); the mean is added back
+    when `shift_mean` is False. Padded entries are returned as 0."""
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    variance = (((values - mean) * mask) ** 2).sum() / (count - 1)
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def token_rewards(logprobs, ref_logprobs, scores, lengths, mask, kl_coef: float) -> torch.Tensor:
+    """-kl_coef * (logp - ref_logp) at every real token, plus the score at the last real token.  (batch, len)"""
+    rewards = -kl_coef * (logprobs - ref_logprobs) * mask
+    rewards[torch.arange(len(rewards)), lengths - 1] += scores
+    return rewards
+
+
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation over each response's real tokens.  All (batch, len).
+
+    The episode ends at the last real token: nothing is bootstrapped from beyond it (pads hold
+    value 0 and reward 0, and advantages at pads are 0). Returns (advantages, returns).
+    """
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros(len(rewards))
+    for t in reversed(range(rewards.shape[1])):
+        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros(len(rewards))
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, advantages + values
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float):
+    """Clipped surrogate on per-token ratios, averaged over real tokens. Returns (loss, clipfrac, ratio)."""
+    ratio = torch.exp(new_logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    loss = (torch.max(unclipped, clipped) * mask).sum() / mask.sum()
+    clipfrac = ((clipped > unclipped).float() * mask).sum() / mask.sum()
+    return loss, clipfrac, ratio
+
+
+def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
+    """0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), averaged over real tokens. Returns (loss, clipfrac)."""
+    clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
+    unclipped_loss, clipped_loss = (new_values - returns) ** 2, (clipped_values - returns) ** 2
+    loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / mask.sum()
+    clipfrac = ((clipped_loss > unclipped_loss).float() * mask).sum() / mask.sum()
+    return loss, clipfrac
+
+
+def main(args: Args):
+    rank, world_size = common.init_distributed()
+    local_batch_size, num_updates = common.batch_sizes(args, world_size)
+    batch_size = local_batch_size * world_size
+    common.resolve_output_dir(args)
+    common.seed_everything(args.seed + rank, args.torch_deterministic)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    task = common.load_task(args, rank, dtype)
+    if task.reward_tokenizer is not None:
+        common.fail(f"the value model starts from the reward model {args.reward_model_path!r}, so it must share "
+                    f"the policy's vocabulary; give a reward model with the tokenizer of {args.model_name_or_path!r}")
+    sampler = common.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
+    if rank == 0:  # only now, so that bad input leaves no output directory behind
+        common.prepare_output_dir(args.output_dir, args.resume)
+    torch.distributed.barrier()
+
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    value_model = common.load_reward_model(args.reward_model_path, dtype)
+    reward_model = common.load_reward_model(args.reward_model_path, dtype)
+    for model in (policy, ref_policy, value_model, reward_model):
+        common.disable_dropout(model)
+    agent = PolicyAndValue(policy, value_model)
+    optimizer = torch.optim.AdamW(agent.parameters(), lr=args.learning_rate)
+    num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    agent = common.prepare_deepspeed(agent, args, optimizer, scheduler)
+    ref_policy = common.prepare_deepspeed(ref_policy, args).module
+    reward_model = common.prepare_deepspeed(reward_model, args).module
+
+    state = common.OnlineTrainerState()
+    if args.resume:
+        state = common.load_checkpoint(args.output_dir, agent)
+        sampler.position = state.data_position
+    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+                                  ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
+    if state.update == 0:
+        logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
+    start_time, start_episode = time.time(), state.episode
+    for update in range(state.update + 1, num_updates + 1):
+        # Rollout: one sample per prompt, truncated after the first stop token, scored.
+        t0 = time.time()
+        prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
+        query_ids, query_mask, responses = common.sample_responses(agent, prompts, 1, args, task, part="policy")
+        t1 = time.time()
+        rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
+        rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
+        with torch.no_grad():
+            logprobs, values, _ = common.in_chunks(
+                lambda *chunk: forward_responses(agent, *chunk, args.temperature),
+                args.local_rollout_forward_batch_size, *rows)  # (B, R) each
+
+        # Advantages: per-token KL penalty plus the score at the last real token, then GAE.
+        mask = rollout.mask.float()  # (B, R)
+        rewards = token_rewards(logprobs, rollout.ref_logprobs, rollout.scores, rollout.lengths, mask, args.kl_coef)
+        non_score_reward = (rewards.sum(1) - rollout.scores).mean().item()
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = gae_advantages(rewards, values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask)  # over this rank's batch
+        t2 = time.time()
+
+        # Learn: epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
+        stats = {name: [] for name in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "entropy",
+                                       "ratio")}
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(local_batch_size)
+            for start in range(0, local_batch_size, args.per_device_train_batch_size):
+                batch = order[start:start + args.per_device_train_batch_size]
+                new_logprobs, new_values, entropy = forward_responses(
+                    agent, *(tensor[batch] for tensor in rows), args.temperature)
+                pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, logprobs[batch], advantages[batch],
+                                                          mask[batch], args.cliprange)
+                vf_loss, vf_clipfrac = value_loss(new_values, values[batch], returns[batch], mask[batch],
+                                                  args.cliprange_value)
+                agent.backward(pg_loss + args.vf_coef * vf_loss)
+                agent.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
+                stats["pg_loss"].append(pg_loss.item())
+                stats["vf_loss"].append(vf_loss.item())
+                stats["pg_clipfrac"].append(pg_clipfrac.item())
+                stats["vf_clipfrac"].append(vf_clipfrac.item())
+                stats["approxkl"].append(0.5 * common.masked_mean((new_logprobs - logprobs[batch]).detach() ** 2,
+                                                                  mask[batch]))
+                stats["entropy"].append(common.masked_mean(entropy.detach(), mask[batch]))
+                stats["ratio"].append(ratio.detach()[mask[batch].bool()])
+        t3 = time.time()
+
+        # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
+        ratios = torch.cat(stats.pop("ratio"))
+        stats = {name: sum(values) / len(values) for name, values in stats.items()}
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
+        metrics = common.all_reduce_mean({
+            "policy/approxkl_avg": stats["approxkl"],
+            "policy/clipfrac_avg": stats["pg_clipfrac"],
+            "policy/entropy_avg": stats["entropy"],
+            "loss/policy_avg": stats["pg_loss"],
+            "loss/value_avg": stats["vf_loss"],
+            "val/clipfrac_avg": stats["vf_clipfrac"],
+            "val/ratio": ratios.mean().item(),
+            "val/ratio_var": ratios.var().item(),
+            **common.rollout_metrics(args, rollout, logprobs),
+            "objective/non_score_reward": non_score_reward,
+            "time/generate": t1 - t0,
+            "time/score": t2 - t1,
+            "time/train": t3 - t2,
+        })
+        metrics.update({"lr": agent.get_lr()[0], "episode": state.episode,
+                        "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        logger.log(update, metrics)
+        if update % args.eval_every == 0 or update == num_updates:
+            logger.log_evaluation(update, state.episode,
+                                  common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
+        if args.save_every and update % args.save_every == 0:
+            common.save_checkpoint(args.output_dir, agent, state)
+
+    common.save_policy(args.output_dir, agent, task.tokenizer, part="policy")
+    logger.close()
+    if rank == 0:
+        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,236 @@
+"""RLOO: k completions per prompt, each baselined by the mean reward of the other k-1, and a clipped
+surrogate on the sequence-level ratio; no value model. One of the baselines of "Asynchronous RLHF"
+(Noukhovitch et al., 2024), after Ahmadian et al. (2024); see SPEC.md for every formula.
+
+    python rloo.py                                         # toy task, one CPU process
+    deepspeed --num_gpus 2 rloo.py                         # two ranks (CPU: add --bind_cores_to_rank)
+    deepspeed --num_gpus 4 rloo.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+import common
+import toy
+
+
+@dataclass
+class Args:
+    # Model and data
+    model_name_or_path: str = toy.SFT_POLICY
+    """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
+    reward_model_path: str = toy.REWARD_MODEL
+    """proxy reward model (sequence classification, one label) that RL optimises"""
+    gold_model_path: str = "toy"
+    """gold reward model for evaluation; "toy" is the embedded task's programmatic scorer"""
+    dataset_name: str = toy.DATASET
+    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "validation"
+    """split to evaluate on (needs the reference column)"""
+    prompt_column: str = "query"
+    """column holding the prompt text"""
+    reference_column: str = "reference_response"
+    """column holding the reference completion that evaluation compares against"""
+    chat_template: bool = False
+    """wrap each prompt as a user message in the tokenizer's chat template"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (the count is printed)"""
+
+    # Generation
+    response_length: int = 12
+    """new tokens sampled per completion"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    penalty_reward_value: float = -1.0
+    """reward given instead of the score to a completion with no stop token"""
+
+    # Algorithm
+    num_samples: int = 2
+    """k: completions per prompt; each one's baseline is the mean reward of the other k-1"""
+    kl_coef: float = 0.05
+    """weight of the sequence KL in the reward: R = score - kl_coef * sum_t (logp - ref_logp)"""
+    cliprange: float = 0.2
+    """clip range of the sequence-level policy ratio"""
+
+    # Optimisation
+    total_episodes: int = 4480
+    """prompts to train on, over all ranks"""
+    per_device_train_batch_size: int = 16
+    """prompts per micro-batch on each rank (each with its k completions)"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
+    num_ppo_epochs: int = 4
+    """passes over each generated batch, mini-batch order shuffled each time"""
+    learning_rate: float = 3e-5
+    """peak learning rate, decayed linearly to 0"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / scoring forward pass"""
+
+    # Evaluation, logging, checkpoints
+    eval_every: int = 10
+    """evaluate every this many updates (and before the first and after the last)"""
+    eval_num_prompts: int = 256
+    """validation prompts used by each evaluation"""
+    eval_temperature: float = 0.01
+    """near-greedy temperature of evaluation completions (the paper's protocol)"""
+    save_every: int = 0
+    """write a resumable checkpoint every this many updates (0: never)"""
+    output_dir: str | None = None
+    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
+    resume: bool = False
+    """continue the run in --output_dir from its latest complete checkpoint"""
+    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
+    """experiment name, used for the run directory and wandb"""
+    seed: int = 1
+    """seed of sampling, data order and initialisation"""
+    torch_deterministic: bool = True
+    """torch.use_deterministic_algorithms"""
+    track: bool = False
+    """log to wandb (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team)"""
+
+    # Distributed
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models)"""
+    bf16: bool = False
+    """train and generate in bfloat16 (GPU runs)"""
+    local_rank: int = -1
+    """set by the deepspeed launcher"""
+
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """A_i = R_i - (sum_j R_j - R_i) / (k - 1) within each prompt's k samples.  rewards: (prompts * k,)"""
+    per_prompt = rewards.view(-1, k)  # (prompts, k)
+    baselines = (per_prompt.sum(dim=1, keepdim=True) - per_prompt) / (k - 1)
+    return (per_prompt - baselines).flatten()
+
+
+def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float):
+    """Clipped surrogate on the sequence-level ratio exp(sum new_logp - sum old_logp), averaged over
+    sequences. All inputs (batch,). Returns (loss, clipfrac, ratio)."""
+    ratio = torch.exp(new_seq_logps - old_seq_logps)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    return torch.max(unclipped, clipped).mean(), (clipped > unclipped).float().mean(), ratio
+
+
+def main(args: Args):
+    rank, world_size = common.init_distributed()
+    if args.num_samples < 2:
+        common.fail(f"--num_samples must be at least 2: the leave-one-out baseline needs another sample, "
+                    f"got {args.num_samples}")
+    local_batch_size, num_updates = common.batch_sizes(args, world_size)
+    batch_size = local_batch_size * world_size
+    common.resolve_output_dir(args)
+    common.seed_everything(args.seed + rank, args.torch_deterministic)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    task = common.load_task(args, rank, dtype)
+    sampler = common.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
+    if rank == 0:  # only now, so that bad input leaves no output directory behind
+        common.prepare_output_dir(args.output_dir, args.resume)
+    torch.distributed.barrier()
+
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    reward_model = common.load_reward_model(args.reward_model_path, dtype)
+    for model in (policy, ref_policy, reward_model):
+        common.disable_dropout(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
+    num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
+    ref_policy = common.prepare_deepspeed(ref_policy, args).module
+    reward_model = common.prepare_deepspeed(reward_model, args).module
+
+    state = common.OnlineTrainerState()
+    if args.resume:
+        state = common.load_checkpoint(args.output_dir, policy)
+        sampler.position = state.data_position
+    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+                                  ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
+    if state.update == 0:
+        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
+    k = args.num_samples
+    start_time, start_episode = time.time(), state.episode
+    for update in range(state.update + 1, num_updates + 1):
+        # Rollout: k samples per prompt, truncated after the first stop token, scored.
+        t0 = time.time()
+        prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
+        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (B*k, R)
+        t1 = time.time()
+        rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
+        logprobs = common.rollout_logprobs(policy, rollout, args)  # (B*k, R)
+        seq_logps = common.masked_sum(logprobs, rollout.mask)  # (B*k,)
+        kl = common.masked_sum(logprobs - rollout.ref_logprobs, rollout.mask)  # (B*k,)
+        advantages = leave_one_out_advantages(rollout.scores - args.kl_coef * kl, k)  # (B*k,)
+        t2 = time.time()
+
+        # Learn: epochs x mini-batches x micro-batches of prompts (with all their samples), one
+        # optimizer step per mini-batch.
+        stats = {name: [] for name in ("loss", "clipfrac", "approxkl", "ratio")}
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(local_batch_size)
+            for start in range(0, local_batch_size, args.per_device_train_batch_size):
+                prompt_ids = order[start:start + args.per_device_train_batch_size]
+                rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
+                new_seq_logps = common.masked_sum(common.response_logprobs(
+                    policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
+                    rollout.lengths[rows], args.temperature), rollout.mask[rows])
+                loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, seq_logps[rows], advantages[rows],
+                                                             args.cliprange)
+                policy.backward(loss)
+                policy.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
+                stats["loss"].append(loss.item())
+                stats["clipfrac"].append(clipfrac.item())
+                stats["approxkl"].append(0.5 * ((new_seq_logps.detach() - seq_logps[rows]) ** 2).mean().item())
+                stats["ratio"].append(ratio.detach())
+        t3 = time.time()
+
+        # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
+        ratios = torch.cat(stats.pop("ratio"))
+        stats = {name: sum(values) / len(values) for name, values in stats.items()}
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
+        metrics = common.all_reduce_mean({
+            "loss/policy_avg": stats["loss"],
+            "policy/clipfrac_avg": stats["clipfrac"],
+            "policy/approxkl_avg": stats["approxkl"],
+            "val/ratio": ratios.mean().item(),
+            "val/ratio_var": ratios.var().item(),
+            **common.rollout_metrics(args, rollout, logprobs),
+            "time/generate": t1 - t0,
+            "time/score": t2 - t1,
+            "time/train": t3 - t2,
+        })
+        metrics.update({"lr": policy.get_lr()[0], "episode": state.episode,
+                        "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        logger.log(update, metrics)
+        if update % args.eval_every == 0 or update == num_updates:
+            logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
+        if args.save_every and update % args.save_every == 0:
+            common.save_checkpoint(args.output_dir, policy, state)
+
+    common.save_policy(args.output_dir, policy, task.tokenizer)
+    logger.close()
+    if rank == 0:
+        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

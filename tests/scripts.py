@@ -1,0 +1,76 @@
+"""Helpers for tests that run the algorithm scripts as subprocesses on the toy task."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a short run: 16 prompts per update, a small evaluation
+QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--eval_num_prompts", "32",
+         "--local_rollout_forward_batch_size", "32"]
+
+
+def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900):
+    script = [os.path.join(ROOT, script)] if script else []  # no script: python -c CODE
+    result = subprocess.run([*launcher, *script, *map(str, args)], cwd=ROOT, text=True,
+                            capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def load_policy_weights(output_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy")).state_dict()
+
+
+def kill_after_checkpoint(script, args, output_dir, update: int):
+    """Start a run, SIGKILL it as soon as checkpoint `update` is complete, and check it was unfinished."""
+    process = subprocess.Popen([sys.executable, script, *map(str, args), "--output_dir", str(output_dir)], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (output_dir / "checkpoints" / f"update-{update}").exists() and process.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (output_dir / "policy").exists(), "the run finished before it could be interrupted"
+
+
+# A short toy run: 5 updates of 64 prompts, evaluated after every update on 128 prompts, checkpointed
+# every 2 updates. Enough for every script to beat the SFT policy by far more than 10 points.
+TOY_RUN = ["--total_episodes", "320", "--eval_every", "1", "--eval_num_prompts", "128", "--save_every", "2"]
+
+
+def uninterrupted_and_resumed_runs(folder, script, args):
+    """Run `script` once without interruption, and once killed after its checkpoint at update 2 and
+    resumed; returns both run directories."""
+    run_script(*args, "--output_dir", folder / "whole", script=script)
+    kill_after_checkpoint(script, args, folder / "interrupted", update=2)
+    run_script(*args, "--output_dir", folder / "interrupted", "--resume", script=script)
+    return folder / "whole", folder / "interrupted"
+
+
+def assert_same_weights_and_metrics(whole, resumed, names):
+    """Bit for bit: the final weights, and the logged `names` at every update."""
+    whole_weights, resumed_weights = load_policy_weights(whole), load_policy_weights(resumed)
+    assert all(torch.equal(whole_weights[name], resumed_weights[name]) for name in whole_weights)
+    for name in names:
+        logged = [[m[name] for m in read_metrics(d) if name in m] for d in (whole, resumed)]
+        assert logged[0] == logged[1] and logged[0], name
+
+
+def assert_learns(run_dir, min_gain=0.10):
+    evals = [m["eval/gold_win_rate"] for m in read_metrics(run_dir) if "eval/gold_win_rate" in m]
+    assert evals[-1] >= evals[0] + min_gain, evals

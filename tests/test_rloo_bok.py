@@ -1,0 +1,106 @@
+"""rloo.py and bok.py: advantages, loss and selection on hand-made numbers, and both scripts end to end."""
+
+import math
+
+import pytest
+import torch
+from scripts import (
+    QUICK,
+    TOY_RUN,
+    assert_learns,
+    assert_same_weights_and_metrics,
+    load_policy_weights,
+    read_metrics,
+    run_script,
+    uninterrupted_and_resumed_runs,
+)
+
+import bok
+import rloo
+
+
+def test_leave_one_out_advantages_k2():
+    # each sample's baseline is the other one's reward
+    advantages = rloo.leave_one_out_advantages(torch.tensor([1.0, 3.0, -2.0, -2.0]), k=2)
+    assert advantages.tolist() == pytest.approx([-2.0, 2.0, 0.0, 0.0])
+
+
+def test_leave_one_out_advantages_k4():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 0.0, 4.0])
+    # prompt 0: baselines (11/3, 10/3, 9/3, 6/3); prompt 1: (4/3, 4/3, 4/3, 0)
+    expected = [1 - 11 / 3, 2 - 10 / 3, 3 - 3, 6 - 2, -4 / 3, -4 / 3, -4 / 3, 4.0]
+    assert rloo.leave_one_out_advantages(rewards, k=4).tolist() == pytest.approx(expected)
+
+
+def test_sequence_level_clipped_loss():
+    old = torch.tensor([-3.0, -3.0, -3.0])
+    new = old + torch.log(torch.tensor([1.5, 0.5, 0.5]))  # ratios of the summed sequence log-probs
+    advantages = torch.tensor([2.0, 1.0, -1.0])
+    loss, clipfrac, ratio = rloo.sequence_policy_loss(new, old, advantages, cliprange=0.2)
+    # max(-A r, -A clip(r)): max(-3, -2.4) = -2.4; max(-0.5, -0.8) = -0.5; max(0.5, 0.8) = 0.8
+    assert loss.item() == pytest.approx((-2.4 - 0.5 + 0.8) / 3)
+    assert clipfrac.item() == pytest.approx(2 / 3) and ratio.tolist() == pytest.approx([1.5, 0.5, 0.5])
+
+
+def test_best_of_k_selection_with_ties():
+    scores = torch.tensor([0.1, 0.9, 0.5,   # a clear best: row 1
+                           0.7, 0.2, 0.7,   # a tie for best: the first of them, row 3
+                           -1.0, -1.0, -1.0])  # all tied (none stopped): row 6
+    assert bok.best_of_k(scores, k=3).tolist() == [1, 3, 6]
+    assert bok.best_of_k(torch.tensor([2.0, 1.0, 1.0, 2.0]), k=2).tolist() == [0, 3]
+
+
+def test_nll_averages_over_real_tokens():
+    logprobs = torch.tensor([[-1.0, -2.0, 1.0], [-3.0, 1.0, 1.0]])  # 1.0 is the pad sentinel
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert bok.nll_loss(logprobs, mask).item() == pytest.approx(2.0)
+
+
+@pytest.fixture(scope="module", params=["rloo.py", "bok.py"])
+def runs(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param.removesuffix(".py"))
+    return request.param, *uninterrupted_and_resumed_runs(folder, request.param, TOY_RUN)
+
+
+def test_logs_every_metric_and_saves_the_policy(runs):
+    script, whole, _ = runs
+    metrics = read_metrics(whole)
+    train = [m for m in metrics if "loss/policy_avg" in m]
+    assert [m["update"] for m in train] == [1, 2, 3, 4, 5]
+    assert [m["update"] for m in metrics if "eval/gold_win_rate" in m] == [0, 1, 2, 3, 4, 5]
+    names = ["objective/scores", "objective/kl", "objective/entropy", "objective/rlhf_reward", "val/num_eos_tokens",
+             "loss/policy_avg", "lr", "episode", "eps"]
+    names += (["policy/clipfrac_avg", "policy/approxkl_avg", "val/ratio", "val/ratio_var"] if script == "rloo.py"
+              else ["objective/best_scores", "objective/tie_fraction"])
+    for name in names:
+        assert all(math.isfinite(m[name]) for m in train), name
+    assert train[0]["episode"] == 64 and train[0]["objective/kl"] == pytest.approx(0, abs=1e-4)
+    if script == "bok.py":
+        assert all(m["objective/best_scores"] >= m["objective/scores"] for m in train)
+    else:  # the first of 4 epochs is on-policy: ratios start at 1
+        assert 0.5 < train[0]["val/ratio"] < 2
+    assert load_policy_weights(whole)
+
+
+def test_short_run_beats_the_sft_policy(runs):
+    assert_learns(runs[1])
+
+
+def test_resume_after_kill_gives_the_same_weights(runs):
+    assert_same_weights_and_metrics(*runs[1:], ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
+
+
+@pytest.mark.parametrize(("script", "port"), [("rloo.py", 29621), ("bok.py", 29622)])
+def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, port):
+    out = tmp_path / "run"
+    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "1", "--output_dir", out, script=script,
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(port)), env={"OMP_NUM_THREADS": "1"})
+    assert [m["episode"] for m in read_metrics(out) if "loss/policy_avg" in m] == [32, 64]
+    assert load_policy_weights(out)
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "bok.py"])
+def test_one_sample_per_prompt_is_refused(tmp_path, script):
+    result = run_script(*QUICK, "--num_samples", "1", "--output_dir", tmp_path / "run", script=script, check=False)
+    assert result.returncode != 0 and "--num_samples must be at least 2" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()
