@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 
 import common
 import toy
@@ -21,6 +20,10 @@ import toy
 
 @dataclass
 class Args:
+    # Configuration
+    preset: str | None = None
+    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+
     # Model and data
     model_name_or_path: str = toy.SFT_POLICY
     """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
@@ -68,7 +71,7 @@ class Args:
     """optimizer steps per generated batch; the i-th is i-1 updates off-policy"""
     num_epochs: int = 1
     """passes over each generated batch"""
-    learning_rate: float = 1e-4
+    learning_rate: float = 3e-4
     """peak learning rate, decayed linearly to 0 (the paper's 3e-6 is for 1B-parameter models)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
@@ -109,6 +112,14 @@ class Args:
     local_rank: int = -1
     """set by the deepspeed launcher"""
 
+
+PRESETS = {
+    "tldr-410m-1gpu": common.Preset(
+        "best-of-2, Pythia 410m SFT on TL;DR, 1 GPU: 512 prompts per update, 256 updates",
+        "python bok.py --preset tldr-410m-1gpu",
+        Args(**common.tldr_artefacts("410m"), total_episodes=131072, per_device_train_batch_size=16,
+             gradient_accumulation_steps=32, local_rollout_forward_batch_size=32)),
+}
 
 
 def best_of_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -215,4 +226,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args, PRESETS))

@@ -133,6 +133,44 @@ def batch_sizes(args, world_size: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Command line and the paper's presets
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Preset:
+    """A named configuration of the paper: its Args, and the exact command that launches it."""
+
+    description: str
+    launch: str
+    args: object
+
+
+def tldr_artefacts(size: str) -> dict:
+    """The paper's TL;DR setting for a Pythia size ("410m", "1b", "2.8b"): SFT policy, proxy and gold
+    reward models, prompts, and the rollout settings every algorithm shares (SPEC.md)."""
+    return dict(model_name_or_path=f"mnoukhov/pythia{size}-sft-tldr",
+                reward_model_path=f"mnoukhov/pythia{size}-rm-tldr6.9b",
+                gold_model_path="cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr",
+                dataset_name="vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144",
+                max_prompt_length=512, response_length=53, temperature=0.7, penalty_reward_value=-1.0,
+                learning_rate=3e-6, bf16=True, eval_every=32, eval_num_prompts=512, save_every=64)
+
+
+def cli(args_class, presets: dict[str, Preset]):
+    """Parse the command line into `args_class` with tyro. `--preset NAME` starts from a named
+    configuration; every other flag still overrides its values."""
+    import argparse
+
+    import tyro
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--preset")
+    chosen = parser.parse_known_args()[0].preset
+    if chosen is not None and chosen not in presets:
+        fail(f"--preset {chosen!r} is not one of this script's presets: {', '.join(presets)}")
+    return tyro.cli(args_class, default=presets[chosen].args if chosen else None)
+
+
+# ----------------------------------------------------------------------------------------------
 # Models and data
 # ----------------------------------------------------------------------------------------------
 def load_tokenizer(path: str):
@@ -814,13 +852,43 @@ class MetricsLogger:
                                    if k in self.last}, refresh=True)
 
     def log_evaluation(self, update: int, episode: int, metrics: dict[str, float]):
+        """Log an evaluation, print its headline numbers and redraw curves.png."""
         self.log(update, {**metrics, "episode": episode})
         if self.enabled:
             self.progress.write(f"update {update}: gold win-rate {metrics['eval/gold_win_rate']:.3f}, "
                                 f"gold score {metrics['eval/gold_score']:.3f}, KL {metrics['eval/kl']:.3f}")
+            plot_curves(os.path.dirname(self.path))
 
     def close(self):
         if self.enabled:
             self.progress.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def plot_curves(output_dir: str):
+    """curves.png from the run's metrics.jsonl: gold win-rate and proxy reward against episodes and
+    wall-clock time, KL, and win-rate against KL (the paper's frontier), so no dashboard is needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        evals = [m for m in map(json.loads, f) if "eval/gold_win_rate" in m]
+    column = {name: [m[name] for m in evals] for name in ("episode", "eval/gold_win_rate", "eval/proxy_score",
+                                                          "eval/kl")}
+    column["minutes"] = [(m["time"] - evals[0]["time"]) / 60 for m in evals]
+    panels = [("episode", "eval/gold_win_rate"), ("episode", "eval/proxy_score"), ("episode", "eval/kl"),
+              ("minutes", "eval/gold_win_rate"), ("minutes", "eval/proxy_score"), ("eval/kl", "eval/gold_win_rate")]
+    figure, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    for axis, (x, y) in zip(axes.flat, panels):
+        axis.plot(column[x], column[y], marker="o", markersize=3)
+        axis.set_xlabel("wall-clock minutes" if x == "minutes" else x.removeprefix("eval/"))
+        axis.set_ylabel(y.removeprefix("eval/"))
+        axis.grid(alpha=0.3)
+    figure.suptitle(os.path.basename(os.path.normpath(output_dir)))
+    partial = os.path.join(output_dir, ".curves.partial.png")
+    figure.savefig(partial, dpi=80)
+    plt.close(figure)
+    os.replace(partial, os.path.join(output_dir, "curves.png"))

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 
 import common
 import toy
@@ -21,6 +20,10 @@ import toy
 
 @dataclass
 class Args:
+    # Configuration
+    preset: str | None = None
+    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+
     # Model and data
     model_name_or_path: str = toy.SFT_POLICY
     """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
@@ -112,6 +115,22 @@ class Args:
     """train and generate in bfloat16 (GPU runs)"""
     local_rank: int = -1
     """set by the deepspeed launcher"""
+
+
+def tldr_online_dpo(size: str, num_gpus: int, per_device: int) -> Args:
+    """The paper's synchronous online DPO on TL;DR: 512 prompts x 2 samples per update, 256 updates."""
+    return Args(**common.tldr_artefacts(size), total_episodes=131072, per_device_train_batch_size=per_device,
+                gradient_accumulation_steps=512 // (per_device * num_gpus), local_rollout_forward_batch_size=32)
+
+
+PRESETS = {
+    f"tldr-{size}-{gpus}gpu": common.Preset(
+        f"online DPO, Pythia {size} SFT on TL;DR, synchronous on {gpus} GPU{'s' if gpus > 1 else ''}",
+        f"python online_dpo.py --preset tldr-{size}-1gpu" if gpus == 1
+        else f"deepspeed --num_gpus {gpus} online_dpo.py --preset tldr-{size}-{gpus}gpu",
+        tldr_online_dpo(size, gpus, per_device))
+    for size, per_device in (("410m", 16), ("1b", 8), ("2.8b", 4)) for gpus in (1, 4)
+}
 
 
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
@@ -239,4 +258,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args, PRESETS))

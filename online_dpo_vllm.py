@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 
 import common
 import toy
@@ -32,6 +31,10 @@ import toy
 
 @dataclass
 class Args:
+    # Configuration
+    preset: str | None = None
+    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+
     # Model and data
     model_name_or_path: str = toy.SFT_POLICY
     """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
@@ -137,6 +140,24 @@ class Args:
     """train and generate in bfloat16 (GPU runs)"""
     local_rank: int = -1
     """set by the deepspeed launcher"""
+
+
+def tldr_async_online_dpo(size: str, per_device: int) -> Args:
+    """The paper's asynchronous online DPO on TL;DR: 3 training GPUs + 1 vLLM GPU, 504 prompts x 2
+    samples per update (the largest multiple of 3 x per_device below 512), 256 updates."""
+    accumulation = 512 // (per_device * 3)
+    return Args(**common.tldr_artefacts(size), total_episodes=256 * per_device * accumulation * 3,
+                per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+                local_rollout_forward_batch_size=32, async_steps=1)
+
+
+PRESETS = {
+    f"tldr-{size}-async-4gpu": common.Preset(
+        f"asynchronous online DPO, Pythia {size} SFT on TL;DR, 3 training GPUs + vLLM on the 4th",
+        f"deepspeed --num_gpus 3 online_dpo_vllm.py --preset tldr-{size}-async-4gpu",
+        tldr_async_online_dpo(size, per_device))
+    for size, per_device in (("410m", 8), ("1b", 8), ("2.8b", 4))
+}
 
 
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
@@ -384,4 +405,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args, PRESETS))

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 
 import common
 import toy
@@ -21,6 +20,10 @@ import toy
 
 @dataclass
 class Args:
+    # Configuration
+    preset: str | None = None
+    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+
     # Model and data
     model_name_or_path: str = toy.SFT_POLICY
     """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
@@ -118,6 +121,15 @@ class Args:
     """train and generate in bfloat16 (GPU runs)"""
     local_rank: int = -1
     """set by the deepspeed launcher"""
+
+
+PRESETS = {
+    "tldr-410m-1gpu": common.Preset(
+        "PPO, Pythia 410m SFT on TL;DR, 1 GPU: 512 prompts per update, 256 updates, 1 epoch, 1 mini-batch",
+        "python ppo.py --preset tldr-410m-1gpu",
+        Args(**common.tldr_artefacts("410m"), total_episodes=131072, per_device_train_batch_size=16,
+             gradient_accumulation_steps=32, num_ppo_epochs=1, local_rollout_forward_batch_size=32)),
+}
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -330,4 +342,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args, PRESETS))

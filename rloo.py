@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 
 import common
 import toy
@@ -21,6 +20,10 @@ import toy
 
 @dataclass
 class Args:
+    # Configuration
+    preset: str | None = None
+    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+
     # Model and data
     model_name_or_path: str = toy.SFT_POLICY
     """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
@@ -111,6 +114,14 @@ class Args:
     local_rank: int = -1
     """set by the deepspeed launcher"""
 
+
+PRESETS = {
+    "tldr-410m-1gpu": common.Preset(
+        "RLOO (k=2), Pythia 410m SFT on TL;DR, 1 GPU: 512 prompts per update, 256 updates, 1 epoch",
+        "python rloo.py --preset tldr-410m-1gpu",
+        Args(**common.tldr_artefacts("410m"), total_episodes=131072, per_device_train_batch_size=16,
+             gradient_accumulation_steps=32, num_ppo_epochs=1, local_rollout_forward_batch_size=32)),
+}
 
 
 def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
@@ -233,4 +244,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args, PRESETS))

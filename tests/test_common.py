@@ -207,3 +207,19 @@ def test_prompt_sampler_gives_ranks_disjoint_prompts_and_resumes_exactly():
     resumed.position = 3
     assert [resumed.next_indices() for _ in range(2)] == first[1][3:]
     assert sorted(first[0][0] + first[1][0] + first[0][1] + first[1][1]) != list(range(10))  # 2 left out per epoch
+
+
+def test_curves_png_is_drawn_from_metrics_jsonl(tmp_path):
+    import json
+
+    import matplotlib.image
+
+    lines = [{"update": u, "time": 1000.0 + 30 * u, "episode": 64 * u, "eval/gold_win_rate": 0.1 * u,
+              "eval/proxy_score": 0.5 * u, "eval/kl": 0.2 * u} for u in range(4)]
+    lines.insert(1, {"update": 1, "time": 1010.0, "loss/policy_avg": 0.5})  # a training line is skipped
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    common.plot_curves(str(tmp_path))
+    image = matplotlib.image.imread(tmp_path / "curves.png")
+    assert image.shape[:2] == (7 * 80, 13 * 80)  # six panels at 80 dpi
+    assert image.std() > 0.01  # something is drawn
+    assert not list(tmp_path.glob(".curves*"))  # written atomically, no leftovers

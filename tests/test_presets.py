@@ -1,0 +1,74 @@
+"""The paper's presets: each parses, its batch arithmetic divides, it names SPEC.md's artefacts,
+and the README lists its exact launch command."""
+
+import os
+import re
+import sys
+from unittest import mock
+
+import pytest
+from scripts import ROOT
+
+import bok
+import common
+import online_dpo
+import online_dpo_vllm
+import ppo
+import rloo
+
+SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "ppo.py": ppo, "rloo.py": rloo,
+           "bok.py": bok}
+ALL_PRESETS = [(script, name) for script, module in SCRIPTS.items() for name in module.PRESETS]
+
+
+def parse(module, *argv):
+    with mock.patch.object(sys, "argv", ["script.py", *argv]):
+        return common.cli(module.Args, module.PRESETS)
+
+
+def test_the_paper_runs_are_all_there():
+    assert sorted(online_dpo.PRESETS) == sorted(f"tldr-{size}-{gpus}gpu" for size in ("410m", "1b", "2.8b")
+                                                for gpus in (1, 4))
+    assert sorted(online_dpo_vllm.PRESETS) == sorted(f"tldr-{size}-async-4gpu" for size in ("410m", "1b", "2.8b"))
+    assert list(ppo.PRESETS) == list(rloo.PRESETS) == list(bok.PRESETS) == ["tldr-410m-1gpu"]
+
+
+@pytest.mark.parametrize(("script", "name"), ALL_PRESETS)
+def test_preset_parses_divides_and_names_the_artefacts(script, name):
+    preset = SCRIPTS[script].PRESETS[name]
+    args = parse(SCRIPTS[script], "--preset", name)
+    assert args.preset == name
+    size = re.match(r"tldr-(410m|1b|2\.8b)-", name).group(1)
+    assert args.model_name_or_path == f"mnoukhov/pythia{size}-sft-tldr"
+    assert args.reward_model_path == f"mnoukhov/pythia{size}-rm-tldr6.9b"
+    assert args.gold_model_path == "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr"
+    assert args.dataset_name == "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    assert (args.response_length, args.temperature, args.penalty_reward_value, args.learning_rate, args.bf16) == (
+        53, 0.7, -1.0, 3e-6, True)
+    # the launch line's training ranks: deepspeed --num_gpus N, or one process
+    match = re.search(r"--num_gpus (\d+)", preset.launch)
+    world_size = int(match.group(1)) if match else 1
+    assert preset.launch.split()[-3:] == [script, "--preset", name]
+    local_batch_size, num_updates = common.batch_sizes(args, world_size)
+    assert num_updates == 256
+    assert local_batch_size * world_size == (504 if script == "online_dpo_vllm.py" else 512)
+    if script == "online_dpo_vllm.py":
+        assert world_size == 3 and args.async_steps == 1  # the 4th GPU generates
+
+
+def test_flags_override_a_preset():
+    args = parse(online_dpo, "--preset", "tldr-1b-4gpu", "--learning_rate", "1e-5", "--seed", "7")
+    assert (args.learning_rate, args.seed, args.model_name_or_path) == (1e-5, 7, "mnoukhov/pythia1b-sft-tldr")
+    assert parse(online_dpo).model_name_or_path == online_dpo.Args().model_name_or_path  # no preset: the toy task
+
+
+def test_unknown_preset_is_a_one_line_error():
+    with pytest.raises(SystemExit, match="--preset 'tldr-7b' is not one of this script's presets: tldr-410m-1gpu"):
+        parse(online_dpo, "--preset", "tldr-7b")
+
+
+def test_the_readme_lists_every_preset_with_its_launch_command():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for script, name in ALL_PRESETS:
+        assert SCRIPTS[script].PRESETS[name].launch in readme, (script, name)
