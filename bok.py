@@ -180,6 +180,7 @@ def main(args: Args):
         query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (B*k, R)
         t1 = time.time()
         rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
+        common.check_rewards(rollout.scores, update)
         logprobs = common.rollout_logprobs(policy, rollout, args)  # (B*k, R), for the logged KL
         best_rows = best_of_k(rollout.scores, k)  # (B,)
         t2 = time.time()

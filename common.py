@@ -159,6 +159,8 @@ def cli(args_class, presets: dict[str, Preset]):
     """Parse the command line into `args_class` with tyro. `--preset NAME` starts from a named
     configuration; every other flag still overrides its values."""
     import argparse
+    import io
+    import re
 
     import tyro
 
@@ -167,7 +169,14 @@ def cli(args_class, presets: dict[str, Preset]):
     chosen = parser.parse_known_args()[0].preset
     if chosen is not None and chosen not in presets:
         fail(f"--preset {chosen!r} is not one of this script's presets: {', '.join(presets)}")
-    return tyro.cli(args_class, default=presets[chosen].args if chosen else None)
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            return tyro.cli(args_class, default=presets[chosen].args if chosen else None, use_underscores=True)
+    except SystemExit as exit:
+        if exit.code in (0, None):
+            raise
+        fail(" ".join(re.sub(r"[╭╮╰╯│─]+", " ", errors.getvalue()).split()))  # tyro's boxed message, on one line
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,13 +207,20 @@ def eos_token_ids(path: str, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def check_reward_model(path: str):
+    """Fail early (before any output exists) when `path` is not a one-label sequence classifier."""
+    from transformers import AutoConfig
+
+    num_labels = AutoConfig.from_pretrained(path).num_labels
+    if num_labels != 1:
+        fail(f"reward model {path!r} has {num_labels} labels; a reward model has exactly 1")
+
+
 def load_reward_model(path: str, dtype):
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
-    if model.config.num_labels != 1:
-        fail(f"reward model {path!r} has {model.config.num_labels} labels; a reward model has exactly 1")
-    return model
+    check_reward_model(path)
+    return AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
 
 
 def same_vocabulary(tokenizer_a, tokenizer_b) -> bool:
@@ -227,10 +243,14 @@ def load_split(name_or_path: str, split: str):
         except (datasets.exceptions.DatasetGenerationError, StopIteration):  # how datasets reports 0 rows
             fail(f"dataset {name_or_path!r} split {split!r} is empty or unreadable")
     if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
-        splits = datasets.load_from_disk(name_or_path)
+        with open(os.path.join(name_or_path, "dataset_dict.json")) as f:
+            splits = json.load(f)["splits"]
         if split not in splits:
             fail(f"dataset {name_or_path!r} has no split {split!r}; it has {sorted(splits)}")
-        return splits[split]
+        try:
+            return datasets.load_from_disk(os.path.join(name_or_path, split))
+        except IndexError:  # how datasets reports a split saved with no rows
+            fail(f"dataset {name_or_path!r} split {split!r} is empty")
     if not os.path.exists(name_or_path) and name_or_path.count("/") != 1:
         fail(f"dataset {name_or_path!r} does not exist (give a directory, a .json/.jsonl/.parquet file, "
              "or an owner/name hub id)")
@@ -295,6 +315,7 @@ def load_task(args, rank: int, dtype) -> Task:
         torch.distributed.barrier()
     tokenizer = load_tokenizer(args.model_name_or_path)
     reward_tokenizer = load_tokenizer(args.reward_model_path)
+    check_reward_model(args.reward_model_path)
     eval_prompts = load_prompts(args, tokenizer, args.eval_split, keep_columns=(args.reference_column,))
     return Task(tokenizer=tokenizer, eos_ids=eos_token_ids(args.model_name_or_path, tokenizer),
                 reward_tokenizer=None if same_vocabulary(tokenizer, reward_tokenizer) else reward_tokenizer,
@@ -537,6 +558,15 @@ def score_rollout(args, task: Task, ref_policy, reward_model, query_ids, query_m
                    response_mask(lengths, responses.shape[1]), ref_logprobs, scores)
 
 
+def check_rewards(scores: torch.Tensor, update: int):
+    """Stop every rank, keeping the last complete checkpoint, when the reward model returns NaN or infinity."""
+    bad = torch.tensor([float((~torch.isfinite(scores)).sum()), float(len(scores))])
+    torch.distributed.all_reduce(bad)
+    if bad[0] > 0:
+        fail(f"update {update}: the reward model returned NaN or infinite scores for {int(bad[0])} of "
+             f"{int(bad[1])} completions; stopped, the last complete checkpoint is kept")
+
+
 @torch.no_grad()
 def rollout_logprobs(model, rollout: Rollout, args) -> torch.Tensor:
     """(N, response_len) log-probs of the rollout's tokens under `model`, INVALID_LOGPROB at pads."""
@@ -729,6 +759,7 @@ class OnlineTrainerState:
     episode: int = 0  # prompts trained on so far, over all ranks
     data_position: int = 0  # global prompt batches drawn
     rng: dict = field(default_factory=dict)  # per-rank RNG states, filled at save time
+    pending_batches: list = field(default_factory=list)  # sampled ahead but not yet trained on (async script)
 
     @staticmethod
     def capture_rng() -> dict:
@@ -742,10 +773,8 @@ class OnlineTrainerState:
 
 
 def prepare_output_dir(output_dir: str, resume: bool):
-    """Refuse to mix a new run into an old one: resuming needs a run directory, a fresh run an empty one."""
+    """Refuse to mix a new run into an old one: a fresh run needs an empty directory."""
     exists = os.path.isdir(output_dir) and os.listdir(output_dir)
-    if resume and not latest_checkpoint(output_dir):
-        fail(f"--resume: no complete checkpoint in {output_dir!r}")
     if not resume and exists:
         fail(f"output directory {output_dir!r} is not empty; pass --resume to continue that run "
              "or choose another --output_dir")
@@ -782,7 +811,13 @@ def save_checkpoint(output_dir: str, engine, state: OnlineTrainerState):
 
 
 def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
+    """The state of the latest complete checkpoint, loaded into `engine`. With none yet (a run stopped
+    before its first checkpoint), a fresh state: the run starts over."""
     path = latest_checkpoint(output_dir)
+    if path is None:
+        if torch.distributed.get_rank() == 0:
+            print(f"--resume: no complete checkpoint in {output_dir!r} yet; starting from update 0")
+        return OnlineTrainerState()
     engine.load_checkpoint(path, tag="engine")
     saved = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"),
                        weights_only=False)
@@ -823,9 +858,9 @@ class MetricsLogger:
         self.wandb = None
         if not self.enabled:
             return
-        if os.path.exists(self.path):  # a resumed run drops what was logged after its checkpoint
+        if os.path.exists(self.path):  # a resumed run drops what was logged after its checkpoint (all if none)
             with open(self.path) as f:
-                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+                kept = [line for line in f if start_update > 0 and json.loads(line)["update"] <= start_update]
             with open(self.path, "w") as f:
                 f.writelines(kept)
         from tqdm import tqdm

@@ -11,6 +11,7 @@ staleness of each batch is measured from the weight version that produced it and
     deepspeed --num_gpus 3 online_dpo_vllm.py --bf16 ...       # GPU node: 3 training GPUs, vLLM on cuda:3
 """
 
+import collections
 import contextlib
 import functools
 import os
@@ -170,9 +171,10 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
     return common.batch_sizes(args, world_size)
 
 
-def generate_ahead(llm, args, prompts, sampler, updates: range, eos_ids, pad_token_id, snapshots: str,
-                   published: queue.Queue, batches: queue.Queue, stop: threading.Event):
-    """Rank 0's generator thread: batch t is sampled with exactly the weights after update t-1-K.
+def generate_ahead(llm, args, prompts, sampler, updates: range, first_version: int, eos_ids, pad_token_id,
+                   snapshots: str, published: queue.Queue, batches: queue.Queue, stop: threading.Event):
+    """Rank 0's generator thread: batch t is sampled with exactly the weights after update t-1-K
+    (or `first_version`, the weights the run started from, if that is later).
 
     The trainer announces each published weight version on `published`; batches (or the error
     that stopped this thread) go to `batches`.
@@ -186,7 +188,7 @@ def generate_ahead(llm, args, prompts, sampler, updates: range, eos_ids, pad_tok
             args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
         loaded = latest = 0  # the engine starts with the SFT weights, version 0
         for update in updates:
-            version = max(update - 1 - args.async_steps, updates.start - 1)
+            version = max(update - 1 - args.async_steps, first_version)
             while latest < version:
                 if stop.is_set():
                     return
@@ -269,7 +271,10 @@ def main(args: Args):
     state = common.OnlineTrainerState()
     if args.resume:
         state = common.load_checkpoint(args.output_dir, policy)
-        sampler.position = state.data_position
+    # batches the interrupted run had already sampled ahead (with older weights) come first, then
+    # the generator carries on drawing prompts after them
+    sampled_ahead = collections.deque(state.pending_batches)
+    sampler.position = state.data_position + len(sampled_ahead)
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "async/staleness", "eval/gold_win_rate"))
 
@@ -282,7 +287,8 @@ def main(args: Args):
         snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-", dir=tmpfs)
         published, batches = queue.Queue(), queue.Queue()
         generator = threading.Thread(target=generate_ahead, daemon=True, name="generator", args=(
-            llm, args, task.train_prompts["input_ids"], sampler, range(state.update + 1, num_updates + 1), task.eos_ids,
+            llm, args, task.train_prompts["input_ids"], sampler,
+            range(state.update + len(sampled_ahead) + 1, num_updates + 1), state.update, task.eos_ids,
             task.tokenizer.pad_token_id, snapshots, published, batches, stop))
     if state.update > 0:  # a resumed run samples from its checkpoint's weights
         common.publish_weights(policy, os.path.join(snapshots or "", f"version-{state.update}"))
@@ -301,7 +307,8 @@ def main(args: Args):
             t0 = time.time()
             shares = None
             if rank == 0:
-                batch = next_batch(batches, generator, args.generator_timeout)
+                batch = sampled_ahead.popleft() if sampled_ahead else next_batch(batches, generator,
+                                                                                  args.generator_timeout)
                 assert batch["update"] == update
                 rows = local_batch_size * k
                 shares = [{**batch, "queries": batch["queries"][r * rows:(r + 1) * rows],
@@ -314,6 +321,7 @@ def main(args: Args):
             query_ids, query_mask = common.left_pad(batch["queries"], pad)  # (B*k, P)
             rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask,
                                            batch["responses"])
+            common.check_rewards(rollout.scores, update)
             logprobs = batch["logprobs"]  # (B*k, R) the engine's, under the weights that sampled them
             ref_seq_logps = common.masked_sum(rollout.ref_logprobs, rollout.mask)  # (B*k,)
 
@@ -392,6 +400,11 @@ def main(args: Args):
                 logger.log_evaluation(update, state.episode,
                                       common.evaluate(args, task, policy, ref_policy, reward_model))
             if args.save_every and update % args.save_every == 0:
+                # the batches already sampled for the next K updates (with weights this checkpoint no
+                # longer has) are saved with it, so a resumed run trains on exactly the same data
+                while rank == 0 and len(sampled_ahead) < min(args.async_steps, num_updates - update):
+                    sampled_ahead.append(next_batch(batches, generator, args.generator_timeout))
+                state.pending_batches = list(sampled_ahead)
                 common.save_checkpoint(args.output_dir, policy, state)
 
         common.save_policy(args.output_dir, policy, task.tokenizer)

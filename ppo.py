@@ -266,6 +266,7 @@ def main(args: Args):
         query_ids, query_mask, responses = common.sample_responses(agent, prompts, 1, args, task, part="policy")
         t1 = time.time()
         rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
+        common.check_rewards(rollout.scores, update)
         rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
         with torch.no_grad():
             logprobs, values, _ = common.in_chunks(

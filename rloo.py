@@ -187,6 +187,7 @@ def main(args: Args):
         query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (B*k, R)
         t1 = time.time()
         rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
+        common.check_rewards(rollout.scores, update)
         logprobs = common.rollout_logprobs(policy, rollout, args)  # (B*k, R)
         seq_logps = common.masked_sum(logprobs, rollout.mask)  # (B*k,)
         kl = common.masked_sum(logprobs - rollout.ref_logprobs, rollout.mask)  # (B*k,)

@@ -35,17 +35,36 @@ def load_policy_weights(output_dir):
     return AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy")).state_dict()
 
 
-def kill_after_checkpoint(script, args, output_dir, update: int):
-    """Start a run, SIGKILL it as soon as checkpoint `update` is complete, and check it was unfinished."""
-    process = subprocess.Popen([sys.executable, script, *map(str, args), "--output_dir", str(output_dir)], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def logged_update(output_dir, update: int) -> bool:
+    """Whether the run has logged the training metrics of `update`."""
+    path = output_dir / "metrics.jsonl"
+    return path.exists() and any(f'"update": {update},' in line and "loss/policy_avg" in line
+                                 for line in path.read_text().splitlines())
+
+
+# Where a run gets killed: each a (description, condition on the output directory) pair.
+KILL_POINTS = {
+    "during update 1, before any checkpoint": lambda out: logged_update(out, 1),
+    "right after checkpoint 2": lambda out: (out / "checkpoints" / "update-2").exists(),
+    "while checkpoint 4 is being written": lambda out: (out / "checkpoints" / ".partial-update-4").exists(),
+}
+
+
+def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,), env=None):
+    """Start (or resume) a run and SIGKILL it, with every process it started, as soon as it reaches `kill_point`."""
+    process = subprocess.Popen([*launcher, script, *map(str, args), "--output_dir", str(output_dir)], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                               env={**os.environ, **(env or {})})
     deadline = time.time() + 600
-    while not (output_dir / "checkpoints" / f"update-{update}").exists() and process.poll() is None:
+    while not KILL_POINTS[kill_point](output_dir) and process.poll() is None:
         assert time.time() < deadline
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
+        time.sleep(0.002)
+    os.killpg(process.pid, signal.SIGKILL)  # the whole session: ranks under a launcher, the vLLM engine
     process.wait()
-    assert not (output_dir / "policy").exists(), "the run finished before it could be interrupted"
+    assert not (output_dir / "policy").exists(), f"the run finished before it could be killed {kill_point}"
+    if kill_point.startswith("while checkpoint"):  # killed mid-save: the half-written checkpoint is not used
+        assert not (output_dir / "checkpoints" / "update-4").exists(), "the save completed before the kill"
+        assert (output_dir / "checkpoints" / "update-2").exists()
 
 
 # A short toy run: 5 updates of 64 prompts, evaluated after every update on 128 prompts, checkpointed
@@ -53,12 +72,14 @@ def kill_after_checkpoint(script, args, output_dir, update: int):
 TOY_RUN = ["--total_episodes", "320", "--eval_every", "1", "--eval_num_prompts", "128", "--save_every", "2"]
 
 
-def uninterrupted_and_resumed_runs(folder, script, args):
-    """Run `script` once without interruption, and once killed after its checkpoint at update 2 and
-    resumed; returns both run directories."""
-    run_script(*args, "--output_dir", folder / "whole", script=script)
-    kill_after_checkpoint(script, args, folder / "interrupted", update=2)
-    run_script(*args, "--output_dir", folder / "interrupted", "--resume", script=script)
+def uninterrupted_and_resumed_runs(folder, script, args, kill_points=tuple(KILL_POINTS), launcher=(sys.executable,),
+                                   env=None):
+    """Run `script` once without interruption, and once killed at each of `kill_points` in turn,
+    resuming with --resume after each kill; returns both run directories."""
+    run_script(*args, "--output_dir", folder / "whole", script=script, launcher=launcher, env=env)
+    for kill_point in kill_points:
+        kill_at(script, [*args, "--resume"], folder / "interrupted", kill_point, launcher=launcher, env=env)
+    run_script(*args, "--output_dir", folder / "interrupted", "--resume", script=script, launcher=launcher, env=env)
     return folder / "whole", folder / "interrupted"
 
 

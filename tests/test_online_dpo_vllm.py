@@ -9,7 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from scripts import QUICK, ROOT, kill_after_checkpoint, load_policy_weights, read_metrics, run_script
+from scripts import (
+    KILL_POINTS,
+    QUICK,
+    ROOT,
+    assert_same_weights_and_metrics,
+    load_policy_weights,
+    read_metrics,
+    run_script,
+    uninterrupted_and_resumed_runs,
+)
 
 import toy
 
@@ -21,7 +30,6 @@ ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=
 
 def check_greedy_after_weight_sync(snapshot_dir):
     """Train the policy a few steps, push the weights, compare vLLM greedy with HF greedy."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     import common
@@ -91,9 +99,28 @@ def synchronous_run(tmp_path_factory):
     return async_run(tmp_path_factory.mktemp("k0"), 0)
 
 
+@pytest.fixture(scope="module")
+def k1_runs(tmp_path_factory):
+    """K=1 uninterrupted, and killed right after checkpoint 2 and again while writing checkpoint 4."""
+    return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("k1"), "online_dpo_vllm.py",
+                                          [*ASYNC_QUICK, "--async_steps", "1"],
+                                          kill_points=list(KILL_POINTS)[1:])  # K=1 from the first batch on
+
+
+@pytest.fixture(scope="module")
+def two_rank_k2_run(tmp_path_factory):
+    """Two training ranks and one engine, K=2: 4 updates of 16 prompts per rank."""
+    out = tmp_path_factory.mktemp("two_ranks") / "run"
+    run_script(*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2", "--output_dir", out,
+               script="online_dpo_vllm.py", launcher=("deepspeed", "--num_gpus", "2", "--master_port", "29610"),
+               env={"OMP_NUM_THREADS": "1"})
+    return out
+
+
 @pytest.mark.parametrize(("async_steps", "staleness"), [(0, [0, 0, 0, 0]), (1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])])
-def test_measured_staleness_is_exactly_k(tmp_path, synchronous_run, async_steps, staleness):
-    train, out = synchronous_run if async_steps == 0 else async_run(tmp_path, async_steps)
+def test_measured_staleness_is_exactly_k(synchronous_run, k1_runs, two_rank_k2_run, async_steps, staleness):
+    out = {0: synchronous_run[1], 1: k1_runs[0], 2: two_rank_k2_run}[async_steps]
+    train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
     assert [m["async/staleness"] for m in train] == staleness
     # the engine's log-probs match the trainer's under the same weights: no stale-weight bug
     assert all(m["async/logprob_diff"] < 1e-3 for m in train), [m["async/logprob_diff"] for m in train]
@@ -101,12 +128,11 @@ def test_measured_staleness_is_exactly_k(tmp_path, synchronous_run, async_steps,
     assert load_policy_weights(out)
 
 
-def test_k0_resumes_after_a_kill_with_the_same_weights(tmp_path, synchronous_run):
-    interrupted = tmp_path / "interrupted"
-    kill_after_checkpoint("online_dpo_vllm.py", [*ASYNC_QUICK, "--async_steps", "0"], interrupted, update=2)
-    run_script(*ASYNC_QUICK, "--async_steps", "0", "--output_dir", interrupted, "--resume", script="online_dpo_vllm.py")
-    whole, resumed = load_policy_weights(synchronous_run[1]), load_policy_weights(interrupted)
-    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+def test_k1_resumes_after_kills_with_the_same_weights_and_samples(k1_runs):
+    # the batches sampled ahead with pre-checkpoint weights are saved with the checkpoint, so even
+    # with K=1 a resumed run trains on exactly the samples of the uninterrupted one
+    assert_same_weights_and_metrics(*k1_runs, ["loss/policy_avg", "objective/scores", "async/staleness",
+                                               "async/logprob_diff"])
 
 
 # Stands in for the generator thread: each batch is sampled when the trainer asks for it.
@@ -170,13 +196,56 @@ def test_a_failing_generator_stops_the_trainer(tmp_path):
     assert not (tmp_path / "run" / "policy").exists()
 
 
-def test_two_training_ranks_and_one_engine(tmp_path):
+def test_two_training_ranks_and_one_engine(two_rank_k2_run):
+    train = [m for m in read_metrics(two_rank_k2_run) if "loss/policy_avg" in m]
+    assert [m["episode"] for m in train] == [32, 64, 96, 128]  # each rank trains on its 16 of 32 prompts
+
+
+HANGING_GENERATOR = """
+import time, common, online_dpo_vllm
+generate, calls = common.vllm_generate, []
+def hanging_generate(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:  # batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)
+        time.sleep(3600)
+    return generate(*args, **kwargs)
+common.vllm_generate = hanging_generate
+if __name__ == "__main__":
+    online_dpo_vllm.main(common.cli(online_dpo_vllm.Args, online_dpo_vllm.PRESETS))
+"""
+
+
+def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_runs):
     out = tmp_path / "run"
-    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--output_dir", out,
-               script="online_dpo_vllm.py", launcher=("deepspeed", "--num_gpus", "2", "--master_port", "29610"),
-               env={"OMP_NUM_THREADS": "1"})
-    train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
-    assert [m["episode"] for m in train] == [32, 64] and [m["async/staleness"] for m in train] == [0, 1]
+    args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1"]
+    result = subprocess.run([sys.executable, "-c", HANGING_GENERATOR, *args, "--generator_timeout", "5",
+                             "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == "error: no batch from the generator within --generator_timeout 5 s"
+    assert (out / "checkpoints" / "update-1").is_dir() and not (out / "policy").exists()
+    run_script(*args, "--output_dir", out, "--resume", script="online_dpo_vllm.py")
+    # the same weights and samples as the K=1 run that never failed (which saved every 2 updates)
+    assert_same_weights_and_metrics(k1_runs[0], out, ["loss/policy_avg", "async/staleness", "async/logprob_diff"])
+
+
+def test_a_dead_engine_stops_the_trainer(tmp_path):
+    import psutil
+
+    out = tmp_path / "run"
+    command = [sys.executable, "online_dpo_vllm.py", *QUICK, "--total_episodes", "6400", "--eval_every", "1000",
+               "--generator_timeout", "60", "--output_dir", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        time.sleep(0.1)
+    for child in psutil.Process(process.pid).children(recursive=True):  # the engine core and its worker
+        child.kill()
+    killed = time.time()
+    assert process.wait(timeout=300) != 0
+    last_line = process.stderr.read().strip().splitlines()[-1]
+    assert time.time() - killed < 60, last_line
+    assert last_line.startswith("error: generation failed"), last_line
+    assert not (out / "policy").exists()
 
 
 def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):

@@ -126,16 +126,6 @@ def test_resume_after_kill_gives_the_same_weights(runs):
                                             "eval/gold_win_rate"])
 
 
-def test_two_ranks_zero3_under_the_deepspeed_launcher(tmp_path):
-    out = tmp_path / "run"
-    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "1", "--zero_stage", "3", "--output_dir", out,
-               script="ppo.py", launcher=("deepspeed", "--num_gpus", "2", "--master_port", "29611"),
-               env={"OMP_NUM_THREADS": "1"})
-    train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
-    assert [m["episode"] for m in train] == [32, 64]
-    assert load_policy_weights(out)
-
-
 def test_value_model_needs_the_policy_vocabulary(tmp_path, tiny_dir):
     out = tmp_path / "run"
     result = run_script(*QUICK, "--reward_model_path", tiny_dir / "reward", "--output_dir", out, script="ppo.py",
