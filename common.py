@@ -600,7 +600,8 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 # vLLM: placement, generation and weight sync (one place that knows vLLM's internals)
 # ----------------------------------------------------------------------------------------------
 def start_vllm(args, world_size: int):
-    """A vLLM engine for the policy, in its own process, on its own device.
+    """A vLLM engine for the policy, in its own process, on its own device; returns the engine and
+    a function that says whether its processes are still alive.
 
     GPU: the engine takes `--vllm_device` (default the GPU after the training ranks'). CPU: it
     takes the last `--vllm_cpu_threads` cores and the trainer keeps the others. Its own process
@@ -621,13 +622,22 @@ def start_vllm(args, world_size: int):
         environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]  # the engine process sees only its GPU
     else:
         fail(f"--vllm_device {device!r} is neither 'cpu' nor 'cuda:<index>'")
+    import psutil
     from vllm import LLM
 
+    before = {process.pid for process in psutil.Process().children(recursive=True)}
     with mock.patch.dict(os.environ, environment):  # the engine process inherits these
-        return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-                   max_model_len=args.max_prompt_length + args.response_length, enforce_eager=device == "cpu",
-                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                   logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
+        llm = LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                  max_model_len=args.max_prompt_length + args.response_length, enforce_eager=device == "cpu",
+                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                  logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
+    engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+    def engine_alive() -> bool:
+        """False once an engine process has died: vLLM's client would wait for it forever."""
+        return all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engine_processes)
+
+    return llm, engine_alive
 
 
 def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids, pad_token_id):

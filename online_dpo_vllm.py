@@ -223,8 +223,8 @@ def generate_ahead(llm, args, prompts, sampler, updates: range, first_version: i
         batches.put(error)
 
 
-def next_batch(batches: queue.Queue, generator: threading.Thread, timeout: float) -> dict:
-    """The next generated batch; stops within a second when the generator has failed or died."""
+def next_batch(batches: queue.Queue, generator: threading.Thread, engine_alive, timeout: float) -> dict:
+    """The next generated batch; stops within a second when the generator or the engine has failed or died."""
     deadline = time.time() + timeout
     while True:
         try:
@@ -232,6 +232,9 @@ def next_batch(batches: queue.Queue, generator: threading.Thread, timeout: float
         except queue.Empty:
             if not generator.is_alive():
                 common.fail("the generator thread ended without producing the next batch")
+            if not engine_alive():
+                common.fail("the vLLM engine process died (killed, or out of memory); the last complete checkpoint "
+                            "is kept, --resume continues from it")
             if time.time() > deadline:
                 common.fail(f"no batch from the generator within --generator_timeout {timeout:g} s")
             continue
@@ -279,10 +282,10 @@ def main(args: Args):
                                   ("loss/policy_avg", "objective/scores", "async/staleness", "eval/gold_win_rate"))
 
     # The engine and its generator thread live on rank 0; weight snapshots go through tmpfs.
-    snapshots = published = batches = generator = None
+    snapshots = published = batches = generator = engine_alive = None
     stop = threading.Event()
     if rank == 0:
-        llm = common.start_vllm(args, world_size)
+        llm, engine_alive = common.start_vllm(args, world_size)
         tmpfs = "/dev/shm" if os.path.isdir("/dev/shm") else None
         snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-", dir=tmpfs)
         published, batches = queue.Queue(), queue.Queue()
@@ -307,7 +310,7 @@ def main(args: Args):
             t0 = time.time()
             shares = None
             if rank == 0:
-                batch = sampled_ahead.popleft() if sampled_ahead else next_batch(batches, generator,
+                batch = sampled_ahead.popleft() if sampled_ahead else next_batch(batches, generator, engine_alive,
                                                                                   args.generator_timeout)
                 assert batch["update"] == update
                 rows = local_batch_size * k
@@ -403,7 +406,7 @@ def main(args: Args):
                 # the batches already sampled for the next K updates (with weights this checkpoint no
                 # longer has) are saved with it, so a resumed run trains on exactly the same data
                 while rank == 0 and len(sampled_ahead) < min(args.async_steps, num_updates - update):
-                    sampled_ahead.append(next_batch(batches, generator, args.generator_timeout))
+                    sampled_ahead.append(next_batch(batches, generator, engine_alive, args.generator_timeout))
                 state.pending_batches = list(sampled_ahead)
                 common.save_checkpoint(args.output_dir, policy, state)
 

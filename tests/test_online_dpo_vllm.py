@@ -41,7 +41,7 @@ def check_greedy_after_weight_sync(snapshot_dir):
     prompts = common.load_prompts(SimpleNamespace(dataset_name=toy.DATASET, prompt_column="query",
                                                   chat_template=False, max_prompt_length=64),
                                   tokenizer, "validation")["input_ids"][:32]
-    llm = common.start_vllm(args, world_size=1)
+    llm, _ = common.start_vllm(args, world_size=1)
     policy = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY)
     engine = common.prepare_deepspeed(policy, args, torch.optim.AdamW(policy.parameters(), lr=1e-2))
     query_ids, query_mask = common.left_pad(prompts, tokenizer.pad_token_id)
@@ -148,12 +148,12 @@ class InlineGenerator:
         return True
 
 threaded_next_batch = online_dpo_vllm.next_batch
-def next_batch_inline(batches, generator, timeout):
+def next_batch_inline(batches, generator, *rest):
     updates = generator.args[4]  # generate_ahead's `updates`
     generator.args[4] = range(updates.start, updates.start + 1)
     generator.target(*generator.args)
     generator.args[4] = range(updates.start + 1, updates.stop)
-    return threaded_next_batch(batches, generator, timeout)
+    return threaded_next_batch(batches, generator, *rest)
 
 online_dpo_vllm.threading = types.SimpleNamespace(Thread=InlineGenerator, Event=threading.Event)
 online_dpo_vllm.next_batch = next_batch_inline
@@ -243,8 +243,8 @@ def test_a_dead_engine_stops_the_trainer(tmp_path):
     killed = time.time()
     assert process.wait(timeout=300) != 0
     last_line = process.stderr.read().strip().splitlines()[-1]
-    assert time.time() - killed < 60, last_line
-    assert last_line.startswith("error: generation failed"), last_line
+    assert time.time() - killed < 30, last_line  # the generator timeout is 60 s: not what stopped it
+    assert last_line.startswith("error: the vLLM engine process died"), last_line
     assert not (out / "policy").exists()
 
 
