@@ -2,7 +2,7 @@
 learns from off-policy data?
 
 Every algorithm (online DPO, PPO, RLOO, best-of-k) trains from the same SFT policy on the same
-number of prompts with the same optimizer steps, twice: generating one mini-batch per optimizer
+number of prompts with the same optimizer steps and learning rate, twice: generating one mini-batch per optimizer
 step (on-policy), and generating N mini-batches at once and then taking N steps, so the i-th step
 trains on data i-1 updates stale (SPEC.md's `num_mini_batches`). PPO and RLOO take one epoch, as
 in the paper's TL;DR runs, so every algorithm takes the same steps. Prints final gold win-rate and
@@ -36,6 +36,9 @@ class Args:
     toy task's ceiling"""
     prompts_per_step: int = 32
     """prompts per optimizer step (k samples each where the algorithm takes k)"""
+    learning_rate: float = 6e-5
+    """one learning rate for every algorithm: on-policy, each then ends this budget mid-way (about 20-45% gold
+    win-rate), where staleness can show, rather than at the toy task's plateau or still at the SFT policy"""
     off_policy_mini_batches: int = 4
     """N: mini-batches per generated batch in the off-policy setting"""
     seeds: tuple[int, ...] = (1, 2, 3)
@@ -59,7 +62,8 @@ def train(script: str, mini_batches: int, seed: int, args: Args) -> dict:
     run_args = module.Args(seed=seed, output_dir=output_dir,
                            total_episodes=args.optimizer_steps * args.prompts_per_step,
                            per_device_train_batch_size=args.prompts_per_step, gradient_accumulation_steps=1,
-                           num_mini_batches=mini_batches, eval_every=10**6, eval_num_prompts=args.eval_num_prompts,
+                           num_mini_batches=mini_batches, learning_rate=args.learning_rate,
+                           eval_every=10**6, eval_num_prompts=args.eval_num_prompts,
                            **epochs)
     print(f"{name}: {script} --num_mini_batches {mini_batches} --seed {seed}", flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
