@@ -9,7 +9,7 @@ in the paper's TL;DR runs, so every algorithm takes the same steps. Prints final
 KL per algorithm and setting (mean over seeds, with the spread) and the drop in win-rate from 1 to
 N mini-batches. The paper's claim: online DPO is the most robust to off-policy data.
 
-    python bench/off_policy.py             # about 10 minutes on 2 CPU cores
+    python bench/off_policy.py             # about 5 minutes on 2 CPU cores
     python bench/off_policy.py --quick     # under a minute: 1 seed, 4 steps of 8 prompts (a smoke test, not a result)
 """
 
