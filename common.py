@@ -609,15 +609,15 @@ def start_vllm(args, world_size: int):
     """
     device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else f"cuda:{world_size}")
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    cores = engine_cores = trainer_cores = sorted(os.sched_getaffinity(0))
     if device == "cpu":
-        cores = sorted(os.sched_getaffinity(0))
         if not 0 < args.vllm_cpu_threads < len(cores):
             fail(f"--vllm_cpu_threads {args.vllm_cpu_threads} must leave the trainer at least one of "
                  f"the {len(cores)} cores")
-        engine_cores = cores[-args.vllm_cpu_threads:]
+        engine_cores, trainer_cores = cores[-args.vllm_cpu_threads:], cores[:-args.vllm_cpu_threads]
         environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)),
                            VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib))
-        torch.set_num_threads(len(cores) - len(engine_cores))
+        torch.set_num_threads(len(trainer_cores))
     elif device.startswith("cuda:"):
         environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]  # the engine process sees only its GPU
     else:
@@ -626,11 +626,15 @@ def start_vllm(args, world_size: int):
     from vllm import LLM
 
     before = {process.pid for process in psutil.Process().children(recursive=True)}
-    with mock.patch.dict(os.environ, environment):  # the engine process inherits these
+    # The engine's processes inherit these, and this thread's cores: on a CPU, all of them stay on the
+    # engine's cores (its scheduler process busy-waits on its worker, and would take the trainer's core).
+    os.sched_setaffinity(0, engine_cores)
+    with mock.patch.dict(os.environ, environment):
         llm = LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                   max_model_len=args.max_prompt_length + args.response_length, enforce_eager=device == "cpu",
                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                   logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
+    os.sched_setaffinity(0, trainer_cores)
     engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
 
     def engine_alive() -> bool:
@@ -650,7 +654,10 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids
     from vllm.inputs import TokensPrompt
 
     params = [SamplingParams(temperature=args.temperature, top_k=0, top_p=1.0, max_tokens=args.response_length,
-                             stop_token_ids=eos_ids, logprobs=0, seed=seed) for seed in seeds]
+                             stop_token_ids=eos_ids, logprobs=0, seed=seed,  # the sampled token's log-prob only
+                             # token ids and plain lists: the least output work in the trainer's process
+                             detokenize=False, flat_logprobs=True)
+              for seed in seeds]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     responses = torch.full((len(prompts), args.response_length), pad_token_id, dtype=torch.long)
     logprobs = torch.full((len(prompts), args.response_length), INVALID_LOGPROB)
@@ -658,7 +665,7 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids
         completion = output.outputs[0]
         tokens = list(completion.token_ids)
         responses[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logprobs[row, :len(tokens)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, tokens)])
+        logprobs[row, :len(tokens)] = torch.tensor(completion.logprobs.logprobs)  # one per token (logprobs=0)
     return responses, logprobs
 
 

@@ -131,6 +131,9 @@ class Args:
     """CPU only: RAM reserved for the engine's KV cache"""
     vllm_gpu_memory_utilization: float = 0.9
     """GPU only: share of the engine's GPU memory vLLM may use"""
+    logprob_check_rows: int = 16
+    """rows of each batch (the first ones) that async/logprob_diff checks: the trainer's model recomputes
+    their log-probs, in the generator thread on the trainer's cores, so each row costs training time"""
     generator_timeout: float = 600.0
     """seconds the trainer waits for a batch before it stops with an error"""
 
@@ -168,6 +171,9 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
         common.fail(f"--beta must be positive, got {args.beta}")
     if args.async_steps < 0:
         common.fail(f"--async_steps must be 0 (synchronous) or more, got {args.async_steps}")
+    if args.logprob_check_rows < 1:
+        common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
+                    f"got {args.logprob_check_rows}")
     return common.batch_sizes(args, world_size)
 
 
@@ -208,17 +214,18 @@ def generate_ahead(llm, args, prompts, sampler, updates: range, first_version: i
             responses, logprobs = common.vllm_generate(llm, queries, [rng.getrandbits(63) for _ in queries], args,
                                                        eos_ids, pad_token_id)  # (B*k, R) each
             t2 = time.time()
-            query_ids, query_mask = common.left_pad(queries, pad_token_id)
-            _, lengths, _ = common.truncate_after_eos(responses, eos_ids, pad_token_id)
+            checked = slice(0, args.logprob_check_rows)
+            query_ids, query_mask = common.left_pad(queries[checked], pad_token_id)
+            _, lengths, _ = common.truncate_after_eos(responses[checked], eos_ids, pad_token_id)
             with torch.no_grad():
                 trainer_logprobs = common.in_chunks(functools.partial(
                     common.response_logprobs, sampling_policy, temperature=args.temperature),
-                    args.local_rollout_forward_batch_size, query_ids, query_mask, responses, lengths)
+                    args.local_rollout_forward_batch_size, query_ids, query_mask, responses[checked], lengths)
             mask = common.response_mask(lengths, args.response_length)
+            logprob_diff = common.masked_mean((logprobs[checked] - trainer_logprobs).abs(), mask)
             batches.put({"update": update, "version": version, "queries": queries, "responses": responses,
                          "logprobs": logprobs, "time/generate": t2 - t1, "time/weight_load": t1 - t0,
-                         "time/logprob_check": time.time() - t2,
-                         "async/logprob_diff": common.masked_mean((logprobs - trainer_logprobs).abs(), mask)})
+                         "time/logprob_check": time.time() - t2, "async/logprob_diff": logprob_diff})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         batches.put(error)
 
