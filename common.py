@@ -599,16 +599,16 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 # ----------------------------------------------------------------------------------------------
 # vLLM: placement, generation and weight sync (one place that knows vLLM's internals)
 # ----------------------------------------------------------------------------------------------
-def start_vllm(args, world_size: int):
-    """A vLLM engine for the policy, in its own process, on its own device; returns the engine and
-    a function that says whether its processes are still alive.
+def start_generator(args, world_size: int, target, target_args: tuple):
+    """Spawn the generator process, which runs `target(*target_args)` and holds the vLLM engine
+    (start_vllm), on its own device: it never shares a core or the GIL with the trainer.
 
-    GPU: the engine takes `--vllm_device` (default the GPU after the training ranks'). CPU: it
-    takes the last `--vllm_cpu_threads` cores and the trainer keeps the others. Its own process
-    because an in-process engine hangs beside a multi-rank torch.distributed group.
+    GPU: it sees only `--vllm_device` (default the GPU after the training ranks'). CPU: it runs on
+    the last `--vllm_cpu_threads` cores and this process, the trainer, keeps the others.
     """
     device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else f"cuda:{world_size}")
-    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    # the engine runs inside the generator process: no further processes, no inter-process polling
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cores = engine_cores = trainer_cores = sorted(os.sched_getaffinity(0))
     if device == "cpu":
         if not 0 < args.vllm_cpu_threads < len(cores):
@@ -616,32 +616,34 @@ def start_vllm(args, world_size: int):
                  f"the {len(cores)} cores")
         engine_cores, trainer_cores = cores[-args.vllm_cpu_threads:], cores[:-args.vllm_cpu_threads]
         environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)),
-                           VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib))
-        torch.set_num_threads(len(trainer_cores))
+                           VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
     elif device.startswith("cuda:"):
-        environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]  # the engine process sees only its GPU
+        environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
     else:
         fail(f"--vllm_device {device!r} is neither 'cpu' nor 'cuda:<index>'")
-    import psutil
+    import multiprocessing
+
+    generator = multiprocessing.get_context("spawn").Process(target=target, args=target_args, daemon=True,
+                                                              name="generator")
+    os.sched_setaffinity(0, engine_cores)  # a new process inherits its parent's cores and environment
+    with mock.patch.dict(os.environ, environment):
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name, None)  # not a training rank: vLLM sets up its own one-process world
+        generator.start()
+    os.sched_setaffinity(0, trainer_cores)
+    torch.set_num_threads(len(trainer_cores))
+    return generator
+
+
+def start_vllm(args):
+    """A vLLM engine for the policy, in this process: the generator process that start_generator
+    placed on the engine's device (its environment says which)."""
     from vllm import LLM
 
-    before = {process.pid for process in psutil.Process().children(recursive=True)}
-    # The engine's processes inherit these, and this thread's cores: on a CPU, all of them stay on the
-    # engine's cores (its scheduler process busy-waits on its worker, and would take the trainer's core).
-    os.sched_setaffinity(0, engine_cores)
-    with mock.patch.dict(os.environ, environment):
-        llm = LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-                  max_model_len=args.max_prompt_length + args.response_length, enforce_eager=device == "cpu",
-                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                  logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
-    os.sched_setaffinity(0, trainer_cores)
-    engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-
-    def engine_alive() -> bool:
-        """False once an engine process has died: vLLM's client would wait for it forever."""
-        return all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engine_processes)
-
-    return llm, engine_alive
+    return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+               max_model_len=args.max_prompt_length + args.response_length,
+               enforce_eager=not torch.cuda.is_available(), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+               logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
 
 
 def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids, pad_token_id):

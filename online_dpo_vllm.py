@@ -14,12 +14,12 @@ staleness of each batch is measured from the weight version that produced it and
 import collections
 import contextlib
 import functools
+import multiprocessing
 import os
 import queue
 import random
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -132,8 +132,8 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.9
     """GPU only: share of the engine's GPU memory vLLM may use"""
     logprob_check_rows: int = 16
-    """rows of each batch (the first ones) that async/logprob_diff checks: the trainer's model recomputes
-    their log-probs, in the generator thread on the trainer's cores, so each row costs training time"""
+    """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
+    their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
     generator_timeout: float = 600.0
     """seconds the trainer waits for a batch before it stops with an error"""
 
@@ -177,18 +177,19 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
     return common.batch_sizes(args, world_size)
 
 
-def generate_ahead(llm, args, prompts, sampler, updates: range, first_version: int, eos_ids, pad_token_id,
-                   snapshots: str, published: queue.Queue, batches: queue.Queue, stop: threading.Event):
-    """Rank 0's generator thread: batch t is sampled with exactly the weights after update t-1-K
-    (or `first_version`, the weights the run started from, if that is later).
+def generate_ahead(args, prompts, sampler, updates: range, first_version: int, eos_ids, pad_token_id,
+                   snapshots: str, published, batches, stop):
+    """Rank 0's generator process, which holds the vLLM engine: batch t is sampled with exactly the
+    weights after update t-1-K (or `first_version`, the weights the run started from, if that is later).
 
-    The trainer announces each published weight version on `published`; batches (or the error
-    that stopped this thread) go to `batches`.
+    The trainer announces each published weight version on the queue `published`; batches (or the
+    error that stopped this process, as text) go to the queue `batches`; the event `stop` ends it.
     """
     try:
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
+        llm = common.start_vllm(args)
         # the trainer's model holding the sampling weights, for async/logprob_diff
         sampling_policy = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
@@ -223,31 +224,32 @@ def generate_ahead(llm, args, prompts, sampler, updates: range, first_version: i
                     args.local_rollout_forward_batch_size, query_ids, query_mask, responses[checked], lengths)
             mask = common.response_mask(lengths, args.response_length)
             logprob_diff = common.masked_mean((logprobs[checked] - trainer_logprobs).abs(), mask)
-            batches.put({"update": update, "version": version, "queries": queries, "responses": responses,
-                         "logprobs": logprobs, "time/generate": t2 - t1, "time/weight_load": t1 - t0,
+            # numpy arrays travel by value (torch tensors would be shared and vanish with this process)
+            batches.put({"update": update, "version": version, "queries": queries, "responses": responses.numpy(),
+                         "logprobs": logprobs.numpy(), "time/generate": t2 - t1, "time/weight_load": t1 - t0,
                          "time/logprob_check": time.time() - t2, "async/logprob_diff": logprob_diff})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
-        batches.put(error)
+        batches.put(f"{type(error).__name__}: {error}")
 
 
-def next_batch(batches: queue.Queue, generator: threading.Thread, engine_alive, timeout: float) -> dict:
-    """The next generated batch; stops within a second when the generator or the engine has failed or died."""
+def next_batch(batches, generator, timeout: float) -> dict:
+    """The next generated batch; stops within a second when the generator has failed or died."""
     deadline = time.time() + timeout
     while True:
+        alive = generator.is_alive()  # before reading, so that what it sent before it ended is read first
         try:
             item = batches.get(timeout=0.5)
         except queue.Empty:
-            if not generator.is_alive():
-                common.fail("the generator thread ended without producing the next batch")
-            if not engine_alive():
+            if not alive:
                 common.fail("the vLLM engine process died (killed, or out of memory); the last complete checkpoint "
                             "is kept, --resume continues from it")
             if time.time() > deadline:
                 common.fail(f"no batch from the generator within --generator_timeout {timeout:g} s")
             continue
-        if isinstance(item, BaseException):
-            common.fail(f"generation failed: {type(item).__name__}: {item}")
-        return item
+        if isinstance(item, str):
+            common.fail(f"generation failed: {item}")
+        return {**item, "responses": torch.from_numpy(item["responses"]),
+                "logprobs": torch.from_numpy(item["logprobs"])}
 
 
 def main(args: Args):
@@ -288,24 +290,22 @@ def main(args: Args):
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "async/staleness", "eval/gold_win_rate"))
 
-    # The engine and its generator thread live on rank 0; weight snapshots go through tmpfs.
-    snapshots = published = batches = generator = engine_alive = None
-    stop = threading.Event()
+    # The generator process with the engine lives beside rank 0 (it starts while the trainer
+    # evaluates); weight snapshots go through tmpfs.
+    snapshots = published = batches = stop = generator = None
     if rank == 0:
-        llm, engine_alive = common.start_vllm(args, world_size)
         tmpfs = "/dev/shm" if os.path.isdir("/dev/shm") else None
         snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-", dir=tmpfs)
-        published, batches = queue.Queue(), queue.Queue()
-        generator = threading.Thread(target=generate_ahead, daemon=True, name="generator", args=(
-            llm, args, task.train_prompts["input_ids"], sampler,
+        context = multiprocessing.get_context("spawn")
+        published, batches, stop = context.Queue(), context.Queue(), context.Event()
+        generator = common.start_generator(args, world_size, generate_ahead, (
+            args, task.train_prompts["input_ids"], sampler,
             range(state.update + len(sampled_ahead) + 1, num_updates + 1), state.update, task.eos_ids,
             task.tokenizer.pad_token_id, snapshots, published, batches, stop))
     if state.update > 0:  # a resumed run samples from its checkpoint's weights
         common.publish_weights(policy, os.path.join(snapshots or "", f"version-{state.update}"))
         if rank == 0:
             published.put(state.update)
-    if rank == 0:
-        generator.start()
 
     try:
         if state.update == 0:
@@ -317,7 +317,7 @@ def main(args: Args):
             t0 = time.time()
             shares = None
             if rank == 0:
-                batch = sampled_ahead.popleft() if sampled_ahead else next_batch(batches, generator, engine_alive,
+                batch = sampled_ahead.popleft() if sampled_ahead else next_batch(batches, generator,
                                                                                   args.generator_timeout)
                 assert batch["update"] == update
                 rows = local_batch_size * k
@@ -413,7 +413,7 @@ def main(args: Args):
                 # the batches already sampled for the next K updates (with weights this checkpoint no
                 # longer has) are saved with it, so a resumed run trains on exactly the same data
                 while rank == 0 and len(sampled_ahead) < min(args.async_steps, num_updates - update):
-                    sampled_ahead.append(next_batch(batches, generator, engine_alive, args.generator_timeout))
+                    sampled_ahead.append(next_batch(batches, generator, args.generator_timeout))
                 state.pending_batches = list(sampled_ahead)
                 common.save_checkpoint(args.output_dir, policy, state)
 
@@ -422,8 +422,10 @@ def main(args: Args):
         if rank == 0:
             print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
     finally:
-        stop.set()
         if rank == 0:
+            stop.set()
+            generator.terminate()
+            generator.join()
             shutil.rmtree(snapshots, ignore_errors=True)
 
 

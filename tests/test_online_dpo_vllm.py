@@ -22,6 +22,9 @@ from scripts import (
 
 import toy
 
+# what common.start_generator gives the generator process on a CPU: the engine in-process, on the last core
+ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": str(os.cpu_count() - 1),
+                      "VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=1, vllm_gpu_memory_utilization=0.9,
                    model_name_or_path=toy.SFT_POLICY, bf16=False, seed=0, max_prompt_length=64, response_length=12,
                    temperature=0.7, per_device_train_batch_size=8, gradient_accumulation_steps=1, zero_stage=2,
@@ -34,14 +37,14 @@ def check_greedy_after_weight_sync(snapshot_dir):
 
     import common
 
-    common.init_distributed()
     args = SimpleNamespace(**ENGINE_ARGS)
+    llm = common.start_vllm(args)  # in this process, on the core ENGINE_ENVIRONMENT names
+    common.init_distributed()
     tokenizer = common.load_tokenizer(toy.SFT_POLICY)
     eos_ids = common.eos_token_ids(toy.SFT_POLICY, tokenizer)
     prompts = common.load_prompts(SimpleNamespace(dataset_name=toy.DATASET, prompt_column="query",
                                                   chat_template=False, max_prompt_length=64),
                                   tokenizer, "validation")["input_ids"][:32]
-    llm, _ = common.start_vllm(args, world_size=1)
     policy = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY)
     engine = common.prepare_deepspeed(policy, args, torch.optim.AdamW(policy.parameters(), lr=1e-2))
     query_ids, query_mask = common.left_pad(prompts, tokenizer.pad_token_id)
@@ -80,7 +83,8 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync(tmp_path):
     toy.build()
     code = ("import sys; sys.path[:0] = ['.', 'tests']; import test_online_dpo_vllm as t; "
             f"t.check_greedy_after_weight_sync({str(tmp_path)!r})")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, **ENGINE_ENVIRONMENT})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "greedy completions equal after weight sync" in result.stdout
 
@@ -135,31 +139,49 @@ def test_k1_resumes_after_kills_with_the_same_weights_and_samples(k1_runs):
                                                "async/logprob_diff"])
 
 
-# Stands in for the generator thread: each batch is sampled when the trainer asks for it.
+# Stands in for the generator process: each batch is sampled in the trainer's process, with one
+# engine, when the trainer asks for it.
 INLINE_GENERATOR = """
-import threading, types, online_dpo_vllm, tyro
+import os, torch, common, online_dpo_vllm, tyro
+from unittest import mock
 
 class InlineGenerator:
-    def __init__(self, target, args, **kwargs):
-        self.target, self.args = target, list(args)
-    def start(self):
-        pass
+    def __init__(self, target, target_args):
+        self.target, self.args = target, list(target_args)
     def is_alive(self):
         return True
+    def terminate(self):
+        pass
+    def join(self):
+        pass
 
-threaded_next_batch = online_dpo_vllm.next_batch
+def start_inline(args, world_size, target, target_args):
+    # the engine's model in processes of its own: run in this one, vLLM changes the trainer's numerics
+    os.environ.update(ENGINE_ENVIRONMENT, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    torch.set_num_threads(len(os.sched_getaffinity(0)) - 1)  # the trainer's cores, as start_generator leaves them
+    return InlineGenerator(target, target_args)
+
+start_vllm, engine = common.start_vllm, []
+def one_engine(args):
+    if not engine:
+        with mock.patch.dict(os.environ):
+            for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(name)  # the engine's processes are not training ranks
+            engine.append(start_vllm(args))
+    return engine[0]
+
+next_batch = online_dpo_vllm.next_batch
 def next_batch_inline(batches, generator, *rest):
-    updates = generator.args[4]  # generate_ahead's `updates`
-    generator.args[4] = range(updates.start, updates.start + 1)
+    updates = generator.args[3]  # generate_ahead's `updates`
+    generator.args[3] = range(updates.start, updates.start + 1)
     generator.target(*generator.args)
-    generator.args[4] = range(updates.start + 1, updates.stop)
-    return threaded_next_batch(batches, generator, *rest)
+    generator.args[3] = range(updates.start + 1, updates.stop)
+    return next_batch(batches, generator, *rest)
 
-online_dpo_vllm.threading = types.SimpleNamespace(Thread=InlineGenerator, Event=threading.Event)
-online_dpo_vllm.next_batch = next_batch_inline
+common.start_generator, common.start_vllm, online_dpo_vllm.next_batch = start_inline, one_engine, next_batch_inline
 if __name__ == "__main__":
     online_dpo_vllm.main(tyro.cli(online_dpo_vllm.Args))
-"""
+""".replace("ENGINE_ENVIRONMENT", repr(ENGINE_ENVIRONMENT))
 
 
 def test_k0_gives_the_same_losses_as_inline_generation(tmp_path, synchronous_run):
@@ -173,22 +195,20 @@ def test_k0_gives_the_same_losses_as_inline_generation(tmp_path, synchronous_run
     assert len({m["loss/policy_avg"] for m in inline}) == 4  # four different batches, not one repeated
 
 
-FAULTY_GENERATOR = """
-import sys, common, online_dpo_vllm, tyro
-generate, calls = common.vllm_generate, []
-def failing_generate(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:
-        raise RuntimeError("injected generator fault")
-    return generate(*args, **kwargs)
-common.vllm_generate = failing_generate
+# Runs online_dpo_vllm.py with the generator process replaced by one of tests/faulty_generators.py.
+WITH_FAULTY_GENERATOR = """
+import sys
+sys.path[:0] = [".", "tests"]
+import common, faulty_generators, online_dpo_vllm
+online_dpo_vllm.generate_ahead = getattr(faulty_generators, sys.argv.pop(1))
 if __name__ == "__main__":
-    online_dpo_vllm.main(tyro.cli(online_dpo_vllm.Args))
+    online_dpo_vllm.main(common.cli(online_dpo_vllm.Args, online_dpo_vllm.PRESETS))
 """
 
 
 def test_a_failing_generator_stops_the_trainer(tmp_path):
-    result = subprocess.run([sys.executable, "-c", FAULTY_GENERATOR, *QUICK, "--total_episodes", "64",
+    result = subprocess.run([sys.executable, "-c", WITH_FAULTY_GENERATOR, "failing_generate_ahead", *QUICK,
+                             "--total_episodes", "64",
                              "--output_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode != 0
@@ -201,25 +221,12 @@ def test_two_training_ranks_and_one_engine(two_rank_k2_run):
     assert [m["episode"] for m in train] == [32, 64, 96, 128]  # each rank trains on its 16 of 32 prompts
 
 
-HANGING_GENERATOR = """
-import time, common, online_dpo_vllm
-generate, calls = common.vllm_generate, []
-def hanging_generate(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 3:  # batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)
-        time.sleep(3600)
-    return generate(*args, **kwargs)
-common.vllm_generate = hanging_generate
-if __name__ == "__main__":
-    online_dpo_vllm.main(common.cli(online_dpo_vllm.Args, online_dpo_vllm.PRESETS))
-"""
-
-
 def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_runs):
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1"]
-    result = subprocess.run([sys.executable, "-c", HANGING_GENERATOR, *args, "--generator_timeout", "5",
-                             "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", WITH_FAULTY_GENERATOR, "hanging_generate_ahead", *args,
+                             "--generator_timeout", "5", "--output_dir", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == "error: no batch from the generator within --generator_timeout 5 s"
     assert (out / "checkpoints" / "update-1").is_dir() and not (out / "policy").exists()
@@ -238,7 +245,7 @@ def test_a_dead_engine_stops_the_trainer(tmp_path):
     while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
         assert process.poll() is None, process.stderr.read()[-3000:]
         time.sleep(0.1)
-    for child in psutil.Process(process.pid).children(recursive=True):  # the engine core and its worker
+    for child in psutil.Process(process.pid).children(recursive=True):  # the generator process with the engine
         child.kill()
     killed = time.time()
     assert process.wait(timeout=300) != 0
@@ -259,7 +266,7 @@ def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):
         assert process.poll() is None, process.stderr.read()[-3000:]
         time.sleep(0.1)
     children = psutil.Process(process.pid).children(recursive=True)
-    assert any("EngineCore" in " ".join(c.cmdline()) or "EngineCore" in c.name() for c in children)
+    assert any("spawn_main" in " ".join(c.cmdline()) for c in children)  # the generator process
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=60) != 0
     assert "KeyboardInterrupt" in process.stderr.read()

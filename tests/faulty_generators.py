@@ -1,0 +1,40 @@
+"""Generator processes with an injected fault, for online_dpo_vllm.py's fault tests.
+
+The generator runs in a spawned process, which imports this module and calls the function that
+replaced online_dpo_vllm.generate_ahead in the trainer; the fault is injected there, in the
+generator's own copy of common.
+"""
+
+import time
+
+import common
+import online_dpo_vllm
+
+
+def with_vllm_generate_fault(fault, at_call: int):
+    """common.vllm_generate, calling `fault()` instead at its `at_call`-th call."""
+    generate, calls = common.vllm_generate, []
+
+    def faulty_generate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_call:
+            fault()
+        return generate(*args, **kwargs)
+
+    return faulty_generate
+
+
+def raise_fault():
+    raise RuntimeError("injected generator fault")
+
+
+def failing_generate_ahead(*args):
+    """Raises at the second batch."""
+    common.vllm_generate = with_vllm_generate_fault(raise_fault, at_call=2)
+    online_dpo_vllm.generate_ahead(*args)
+
+
+def hanging_generate_ahead(*args):
+    """Hangs at batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)."""
+    common.vllm_generate = with_vllm_generate_fault(lambda: time.sleep(3600), at_call=3)
+    online_dpo_vllm.generate_ahead(*args)
