@@ -19,6 +19,8 @@ import os
 import queue
 import random
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -135,7 +137,8 @@ class Args:
     """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
     their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
     generator_timeout: float = 600.0
-    """seconds the trainer waits for a batch before it stops with an error"""
+    """seconds the trainer waits for a batch before it stops with an error (the first wait includes the
+    engine's start)"""
 
     # Distributed
     zero_stage: Literal[2, 3] = 2
@@ -186,6 +189,7 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, e
     error that stopped this process, as text) go to the queue `batches`; the event `stop` ends it.
     """
     try:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # stopped by the trainer: exit cleanly
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
@@ -425,7 +429,9 @@ def main(args: Args):
         if rank == 0:
             stop.set()
             generator.terminate()
-            generator.join()
+            generator.join(timeout=10)
+            if generator.is_alive():  # stuck in native code
+                generator.kill()
             shutil.rmtree(snapshots, ignore_errors=True)
 
 

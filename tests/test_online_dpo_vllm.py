@@ -225,10 +225,11 @@ def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, 
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1"]
     result = subprocess.run([sys.executable, "-c", WITH_FAULTY_GENERATOR, "hanging_generate_ahead", *args,
-                             "--generator_timeout", "5", "--output_dir", str(out)],
+                             "--generator_timeout", "45", "--output_dir", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines()[-1] == "error: no batch from the generator within --generator_timeout 5 s"
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line == "error: no batch from the generator within --generator_timeout 45 s"
     assert (out / "checkpoints" / "update-1").is_dir() and not (out / "policy").exists()
     run_script(*args, "--output_dir", out, "--resume", script="online_dpo_vllm.py")
     # the same weights and samples as the K=1 run that never failed (which saved every 2 updates)
