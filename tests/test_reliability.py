@@ -65,6 +65,8 @@ def bad_input_cases(script, folder):
         cases.append((["--num_samples", "1"], "--num_samples must be at least 2"))
     if script in HAS_LOSS_TYPE:
         cases.append((["--loss_type", "hinge"], "invalid choice 'hinge' for argument '--loss_type'"))
+    if script == "online_dpo_vllm.py":
+        cases.append((["--logprob_check_rows", "0"], "--logprob_check_rows must be at least 1"))
     return cases
 
 
