@@ -599,12 +599,11 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 # ----------------------------------------------------------------------------------------------
 # vLLM: placement, generation and weight sync (one place that knows vLLM's internals)
 # ----------------------------------------------------------------------------------------------
-def start_generator(args, world_size: int, target, target_args: tuple):
-    """Spawn the generator process, which runs `target(*target_args)` and holds the vLLM engine
-    (start_vllm), on its own device: it never shares a core or the GIL with the trainer.
+def engine_placement(args, world_size: int) -> tuple[dict[str, str], list[int], list[int]]:
+    """Where the engine runs: the environment of its process, its cores and the trainer's cores.
 
     GPU: it sees only `--vllm_device` (default the GPU after the training ranks'). CPU: it runs on
-    the last `--vllm_cpu_threads` cores and this process, the trainer, keeps the others.
+    the last `--vllm_cpu_threads` cores and the trainer keeps the others.
     """
     device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else f"cuda:{world_size}")
     # the engine runs inside the generator process: no further processes, no inter-process polling
@@ -621,8 +620,16 @@ def start_generator(args, world_size: int, target, target_args: tuple):
         environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
     else:
         fail(f"--vllm_device {device!r} is neither 'cpu' nor 'cuda:<index>'")
+    return environment, engine_cores, trainer_cores
+
+
+def start_generator(args, world_size: int, target, target_args: tuple):
+    """Spawn the generator process, which runs `target(*target_args)` and holds the vLLM engine
+    (start_vllm), placed by engine_placement: it never shares the GIL, nor on a CPU a core, with
+    this process, the trainer."""
     import multiprocessing
 
+    environment, engine_cores, trainer_cores = engine_placement(args, world_size)
     generator = multiprocessing.get_context("spawn").Process(target=target, args=target_args, daemon=True,
                                                               name="generator")
     os.sched_setaffinity(0, engine_cores)  # a new process inherits its parent's cores and environment
@@ -636,8 +643,8 @@ def start_generator(args, world_size: int, target, target_args: tuple):
 
 
 def start_vllm(args):
-    """A vLLM engine for the policy, in this process: the generator process that start_generator
-    placed on the engine's device (its environment says which)."""
+    """A vLLM engine for the policy, in this process: the generator process, placed on the engine's
+    device by engine_placement's environment."""
     from vllm import LLM
 
     return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
@@ -657,7 +664,7 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids
 
     params = [SamplingParams(temperature=args.temperature, top_k=0, top_p=1.0, max_tokens=args.response_length,
                              stop_token_ids=eos_ids, logprobs=0, seed=seed,  # the sampled token's log-prob only
-                             # token ids and plain lists: the least output work in the trainer's process
+                             # token ids and plain lists: the least output work in the engine's client
                              detokenize=False, flat_logprobs=True)
               for seed in seeds]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

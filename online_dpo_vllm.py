@@ -181,12 +181,13 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
 
 
 def generate_ahead(args, prompts, sampler, updates: range, first_version: int, eos_ids, pad_token_id,
-                   snapshots: str, published, batches, stop):
+                   snapshots: str, published, batches):
     """Rank 0's generator process, which holds the vLLM engine: batch t is sampled with exactly the
     weights after update t-1-K (or `first_version`, the weights the run started from, if that is later).
 
     The trainer announces each published weight version on the queue `published`; batches (or the
-    error that stopped this process, as text) go to the queue `batches`; the event `stop` ends it.
+    error that stopped this process, as text) go to the queue `batches`. It ends when the trainer
+    terminates it, or by itself once the trainer is gone.
     """
     try:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # stopped by the trainer: exit cleanly
@@ -201,7 +202,7 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, e
         for update in updates:
             version = max(update - 1 - args.async_steps, first_version)
             while latest < version:
-                if stop.is_set():
+                if not multiprocessing.parent_process().is_alive():  # no trainer: free the engine's device
                     return
                 with contextlib.suppress(queue.Empty):
                     latest = published.get(timeout=0.1)
@@ -296,16 +297,16 @@ def main(args: Args):
 
     # The generator process with the engine lives beside rank 0 (it starts while the trainer
     # evaluates); weight snapshots go through tmpfs.
-    snapshots = published = batches = stop = generator = None
+    snapshots = published = batches = generator = None
     if rank == 0:
         tmpfs = "/dev/shm" if os.path.isdir("/dev/shm") else None
         snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-", dir=tmpfs)
         context = multiprocessing.get_context("spawn")
-        published, batches, stop = context.Queue(), context.Queue(), context.Event()
+        published, batches = context.Queue(), context.Queue()
         generator = common.start_generator(args, world_size, generate_ahead, (
             args, task.train_prompts["input_ids"], sampler,
             range(state.update + len(sampled_ahead) + 1, num_updates + 1), state.update, task.eos_ids,
-            task.tokenizer.pad_token_id, snapshots, published, batches, stop))
+            task.tokenizer.pad_token_id, snapshots, published, batches))
     if state.update > 0:  # a resumed run samples from its checkpoint's weights
         common.publish_weights(policy, os.path.join(snapshots or "", f"version-{state.update}"))
         if rank == 0:
@@ -427,7 +428,6 @@ def main(args: Args):
             print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
     finally:
         if rank == 0:
-            stop.set()
             generator.terminate()
             generator.join(timeout=10)
             if generator.is_alive():  # stuck in native code

@@ -20,22 +20,20 @@ from scripts import (
     uninterrupted_and_resumed_runs,
 )
 
+import common
 import toy
 
-# what common.start_generator gives the generator process on a CPU: the engine in-process, on the last core
-ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": str(os.cpu_count() - 1),
-                      "VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=1, vllm_gpu_memory_utilization=0.9,
                    model_name_or_path=toy.SFT_POLICY, bf16=False, seed=0, max_prompt_length=64, response_length=12,
                    temperature=0.7, per_device_train_batch_size=8, gradient_accumulation_steps=1, zero_stage=2,
                    max_grad_norm=1.0)
+# the generator process's environment on a CPU: the engine in-process, on the last core
+ENGINE_ENVIRONMENT = common.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1)[0]
 
 
 def check_greedy_after_weight_sync(snapshot_dir):
     """Train the policy a few steps, push the weights, compare vLLM greedy with HF greedy."""
     from transformers import AutoModelForCausalLM
-
-    import common
 
     args = SimpleNamespace(**ENGINE_ARGS)
     llm = common.start_vllm(args)  # in this process, on the core ENGINE_ENVIRONMENT names
@@ -142,7 +140,7 @@ def test_k1_resumes_after_kills_with_the_same_weights_and_samples(k1_runs):
 # Stands in for the generator process: each batch is sampled in the trainer's process, with one
 # engine, when the trainer asks for it.
 INLINE_GENERATOR = """
-import os, torch, common, online_dpo_vllm, tyro
+import multiprocessing, os, types, torch, common, online_dpo_vllm, tyro
 from unittest import mock
 
 class InlineGenerator:
@@ -181,6 +179,9 @@ def next_batch_inline(batches, generator, *rest):
     return next_batch(batches, generator, *rest)
 
 common.start_generator, common.start_vllm, online_dpo_vllm.next_batch = start_inline, one_engine, next_batch_inline
+# generate_ahead's trainer (its parent process) is this very process: alive as long as it runs
+online_dpo_vllm.multiprocessing = types.SimpleNamespace(get_context=multiprocessing.get_context,
+                                                        parent_process=multiprocessing.current_process)
 if __name__ == "__main__":
     online_dpo_vllm.main(tyro.cli(online_dpo_vllm.Args))
 """.replace("ENGINE_ENVIRONMENT", repr(ENGINE_ENVIRONMENT))
