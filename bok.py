@@ -126,7 +126,8 @@ def best_of_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Row of the highest-scoring sample of each prompt; among tied best samples, the first.
     scores: (prompts * k,) -> (prompts,)"""
     per_prompt = scores.view(-1, k)  # (prompts, k)
-    return torch.arange(len(per_prompt)) * k + per_prompt.argmax(dim=1)  # argmax returns the first maximum
+    offsets = torch.arange(len(per_prompt), device=scores.device) * k
+    return offsets + per_prompt.argmax(dim=1)  # argmax returns the first maximum
 
 
 def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

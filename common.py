@@ -42,11 +42,21 @@ def init_distributed():
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
 
+    if torch.cuda.is_available():  # before any CUDA work, so that each rank's tensors and NCCL use its own GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+def local_device() -> torch.device:
+    """This rank's device: the GPU that init_distributed gave it on a GPU node, else the CPU.
+    DeepSpeed places the models there, so every tensor they see must be created there too."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def seed_everything(seed: int, torch_deterministic: bool):
+    if torch_deterministic:  # cuBLAS is deterministic only with a fixed workspace; set before its first use
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -111,7 +121,7 @@ def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     """Average logged numbers over ranks, so metrics describe the whole batch, not rank 0's share."""
     if not values or torch.distributed.get_world_size() == 1:
         return values
-    stacked = torch.tensor(list(values.values()), dtype=torch.float64)
+    stacked = torch.tensor(list(values.values()), dtype=torch.float64, device=local_device())  # NCCL: GPU only
     torch.distributed.all_reduce(stacked)
     stacked /= torch.distributed.get_world_size()
     return dict(zip(values, stacked.tolist()))
@@ -281,9 +291,11 @@ def load_prompts(args, tokenizer, split: str, keep_columns: tuple[str, ...] = ()
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return {"input_ids": ids}
 
+    # In memory: datasets' on-disk cache would add new files next to the dataset on every run (the
+    # closures' fingerprints differ between runs), piling up without bound.
     dataset = dataset.map(tokenize, remove_columns=[c for c in dataset.column_names if c not in keep_columns],
-                          desc=f"tokenizing {split}")
-    kept = dataset.filter(lambda row: 0 < len(row["input_ids"]) <= args.max_prompt_length)
+                          desc=f"tokenizing {split}", keep_in_memory=True)
+    kept = dataset.filter(lambda row: 0 < len(row["input_ids"]) <= args.max_prompt_length, keep_in_memory=True)
     if len(kept) < len(dataset):
         print(f"{split}: dropped {len(dataset) - len(kept)} of {len(dataset)} prompts longer than "
               f"max_prompt_length={args.max_prompt_length} tokens")
@@ -332,15 +344,15 @@ def resolve_output_dir(args):
         args.output_dir = os.path.join("runs", f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
 
-def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch, max_len) token ids and attention mask, padded on the left."""
+def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, max_len) token ids and attention mask on `device`, padded on the left."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, sequence in enumerate(sequences):
         ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
         mask[row, width - len(sequence):] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 class PromptSampler:
@@ -482,7 +494,7 @@ def retokenize(query_ids, query_mask, responses, lengths, contains_eos, policy_t
     queries, texts = decode_responses(policy_tokenizer, query_ids, query_mask, responses, lengths, True)
     texts = [q + r + (reward_tokenizer.eos_token if done else "") for q, r, done in zip(queries, texts, contains_eos)]
     encoded = reward_tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt",
-                               padding_side="left")
+                               padding_side="left").to(query_ids.device)
     return encoded["input_ids"], encoded["attention_mask"]
 
 
@@ -535,7 +547,7 @@ def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, t
     `part`: the policy's attribute name when the engine trains more than the policy (PPO).
     """
     pad = task.tokenizer.pad_token_id
-    query_ids, query_mask = left_pad(prompts, pad)
+    query_ids, query_mask = left_pad(prompts, pad, policy.device)
     query_ids, query_mask = query_ids.repeat_interleave(num_samples, 0), query_mask.repeat_interleave(num_samples, 0)
     with torch.no_grad(), full_parameters(policy, part) as model:
         responses = in_chunks(functools.partial(
@@ -560,7 +572,7 @@ def score_rollout(args, task: Task, ref_policy, reward_model, query_ids, query_m
 
 def check_rewards(scores: torch.Tensor, update: int):
     """Stop every rank, keeping the last complete checkpoint, when the reward model returns NaN or infinity."""
-    bad = torch.tensor([float((~torch.isfinite(scores)).sum()), float(len(scores))])
+    bad = torch.tensor([float((~torch.isfinite(scores)).sum()), float(len(scores))], device=scores.device)
     torch.distributed.all_reduce(bad)
     if bad[0] > 0:
         fail(f"update {update}: the reward model returned NaN or infinite scores for {int(bad[0])} of "
@@ -715,7 +727,7 @@ def load_gold_scorer(path: str, dtype, policy_tokenizer):
         import toy
 
         return toy.gold_score
-    model = load_reward_model(path, dtype).eval()
+    model = load_reward_model(path, dtype).eval().to(local_device())
     tokenizer = load_tokenizer(path)
 
     @torch.no_grad()
@@ -724,7 +736,7 @@ def load_gold_scorer(path: str, dtype, policy_tokenizer):
         for start in range(0, len(queries), 16):
             texts = [(q + r).replace(policy_tokenizer.eos_token, tokenizer.eos_token)
                      for q, r in zip(queries[start:start + 16], responses[start:start + 16])]
-            encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+            encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
             scores += reward_scores(model, encoded["input_ids"], encoded["attention_mask"]).tolist()
         return scores
 
@@ -745,7 +757,7 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
               "num_eos_tokens": 0.0, "response_length": 0.0}
     for start in range(0, len(rows), args.local_rollout_forward_batch_size):
         batch = rows.select(range(start, min(start + args.local_rollout_forward_batch_size, len(rows))))
-        query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id)
+        query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id, policy.device)
         with full_parameters(policy, part) as model:
             greedy = generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
                               eos_ids, tokenizer.pad_token_id)
@@ -769,7 +781,7 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
         totals["kl"] += masked_sum(logprobs - ref_logprobs, mask).sum().item()
         totals["num_eos_tokens"] += contains_eos.float().sum().item()
         totals["response_length"] += lengths.float().sum().item()
-    counts = torch.tensor([float(len(rows))] + list(totals.values()), dtype=torch.float64)
+    counts = torch.tensor([float(len(rows))] + list(totals.values()), dtype=torch.float64, device=policy.device)
     torch.distributed.all_reduce(counts)
     return {f"eval/{name}": value / counts[0].item() for name, value in zip(totals, counts[1:].tolist())}
 
@@ -789,13 +801,18 @@ class OnlineTrainerState:
 
     @staticmethod
     def capture_rng() -> dict:
-        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():  # HF generate samples with this rank's GPU generator there
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return rng
 
     @staticmethod
     def restore_rng(rng: dict):
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
 
 
 def prepare_output_dir(output_dir: str, resume: bool):

@@ -192,7 +192,7 @@ def main(args: Args):
         # Pairs: best vs worst of each prompt's k samples; a prompt whose samples all tie is masked out.
         scores = rollout.scores
         per_prompt = scores.view(-1, k)  # (B, k)
-        offsets = torch.arange(len(per_prompt)) * k
+        offsets = torch.arange(len(per_prompt), device=scores.device) * k
         chosen_rows, rejected_rows = offsets + per_prompt.argmax(1), offsets + per_prompt.argmin(1)  # (B,)
         valid = (per_prompt.max(1).values > per_prompt.min(1).values).float()  # (B,)
         t2 = time.time()

@@ -221,7 +221,7 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, e
                                                        eos_ids, pad_token_id)  # (B*k, R) each
             t2 = time.time()
             checked = slice(0, args.logprob_check_rows)
-            query_ids, query_mask = common.left_pad(queries[checked], pad_token_id)
+            query_ids, query_mask = common.left_pad(queries[checked], pad_token_id, "cpu")
             _, lengths, _ = common.truncate_after_eos(responses[checked], eos_ids, pad_token_id)
             with torch.no_grad():
                 trainer_logprobs = common.in_chunks(functools.partial(
@@ -333,17 +333,17 @@ def main(args: Args):
             torch.distributed.scatter_object_list(received, shares, src=0)
             batch = received[0]
             t1 = time.time()
-            query_ids, query_mask = common.left_pad(batch["queries"], pad)  # (B*k, P)
+            query_ids, query_mask = common.left_pad(batch["queries"], pad, policy.device)  # (B*k, P)
             rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask,
-                                           batch["responses"])
+                                           batch["responses"].to(policy.device))
             common.check_rewards(rollout.scores, update)
-            logprobs = batch["logprobs"]  # (B*k, R) the engine's, under the weights that sampled them
+            logprobs = batch["logprobs"].to(policy.device)  # (B*k, R) the engine's, under the weights that sampled them
             ref_seq_logps = common.masked_sum(rollout.ref_logprobs, rollout.mask)  # (B*k,)
 
             # Pairs: best vs worst of each prompt's k samples; a prompt whose samples all tie is masked out.
             scores = rollout.scores
             per_prompt = scores.view(-1, k)  # (B, k)
-            offsets = torch.arange(len(per_prompt)) * k
+            offsets = torch.arange(len(per_prompt), device=scores.device) * k
             chosen_rows, rejected_rows = offsets + per_prompt.argmax(1), offsets + per_prompt.argmin(1)  # (B,)
             valid = (per_prompt.max(1).values > per_prompt.min(1).values).float()  # (B,)
             t2 = time.time()

@@ -177,7 +177,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 def token_rewards(logprobs, ref_logprobs, scores, lengths, mask, kl_coef: float) -> torch.Tensor:
     """-kl_coef * (logp - ref_logp) at every real token, plus the score at the last real token.  (batch, len)"""
     rewards = -kl_coef * (logprobs - ref_logprobs) * mask
-    rewards[torch.arange(len(rewards)), lengths - 1] += scores
+    rewards[torch.arange(len(rewards), device=rewards.device), lengths - 1] += scores
     return rewards
 
 
@@ -189,9 +189,9 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     """
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
-    running = torch.zeros(len(rewards))
+    running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros(len(rewards))
+        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
         delta = rewards[:, t] + gamma * next_values - values[:, t]
         running = delta + gamma * lam * running
         advantages[:, t] = running

@@ -80,7 +80,7 @@ def test_response_logprobs_match_manual_and_ignore_left_padding(tiny_dir):
         manual = [logits[2].log_softmax(-1)[7], logits[3].log_softmax(-1)[8]]
         assert got[0, :2].tolist() == pytest.approx([m.item() for m in manual], abs=1e-5)
         assert got[0, 2].item() == common.INVALID_LOGPROB
-        padded_query, padded_mask = common.left_pad([[4, 5, 6], [4, 5, 6, 7, 8]], PAD)
+        padded_query, padded_mask = common.left_pad([[4, 5, 6], [4, 5, 6, 7, 8]], PAD, "cpu")
         padded = common.response_logprobs(policy, padded_query, padded_mask, responses.repeat(2, 1),
                                           lengths.repeat(2), 0.7)
         assert padded[0, :2].tolist() == pytest.approx(got[0, :2].tolist(), abs=1e-5)
@@ -90,7 +90,7 @@ def test_response_logprobs_match_manual_and_ignore_left_padding(tiny_dir):
 def test_reward_is_read_at_last_real_token_and_penalises_missing_eos(tiny_dir):
     _, reward_model = load_tiny(tiny_dir)
     tokenizer = word_tokenizer()
-    query_ids, query_mask = common.left_pad([[4, 5], [4, 5, 6, 7]], PAD)
+    query_ids, query_mask = common.left_pad([[4, 5], [4, 5, 6, 7]], PAD, "cpu")
     responses = torch.tensor([[8, EOS, PAD], [8, 9, 10]])
     lengths, contains_eos = torch.tensor([2, 3]), torch.tensor([True, False])
     with torch.no_grad():
@@ -110,7 +110,7 @@ def test_reward_model_with_another_tokenizer_sees_the_same_text(tiny_dir):
                                       specials=("[PAD]", "[END]", "<unk>"))
     query = policy_tokenizer("the cat sat on", add_special_tokens=False)["input_ids"]
     response = policy_tokenizer("the mat <eos>", add_special_tokens=False)["input_ids"]
-    query_ids, query_mask = common.left_pad([query], policy_tokenizer.pad_token_id)
+    query_ids, query_mask = common.left_pad([query], policy_tokenizer.pad_token_id, "cpu")
     responses, lengths, contains_eos = common.truncate_after_eos(torch.tensor([response + [PAD]]), [EOS], PAD)
     with torch.no_grad():
         score = common.score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos,
@@ -194,7 +194,7 @@ def test_tokenizer_without_pad_token_is_refused(tmp_path):
 
 
 def test_left_pad():
-    ids, mask = common.left_pad([[5], [6, 7, 8]], PAD)
+    ids, mask = common.left_pad([[5], [6, 7, 8]], PAD, "cpu")
     assert ids.tolist() == [[PAD, PAD, 5], [6, 7, 8]] and mask.tolist() == [[0, 0, 1], [1, 1, 1]]
 
 

@@ -45,7 +45,7 @@ def check_greedy_after_weight_sync(snapshot_dir):
                                   tokenizer, "validation")["input_ids"][:32]
     policy = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY)
     engine = common.prepare_deepspeed(policy, args, torch.optim.AdamW(policy.parameters(), lr=1e-2))
-    query_ids, query_mask = common.left_pad(prompts, tokenizer.pad_token_id)
+    query_ids, query_mask = common.left_pad(prompts, tokenizer.pad_token_id, engine.device)
 
     def hf_greedy():
         output = engine.module.generate(input_ids=query_ids, attention_mask=query_mask, do_sample=False,
