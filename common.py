@@ -662,7 +662,10 @@ def start_vllm(args):
     return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                max_model_len=args.max_prompt_length + args.response_length,
                enforce_eager=not torch.cuda.is_available(), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-               logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
+               logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+               # whole prompts per engine step: a prompt split across steps rewinds its seeded generator,
+               # which vLLM 0.32 cannot do on a CPU ("CPU Generator does not use offset")
+               enable_chunked_prefill=False)
 
 
 def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids, pad_token_id):

@@ -11,6 +11,7 @@ per update, where the time goes, the final gold win-rate, the speedups, and the 
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -27,9 +28,9 @@ class Args:
     updates: int = 30
     """training updates per run (the first is excluded from the timings as warm-up)"""
     prompts_per_update: int = 64
-    """prompts per update (2 samples each)"""
-    extra: tuple[str, ...] = ()
-    """extra flags passed to every run, e.g. --extra --response_length 24"""
+    """prompts per update"""
+    extra: str = ""
+    """extra flags passed to every run, in one argument: --extra='--num_samples 4'"""
 
 
 def run(script: str, args: Args, folder: str, *flags: str) -> list[dict]:
@@ -37,9 +38,11 @@ def run(script: str, args: Args, folder: str, *flags: str) -> list[dict]:
     command = [sys.executable, os.path.join(ROOT, script),
                "--total_episodes", str(args.updates * args.prompts_per_update),
                "--per_device_train_batch_size", str(args.prompts_per_update // 4), "--gradient_accumulation_steps", "4",
-               "--eval_every", str(10**6), "--output_dir", output_dir, *flags, *args.extra]
+               "--eval_every", str(10**6), "--output_dir", output_dir, *flags, *shlex.split(args.extra)]
     print("$", " ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    if result.returncode:
+        sys.exit(f"this run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -54,7 +54,9 @@ def train(arm: str, seed: int, args: Args) -> list[dict]:
                "--eval_every", str(args.eval_every), "--output_dir", output_dir]
     print("$", " ".join(command[1:]), flush=True)
     launched = time.time()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    if result.returncode:
+        sys.exit(f"this run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         evals = [m for m in map(json.loads, f) if "eval/gold_win_rate" in m]
     return [{**m, "minutes": (m["time"] - launched) / 60} for m in evals]

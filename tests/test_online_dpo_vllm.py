@@ -74,6 +74,14 @@ def check_greedy_after_weight_sync(snapshot_dir):
     common.publish_weights(engine, os.path.join(snapshot_dir, "version-1"))
     common.load_vllm_weights(llm, os.path.join(snapshot_dir, "version-1"))
     assert vllm_greedy() == after
+    # seeded sampling: a row's completion depends on its prompt and seed alone, however vLLM batches
+    # it, also in a batch of more prompt tokens than one engine step takes (4096 on a CPU)
+    batch, pad = prompts * 8, tokenizer.pad_token_id
+    assert sum(map(len, batch)) > 4096
+    seeds = list(range(len(batch)))
+    responses, _ = common.vllm_generate(llm, batch, seeds, args, eos_ids, pad)
+    alone, _ = common.vllm_generate(llm, batch[-1:], seeds[-1:], args, eos_ids, pad)
+    assert torch.equal(responses[-1:], alone)
     print("greedy completions equal after weight sync")
 
 
