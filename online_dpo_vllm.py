@@ -136,9 +136,11 @@ class Args:
     logprob_check_rows: int = 16
     """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
     their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
+    engine_start_timeout: float = 1800.0
+    """seconds the trainer waits for the vLLM engine to start (it loads the model and warms up) before it
+    stops with an error"""
     generator_timeout: float = 600.0
-    """seconds the trainer waits for a batch before it stops with an error (the first wait includes the
-    engine's start)"""
+    """seconds the trainer waits for each batch, once the engine has started, before it stops with an error"""
 
     # Distributed
     zero_stage: Literal[2, 3] = 2
@@ -174,10 +176,16 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
         common.fail(f"--beta must be positive, got {args.beta}")
     if args.async_steps < 0:
         common.fail(f"--async_steps must be 0 (synchronous) or more, got {args.async_steps}")
+    for name in ("engine_start_timeout", "generator_timeout"):
+        if getattr(args, name) <= 0:
+            common.fail(f"--{name} must be positive (seconds), got {getattr(args, name)}")
     if args.logprob_check_rows < 1:
         common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
                     f"got {args.logprob_check_rows}")
     return common.batch_sizes(args, world_size)
+
+
+ENGINE_STARTED = {"engine": "started"}  # the generator's first message (errors are text)
 
 
 def generate_ahead(args, prompts, sampler, updates: range, first_version: int, eos_ids, pad_token_id,
@@ -185,9 +193,9 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, e
     """Rank 0's generator process, which holds the vLLM engine: batch t is sampled with exactly the
     weights after update t-1-K (or `first_version`, the weights the run started from, if that is later).
 
-    The trainer announces each published weight version on the queue `published`; batches (or the
-    error that stopped this process, as text) go to the queue `batches`. It ends when the trainer
-    terminates it, or by itself once the trainer is gone.
+    The trainer announces each published weight version on the queue `published`; ENGINE_STARTED, then
+    the batches (or the error that stopped this process, as text) go to the queue `batches`. It ends
+    when the trainer terminates it, or by itself once the trainer is gone.
     """
     try:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # stopped by the trainer: exit cleanly
@@ -198,6 +206,7 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, e
         # the trainer's model holding the sampling weights, for async/logprob_diff
         sampling_policy = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
+        batches.put(ENGINE_STARTED)
         loaded = latest = 0  # the engine starts with the SFT weights, version 0
         for update in updates:
             version = max(update - 1 - args.async_steps, first_version)
@@ -237,8 +246,9 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, e
         batches.put(f"{type(error).__name__}: {error}")
 
 
-def next_batch(batches, generator, timeout: float) -> dict:
-    """The next generated batch; stops within a second when the generator has failed or died."""
+def receive(batches, generator, timeout: float, timeout_error: str):
+    """The generator's next message; stops within a second when the generator has failed or died,
+    and with `timeout_error` after `timeout` seconds."""
     deadline = time.time() + timeout
     while True:
         alive = generator.is_alive()  # before reading, so that what it sent before it ended is read first
@@ -249,12 +259,17 @@ def next_batch(batches, generator, timeout: float) -> dict:
                 common.fail("the vLLM engine process died (killed, or out of memory); the last complete checkpoint "
                             "is kept, --resume continues from it")
             if time.time() > deadline:
-                common.fail(f"no batch from the generator within --generator_timeout {timeout:g} s")
+                common.fail(timeout_error)
             continue
         if isinstance(item, str):
             common.fail(f"generation failed: {item}")
-        return {**item, "responses": torch.from_numpy(item["responses"]),
-                "logprobs": torch.from_numpy(item["logprobs"])}
+        return item
+
+
+def next_batch(batches, generator, timeout: float) -> dict:
+    """The next generated batch, its arrays as tensors."""
+    item = receive(batches, generator, timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
+    return {**item, "responses": torch.from_numpy(item["responses"]), "logprobs": torch.from_numpy(item["logprobs"])}
 
 
 def main(args: Args):
@@ -315,6 +330,9 @@ def main(args: Args):
     try:
         if state.update == 0:
             logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
+        if rank == 0:  # the engine has been starting during the trainer's set-up and evaluation
+            receive(batches, generator, args.engine_start_timeout,
+                    f"the vLLM engine did not start within --engine_start_timeout {args.engine_start_timeout:g} s")
         k, pad = args.num_samples, task.tokenizer.pad_token_id
         start_time, start_episode = time.time(), state.episode
         for update in range(state.update + 1, num_updates + 1):

@@ -34,6 +34,11 @@ def failing_generate_ahead(*args):
     online_dpo_vllm.generate_ahead(*args)
 
 
+def never_starting_generate_ahead(*args):
+    """Never reports that its engine has started."""
+    time.sleep(3600)
+
+
 def hanging_generate_ahead(*args):
     """Hangs at batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)."""
     common.vllm_generate = with_vllm_generate_fault(lambda: time.sleep(3600), at_call=3)

@@ -167,6 +167,7 @@ def start_inline(args, world_size, target, target_args):
     # the engine's model in processes of its own: run in this one, vLLM changes the trainer's numerics
     os.environ.update(ENGINE_ENVIRONMENT, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     torch.set_num_threads(len(os.sched_getaffinity(0)) - 1)  # the trainer's cores, as start_generator leaves them
+    target_args[-1].put(online_dpo_vllm.ENGINE_STARTED)  # for the trainer's wait: the engine starts at batch 1
     return InlineGenerator(target, target_args)
 
 start_vllm, engine = common.start_vllm, []
@@ -183,6 +184,7 @@ def next_batch_inline(batches, generator, *rest):
     updates = generator.args[3]  # generate_ahead's `updates`
     generator.args[3] = range(updates.start, updates.start + 1)
     generator.target(*generator.args)
+    assert batches.get() == online_dpo_vllm.ENGINE_STARTED  # which each inline call sends again
     generator.args[3] = range(updates.start + 1, updates.stop)
     return next_batch(batches, generator, *rest)
 
@@ -227,6 +229,17 @@ def test_a_failing_generator_stops_the_trainer(tmp_path):
     assert not (tmp_path / "run" / "policy").exists()
 
 
+def test_an_engine_that_does_not_start_stops_the_trainer(tmp_path):
+    result = subprocess.run([sys.executable, "-c", WITH_FAULTY_GENERATOR, "never_starting_generate_ahead", *QUICK,
+                             "--total_episodes", "64", "--engine_start_timeout", "5",
+                             "--output_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line == "error: the vLLM engine did not start within --engine_start_timeout 5 s"
+    assert not (tmp_path / "run" / "policy").exists()
+
+
 def test_two_training_ranks_and_one_engine(two_rank_k2_run):
     train = [m for m in read_metrics(two_rank_k2_run) if "loss/policy_avg" in m]
     assert [m["episode"] for m in train] == [32, 64, 96, 128]  # each rank trains on its 16 of 32 prompts
@@ -236,11 +249,11 @@ def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, 
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1"]
     result = subprocess.run([sys.executable, "-c", WITH_FAULTY_GENERATOR, "hanging_generate_ahead", *args,
-                             "--generator_timeout", "45", "--output_dir", str(out)],
+                             "--generator_timeout", "10", "--output_dir", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line == "error: no batch from the generator within --generator_timeout 45 s"
+    assert last_line == "error: no batch from the generator within --generator_timeout 10 s"
     assert (out / "checkpoints" / "update-1").is_dir() and not (out / "policy").exists()
     run_script(*args, "--output_dir", out, "--resume", script="online_dpo_vllm.py")
     # the same weights and samples as the K=1 run that never failed (which saved every 2 updates)

@@ -67,6 +67,7 @@ def bad_input_cases(script, folder):
         cases.append((["--loss_type", "hinge"], "invalid choice 'hinge' for argument '--loss_type'"))
     if script == "online_dpo_vllm.py":
         cases.append((["--logprob_check_rows", "0"], "--logprob_check_rows must be at least 1"))
+        cases.append((["--generator_timeout", "0"], "--generator_timeout must be positive (seconds), got 0.0"))
     return cases
 
 
