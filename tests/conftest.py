@@ -41,6 +41,7 @@ def tiny_dir(tmp_path_factory):
     return folder
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (--dist loadgroup), tests that share a module-scoped fixture (a training
     run several tests read) go to one worker, so that the run is made once."""
