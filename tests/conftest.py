@@ -40,12 +40,3 @@ def tiny_dir(tmp_path_factory):
     tokenizer.save_pretrained(folder / "reward")
     return folder
 
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (--dist loadgroup), tests that share a module-scoped fixture (a training
-    run several tests read) go to one worker, so that the run is made once."""
-    for item in items:
-        definitions = item._fixtureinfo.name2fixturedefs.values()
-        if any(d[-1].scope == "module" for d in definitions):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
