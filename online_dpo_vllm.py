@@ -131,8 +131,9 @@ class Args:
     """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
     vllm_cpu_kv_cache_gib: int = 1
     """CPU only: RAM reserved for the engine's KV cache"""
-    vllm_gpu_memory_utilization: float = 0.9
-    """GPU only: share of the engine's GPU memory vLLM may use"""
+    vllm_gpu_memory_utilization: float = 0.8
+    """GPU only: share of the engine's GPU memory vLLM may use; the rest holds the copy of the policy that
+    checks async/logprob_diff"""
     logprob_check_rows: int = 16
     """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
     their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
@@ -203,9 +204,11 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, e
         from transformers import AutoModelForCausalLM
 
         llm = common.start_vllm(args)
-        # the trainer's model holding the sampling weights, for async/logprob_diff
+        # the trainer's model holding the sampling weights, for async/logprob_diff, on the engine's device
+        # (this process sees only the engine's GPU)
         sampling_policy = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
+        sampling_policy.to("cuda" if torch.cuda.is_available() else "cpu")
         batches.put(ENGINE_STARTED)
         loaded = latest = 0  # the engine starts with the SFT weights, version 0
         for update in updates:
@@ -229,15 +232,16 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, e
             responses, logprobs = common.vllm_generate(llm, queries, [rng.getrandbits(63) for _ in queries], args,
                                                        eos_ids, pad_token_id)  # (B*k, R) each
             t2 = time.time()
-            checked = slice(0, args.logprob_check_rows)
-            query_ids, query_mask = common.left_pad(queries[checked], pad_token_id, "cpu")
-            _, lengths, _ = common.truncate_after_eos(responses[checked], eos_ids, pad_token_id)
+            checked, device = slice(0, args.logprob_check_rows), sampling_policy.device
+            query_ids, query_mask = common.left_pad(queries[checked], pad_token_id, device)
+            checked_responses = responses[checked].to(device)
+            _, lengths, _ = common.truncate_after_eos(checked_responses, eos_ids, pad_token_id)
             with torch.no_grad():
                 trainer_logprobs = common.in_chunks(functools.partial(
                     common.response_logprobs, sampling_policy, temperature=args.temperature),
-                    args.local_rollout_forward_batch_size, query_ids, query_mask, responses[checked], lengths)
+                    args.local_rollout_forward_batch_size, query_ids, query_mask, checked_responses, lengths)
             mask = common.response_mask(lengths, args.response_length)
-            logprob_diff = common.masked_mean((logprobs[checked] - trainer_logprobs).abs(), mask)
+            logprob_diff = common.masked_mean((logprobs[checked].to(device) - trainer_logprobs).abs(), mask)
             # numpy arrays travel by value (torch tensors would be shared and vanish with this process)
             batches.put({"update": update, "version": version, "queries": queries, "responses": responses.numpy(),
                          "logprobs": logprobs.numpy(), "time/generate": t2 - t1, "time/weight_load": t1 - t0,

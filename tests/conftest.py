@@ -5,6 +5,22 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("WANDB_MODE", "offline")
+# one thread per test process: the two xdist workers (pyproject.toml) share two cores, and more
+# threads than cores make OpenMP's spinning threads wait on each other
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The slowest files first: with --dist loadfile a free worker takes the next file, so longest-first
+# makes both workers finish at about the same time.
+SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_two_ranks.py", "test_rloo_bok.py", "test_ppo.py",
+                 "test_online_dpo.py", "test_reliability.py", "test_bench.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def position(item):
+        name = item.path.name
+        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=position)  # stable: a file's tests keep their order
 
 WORDS = ["hello", "world", "cat", "dog", "sat", "on", "the", "mat", "TL;DR:"]
 
