@@ -5,7 +5,7 @@ with --async_steps 0 (sync, vLLM) and with --async_steps 1 (the paper's async). 
 per update, where the time goes, the final gold win-rate, the speedups, and the overlap bound
 (G + T) / max(G, T) from the K=0 run's generation time G and trainer time T.
 
-    python bench/async_speedup.py                 # about 10 minutes on 2 CPU cores
+    python bench/async_speedup.py                 # about 7 minutes on 2 CPU cores
     python bench/async_speedup.py --updates 10    # quicker, noisier
 """
 

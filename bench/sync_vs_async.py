@@ -9,7 +9,7 @@ Draws gold win-rate against wall-clock time since launch (win_rate_vs_time.png) 
 gold win-rate (mean and spread over seeds) and the time to first reach --target_win_rate.
 "sync vLLM" separates the effect of asynchrony from that of the generation engine.
 
-    python bench/sync_vs_async.py            # about 20 minutes on 2 CPU cores
+    python bench/sync_vs_async.py            # about 13 minutes on 2 CPU cores
     python bench/sync_vs_async.py --quick    # about a minute: 1 seed, 3 updates, no "sync vLLM" (a smoke test)
 """
 
