@@ -55,4 +55,3 @@ def tiny_dir(tmp_path_factory):
     LlamaForSequenceClassification(LlamaConfig(**config.to_dict(), num_labels=1)).save_pretrained(folder / "reward")
     tokenizer.save_pretrained(folder / "reward")
     return folder
-
