@@ -220,20 +220,17 @@ if __name__ == "__main__":
 
 
 def test_a_failing_generator_stops_the_trainer(tmp_path):
-    result = subprocess.run([sys.executable, "-c", WITH_FAULTY_GENERATOR, "failing_generate_ahead", *QUICK,
-                             "--total_episodes", "64",
-                             "--output_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
+    result = run_script("-c", WITH_FAULTY_GENERATOR, "failing_generate_ahead", *QUICK, "--total_episodes", "64",
+                        "--output_dir", tmp_path / "run", script="", check=False, timeout=600)
     assert result.returncode != 0
     assert "generation failed: RuntimeError: injected generator fault" in result.stderr
     assert not (tmp_path / "run" / "policy").exists()
 
 
 def test_an_engine_that_does_not_start_stops_the_trainer(tmp_path):
-    result = subprocess.run([sys.executable, "-c", WITH_FAULTY_GENERATOR, "never_starting_generate_ahead", *QUICK,
-                             "--total_episodes", "64", "--engine_start_timeout", "5",
-                             "--output_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
+    result = run_script("-c", WITH_FAULTY_GENERATOR, "never_starting_generate_ahead", *QUICK, "--total_episodes", "64",
+                        "--engine_start_timeout", "5", "--output_dir", tmp_path / "run", script="", check=False,
+                        timeout=600)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line == "error: the vLLM engine did not start within --engine_start_timeout 5 s"
@@ -248,9 +245,8 @@ def test_two_training_ranks_and_one_engine(two_rank_k2_run):
 def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_runs):
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1"]
-    result = subprocess.run([sys.executable, "-c", WITH_FAULTY_GENERATOR, "hanging_generate_ahead", *args,
-                             "--generator_timeout", "10", "--output_dir", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_script("-c", WITH_FAULTY_GENERATOR, "hanging_generate_ahead", *args, "--generator_timeout", "10",
+                        "--output_dir", out, script="", check=False, timeout=600)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line == "error: no batch from the generator within --generator_timeout 10 s"
