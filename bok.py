@@ -1,6 +1,6 @@
 """Online best-of-k: sample k completions per prompt, keep the one the reward model scores highest,
 and train on it with the negative log-likelihood (supervised learning on the best of k). One of the
-baselines of "Asynchronous RLHF" (Noukhovitch et al., 2024); see SPEC.md.
+baselines of "Asynchronous RLHF" (Noukhovitch et al., 2024); ALGORITHMS.md has every formula.
 
     python bok.py                                          # toy task, one CPU process
     deepspeed --num_gpus 2 bok.py                          # two ranks (CPU: add --bind_cores_to_rank)
@@ -135,6 +135,8 @@ def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return -(logprobs * mask).sum() / mask.sum()
 
 
+# Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     if args.num_samples < 2:
@@ -173,42 +175,49 @@ def main(args: Args):
     if state.update == 0:
         logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
     k = args.num_samples
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
-        # Rollout: k samples per prompt, truncated after the first stop token, scored; keep the best.
+        # Rollout: k samples per prompt, then the details in order: truncate after the first stop
+        # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
         prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
-        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (B*k, R)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (N, P), (N, R)
         t1 = time.time()
-        rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
-        common.check_rewards(rollout.scores, update)
-        logprobs = common.rollout_logprobs(policy, rollout, args)  # (B*k, R), for the logged KL
-        best_rows = best_of_k(rollout.scores, k)  # (B,)
+        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R), for the logged KL only
+        scores = common.reward_model_scores(reward_model, rollout, task, args)  # (N,)
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        common.check_rewards(scores, update)
+        logprobs = common.rollout_logprobs(policy, rollout, args)  # (N, R), for the logged KL and entropy
+        best_rows = best_of_k(scores, k)  # (B,)
         t2 = time.time()
 
-        # Learn: epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
+        # Learn: num_epochs passes over the best completions, each num_mini_batches optimizer steps,
+        # each accumulated over gradient_accumulation_steps micro-batches of per_device_train_batch_size.
         losses = []
         for _ in range(args.num_epochs):
-            order = torch.randperm(local_batch_size)
-            for start in range(0, local_batch_size, args.per_device_train_batch_size):
-                rows = best_rows[order[start:start + args.per_device_train_batch_size]]
-                new_logprobs = common.response_logprobs(
-                    policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                    rollout.lengths[rows], args.temperature)
-                loss = nll_loss(new_logprobs, rollout.mask[rows])
-                policy.backward(loss)
-                policy.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
-                losses.append(loss.item())
+            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
+            for mini_batch in order.split(mini_batch_size):
+                for prompt_ids in mini_batch.split(args.per_device_train_batch_size):
+                    rows = best_rows[prompt_ids]
+                    new_logprobs = common.response_logprobs(
+                        policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
+                        rollout.lengths[rows], args.temperature)
+                    loss = nll_loss(new_logprobs, rollout.mask[rows])
+                    policy.backward(loss)
+                    policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
+                    losses.append(loss.item())
         t3 = time.time()
 
         # Log
-        per_prompt = rollout.scores.view(-1, k)  # (B, k)
+        per_prompt = scores.view(-1, k)  # (B, k)
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
         metrics = common.all_reduce_mean({
             "loss/policy_avg": sum(losses) / len(losses),
-            "objective/best_scores": rollout.scores[best_rows].mean().item(),
+            "objective/best_scores": scores[best_rows].mean().item(),
             "objective/tie_fraction": (per_prompt.max(1).values == per_prompt.min(1).values).float().mean().item(),
-            **common.rollout_metrics(args, rollout, logprobs),
+            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
             "time/generate": t1 - t0,
             "time/score": t2 - t1,
             "time/train": t3 - t2,

@@ -1,21 +1,36 @@
-"""The small shared part of the kit: what every algorithm script needs identically.
+"""What two or more of the kit's scripts need identically; the algorithms and their loops live in the scripts.
 
-Data loading, the rollout "details" of SPEC.md (truncation after EOS, reward at the last real
-token, missing-EOS penalty, temperature-scaled log-probs), DeepSpeed setup, evaluation,
-checkpoints and logging. The training loops themselves live in the scripts.
+In the order a reader meets it (ALGORITHMS.md has the formulas):
+- Distributed setup: ranks through DeepSpeed, seeds, dropout off, DeepSpeed engines, ZeRO-3 gathers,
+  metric averaging over ranks, the batch arithmetic.
+- Command line and the paper's presets: tyro with `--preset`, the TL;DR artefacts.
+- Models and data: tokenizers and stop tokens, reward models, prompt datasets, the Task a run loads,
+  left padding, the resumable PromptSampler.
+- Rollout details: truncation after the stop token, temperature-scaled log-probs at the positions that
+  predicted each token, the reward at the last real token, HF sampling, the Rollout of a batch, the
+  reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
+- vLLM: the engine's placement, process and sampling, weight snapshots, and AsyncGenerator, the
+  trainer's handle on the generator process of the asynchronous scripts.
+- Evaluation: gold win-rate and KL of near-greedy completions.
+- Checkpoints and resume, the saved policy, and logging (metrics.jsonl, wandb, curves.png).
 """
 
+import atexit
+import collections
 import contextlib
 import functools
 import json
+import multiprocessing
 import os
+import queue
 import random
 import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from unittest import mock
 
 import numpy as np
 import torch
@@ -128,11 +143,12 @@ def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
 
 
 def batch_sizes(args, world_size: int) -> tuple[int, int]:
-    """(local_batch_size, num_updates) from SPEC.md's batch arithmetic, failing loudly when it does not divide."""
+    """(local_batch_size, num_updates) from the batch arithmetic of ALGORITHMS.md; fails loudly when it does
+    not divide."""
     for name in ("response_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "num_mini_batches", "num_epochs", "num_ppo_epochs", "total_episodes", "eval_num_prompts",
+                 "num_mini_batches", "num_epochs", "total_episodes", "eval_num_prompts",
                  "eval_every", "local_rollout_forward_batch_size"):
-        if hasattr(args, name) and getattr(args, name) <= 0:
+        if getattr(args, name) <= 0:
             fail(f"--{name} must be positive, got {getattr(args, name)}")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * world_size
@@ -156,7 +172,7 @@ class Preset:
 
 def tldr_artefacts(size: str) -> dict:
     """The paper's TL;DR setting for a Pythia size ("410m", "1b", "2.8b"): SFT policy, proxy and gold
-    reward models, prompts, and the rollout settings every algorithm shares (SPEC.md)."""
+    reward models, prompts, and the rollout settings every algorithm shares."""
     return dict(model_name_or_path=f"mnoukhov/pythia{size}-sft-tldr",
                 reward_model_path=f"mnoukhov/pythia{size}-rm-tldr6.9b",
                 gold_model_path="cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr",
@@ -379,7 +395,7 @@ class PromptSampler:
 
 
 # ----------------------------------------------------------------------------------------------
-# Rollout details (SPEC.md, "Shared rollout rules")
+# Rollout details (ALGORITHMS.md, "Shared rollout rules")
 # ----------------------------------------------------------------------------------------------
 def truncate_after_eos(responses: torch.Tensor, eos_ids: list[int], pad_token_id: int):
     """Pad every token after the first stop token.
@@ -498,9 +514,9 @@ def retokenize(query_ids, query_mask, responses, lengths, contains_eos, policy_t
     return encoded["input_ids"], encoded["attention_mask"]
 
 
-def score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos,
-                    penalty_reward_value, policy_tokenizer, reward_tokenizer=None):
-    """Reward of each truncated response; a response with no stop token gets the penalty instead.
+def score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos, policy_tokenizer,
+                    reward_tokenizer=None):
+    """Reward-model score of each truncated response, read at its last real token.  (batch,)
 
     `reward_tokenizer=None` means the reward model shares the policy's vocabulary.
     """
@@ -510,8 +526,7 @@ def score_responses(reward_model, query_ids, query_mask, responses, lengths, con
     else:
         input_ids, attention_mask = retokenize(query_ids, query_mask, responses, lengths, contains_eos,
                                                policy_tokenizer, reward_tokenizer)
-    scores = reward_scores(reward_model, input_ids, attention_mask)
-    return torch.where(contains_eos, scores, torch.full_like(scores, penalty_reward_value))
+    return reward_scores(reward_model, input_ids, attention_mask)
 
 
 def generate(model, query_ids, query_mask, response_length, temperature, eos_ids, pad_token_id):
@@ -523,28 +538,11 @@ def generate(model, query_ids, query_mask, response_length, temperature, eos_ids
     return F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
 
 
-@dataclass
-class Rollout:
-    """A batch of completions, truncated after the first stop token and scored.
-
-    N rows = prompts x samples per prompt, each prompt's samples adjacent.
-    """
-
-    query_ids: torch.Tensor  # (N, query_len), left-padded
-    query_mask: torch.Tensor  # (N, query_len)
-    responses: torch.Tensor  # (N, response_len), pad after the first stop token
-    lengths: torch.Tensor  # (N,) real response tokens, the stop token included
-    contains_eos: torch.Tensor  # (N,)
-    mask: torch.Tensor  # (N, response_len) real response tokens
-    ref_logprobs: torch.Tensor  # (N, response_len) under the reference policy, INVALID_LOGPROB at pads
-    scores: torch.Tensor  # (N,) reward-model scores, the missing-EOS penalty applied
-
-
 def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, task: Task, part: str | None = None):
-    """`num_samples` completions per prompt with HF generate.
+    """`num_samples` completions per prompt with HF generate, each prompt's samples adjacent.
 
-    Returns query_ids, query_mask (N, query_len) and raw responses (N, response_len).
-    `part`: the policy's attribute name when the engine trains more than the policy (PPO).
+    Returns query_ids, query_mask (N, P) left-padded and raw responses (N, R), for N = prompts x
+    num_samples rows. `part`: the policy's attribute name when the engine trains more than the policy (PPO).
     """
     pad = task.tokenizer.pad_token_id
     query_ids, query_mask = left_pad(prompts, pad, policy.device)
@@ -556,18 +554,45 @@ def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, t
     return query_ids, query_mask, responses
 
 
-@torch.no_grad()
-def score_rollout(args, task: Task, ref_policy, reward_model, query_ids, query_mask, responses) -> Rollout:
-    """Truncate sampled responses after their first stop token, then reference log-probs and rewards."""
+@dataclass
+class Rollout:
+    """A batch of sampled completions after truncation: N rows (prompts x samples per prompt, each
+    prompt's samples adjacent), P prompt tokens, R response tokens."""
+
+    query_ids: torch.Tensor  # (N, P), left-padded
+    query_mask: torch.Tensor  # (N, P)
+    responses: torch.Tensor  # (N, R), pad after the first stop token
+    lengths: torch.Tensor  # (N,) real response tokens, the stop token included
+    contains_eos: torch.Tensor  # (N,) whether the response stopped
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(N, R) real response tokens."""
+        return response_mask(self.lengths, self.responses.shape[1])
+
+
+def truncate_rollout(query_ids, query_mask, responses, task: Task) -> Rollout:
+    """Pad every response token after the first stop token (any of the task's EOS ids)."""
     responses, lengths, contains_eos = truncate_after_eos(responses, task.eos_ids, task.tokenizer.pad_token_id)
-    chunk, rows = args.local_rollout_forward_batch_size, (query_ids, query_mask, responses, lengths)
-    ref_logprobs = in_chunks(functools.partial(response_logprobs, ref_policy, temperature=args.temperature),
-                             chunk, *rows)
-    scores = in_chunks(functools.partial(
-        score_responses, reward_model, penalty_reward_value=args.penalty_reward_value,
-        policy_tokenizer=task.tokenizer, reward_tokenizer=task.reward_tokenizer), chunk, *rows, contains_eos)
-    return Rollout(query_ids, query_mask, responses, lengths, contains_eos,
-                   response_mask(lengths, responses.shape[1]), ref_logprobs, scores)
+    return Rollout(query_ids, query_mask, responses, lengths, contains_eos)
+
+
+@torch.no_grad()
+def rollout_logprobs(model, rollout: Rollout, args) -> torch.Tensor:
+    """(N, R) log-probs of the rollout's tokens under `model` at the sampling temperature, INVALID_LOGPROB at pads."""
+    return in_chunks(functools.partial(response_logprobs, model, temperature=args.temperature),
+                     args.local_rollout_forward_batch_size, rollout.query_ids, rollout.query_mask,
+                     rollout.responses, rollout.lengths)
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, rollout: Rollout, task: Task, args) -> torch.Tensor:
+    """(N,) the reward model's score of each prompt + truncated response, read at its last real token
+    (re-tokenized first when the reward model has a vocabulary of its own). No penalty applied."""
+    return in_chunks(functools.partial(score_responses, reward_model, policy_tokenizer=task.tokenizer,
+                                       reward_tokenizer=task.reward_tokenizer),
+                     args.local_rollout_forward_batch_size, rollout.query_ids, rollout.query_mask,
+                     rollout.responses, rollout.lengths, rollout.contains_eos)
 
 
 def check_rewards(scores: torch.Tensor, update: int):
@@ -579,33 +604,18 @@ def check_rewards(scores: torch.Tensor, update: int):
              f"{int(bad[1])} completions; stopped, the last complete checkpoint is kept")
 
 
-@torch.no_grad()
-def rollout_logprobs(model, rollout: Rollout, args) -> torch.Tensor:
-    """(N, response_len) log-probs of the rollout's tokens under `model`, INVALID_LOGPROB at pads."""
-    return in_chunks(functools.partial(response_logprobs, model, temperature=args.temperature),
-                     args.local_rollout_forward_batch_size, rollout.query_ids, rollout.query_mask,
-                     rollout.responses, rollout.lengths)
-
-
-def rollout_metrics(args, rollout: Rollout, logprobs: torch.Tensor) -> dict[str, float]:
-    """SPEC.md's objective/* numbers of a rollout; `logprobs` are the sampling policy's."""
-    kl = masked_sum(logprobs - rollout.ref_logprobs, rollout.mask)  # (N,)
+def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> dict[str, float]:
+    """The objective/* numbers of a rollout (ALGORITHMS.md); `logprobs` (N, R) are the sampling policy's,
+    `scores` (N,) the rewards after the missing-EOS penalty."""
+    kl = masked_sum(logprobs - ref_logprobs, rollout.mask)  # (N,)
     return {
-        "objective/scores": rollout.scores.mean().item(),
+        "objective/scores": scores.mean().item(),
         "objective/kl": kl.mean().item(),
         "objective/entropy": -masked_sum(logprobs, rollout.mask).mean().item(),
-        "objective/rlhf_reward": (rollout.scores - args.kl_coef * kl).mean().item(),
+        "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
         # a count over the whole batch: all_reduce_mean of each rank's count times world_size is the sum
         "val/num_eos_tokens": rollout.contains_eos.sum().item() * torch.distributed.get_world_size(),
     }
-
-
-def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str):
-    """Per-pair DPO loss on sequence log-prob sums (SPEC.md, "Online DPO").  All inputs: (pairs,)"""
-    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
-    if loss_type == "sigmoid":
-        return -F.logsigmoid(beta * logits)
-    return (logits - 1 / (2 * beta)) ** 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,16 +649,20 @@ def start_generator(args, world_size: int, target, target_args: tuple):
     """Spawn the generator process, which runs `target(*target_args)` and holds the vLLM engine
     (start_vllm), placed by engine_placement: it never shares the GIL, nor on a CPU a core, with
     this process, the trainer."""
-    import multiprocessing
 
     environment, engine_cores, trainer_cores = engine_placement(args, world_size)
     generator = multiprocessing.get_context("spawn").Process(target=target, args=target_args, daemon=True,
                                                               name="generator")
     os.sched_setaffinity(0, engine_cores)  # a new process inherits its parent's cores and environment
-    with mock.patch.dict(os.environ, environment):
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(name, None)  # not a training rank: vLLM sets up its own one-process world
+    trainer_environment = dict(os.environ)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # not a training rank: vLLM sets up its own one-process world
+    os.environ.update(environment)
+    try:
         generator.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(trainer_environment)
     os.sched_setaffinity(0, trainer_cores)
     torch.set_num_threads(len(trainer_cores))
     return generator
@@ -717,8 +731,190 @@ def load_vllm_weights(llm, folder: str):
     llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
 
 
+ENGINE_STARTED = {"engine": "started"}  # the generator process's first message (errors are text)
+
+
+@torch.no_grad()
+def sample_batch(llm, sampling_policy, queries: list[list[int]], update: int, args, eos_ids, pad_token_id) -> dict:
+    """One completion per row of `queries` from the engine, and the check behind async/logprob_diff.
+
+    Per-row seeds depend on (seed, update, row) alone: the samples do not depend on how vLLM batches
+    them, nor on a resume. async/logprob_diff is the mean |engine log-prob - trainer log-prob| over the
+    first --logprob_check_rows rows, the trainer's recomputed with `sampling_policy`, an HF model that
+    holds the weights the engine sampled with. Arrays are numpy: they cross processes by value (torch
+    tensors would be shared, and vanish with the process that made them).
+    """
+    t0 = time.time()
+    rng = random.Random(args.seed * 1_000_003 + update)
+    responses, logprobs = vllm_generate(llm, queries, [rng.getrandbits(63) for _ in queries], args, eos_ids,
+                                        pad_token_id)  # (N, R) each
+    t1 = time.time()
+    checked, device = slice(0, args.logprob_check_rows), sampling_policy.device
+    query_ids, query_mask = left_pad(queries[checked], pad_token_id, device)
+    checked_responses = responses[checked].to(device)
+    _, lengths, _ = truncate_after_eos(checked_responses, eos_ids, pad_token_id)
+    trainer_logprobs = in_chunks(functools.partial(response_logprobs, sampling_policy, temperature=args.temperature),
+                                 args.local_rollout_forward_batch_size, query_ids, query_mask, checked_responses,
+                                 lengths)
+    mask = response_mask(lengths, args.response_length)
+    logprob_diff = masked_mean((logprobs[checked].to(device) - trainer_logprobs).abs(), mask)
+    return {"update": update, "queries": queries, "responses": responses.numpy(), "logprobs": logprobs.numpy(),
+            "time/generate": t1 - t0, "time/logprob_check": time.time() - t1, "async/logprob_diff": logprob_diff}
+
+
+def generate_ahead(args, prompts, sampler, updates: range, first_version: int, num_samples: int, eos_ids,
+                   pad_token_id, snapshots: str, published, batches):
+    """The generator process (rank 0's), which holds the vLLM engine: batch t is sampled with exactly the
+    weights after update t-1-K (K = --async_steps), or `first_version`, the weights the run started
+    from, if that is later.
+
+    The trainer announces each published weight version on the queue `published`; ENGINE_STARTED, then
+    the batches (or the error that stopped this process, as text) go to the queue `batches`. It ends
+    when the trainer terminates it, or by itself once the trainer is gone.
+    """
+
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # stopped by the trainer: exit cleanly
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        llm = start_vllm(args)
+        # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's
+        # device (this process sees only the engine's GPU)
+        sampling_policy = AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
+        sampling_policy.to("cuda" if torch.cuda.is_available() else "cpu")
+        batches.put(ENGINE_STARTED)
+        loaded = latest = 0  # the engine starts with the SFT weights, version 0
+        for update in updates:
+            version = max(update - 1 - args.async_steps, first_version)
+            while latest < version:
+                if not multiprocessing.parent_process().is_alive():  # no trainer: free the engine's device
+                    return
+                with contextlib.suppress(queue.Empty):
+                    latest = published.get(timeout=0.1)
+            t0 = time.time()
+            if version != loaded:
+                folder = os.path.join(snapshots, f"version-{version}")
+                load_vllm_weights(llm, folder)
+                sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+                for old in range(loaded, version):  # nothing will sample with older weights again
+                    shutil.rmtree(os.path.join(snapshots, f"version-{old}"), ignore_errors=True)
+                loaded = version
+            weight_load = time.time() - t0
+            queries = [prompts[i] for i in sampler.next_indices() for _ in range(num_samples)]
+            batches.put({**sample_batch(llm, sampling_policy, queries, update, args, eos_ids, pad_token_id),
+                         "version": version, "time/weight_load": weight_load})
+    except BaseException as error:  # any failure must reach the trainer, which stops with it
+        batches.put(f"{type(error).__name__}: {error}")
+
+
+class AsyncGenerator:
+    """The trainer's side of the generator process (generate_ahead, placed by start_generator).
+
+    Every rank makes one and makes each call; only rank 0 talks to the process and hands each rank
+    its share. Weights reach the engine as snapshots on tmpfs, announced by version number. Batches an
+    interrupted run had sampled ahead (`state.pending_batches`) come first; the process carries on
+    drawing prompts from `sampler` (whole global batches) after them. The process is stopped when the
+    trainer exits, however it exits.
+    """
+
+    def __init__(self, args, task: Task, sampler: PromptSampler, state: "OnlineTrainerState", num_updates: int,
+                 num_samples: int):
+
+        self.args, self.rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.num_updates, self.rows_per_rank = num_updates, sampler.global_batch_size // world_size * num_samples
+        self.sampled_ahead = collections.deque(state.pending_batches)
+        sampler.position = state.data_position + len(self.sampled_ahead)
+        self.snapshots = self.published = self.batches = self.process = None
+        if self.rank == 0:
+            self.snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-",
+                                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            context = multiprocessing.get_context("spawn")
+            self.published, self.batches = context.Queue(), context.Queue()
+            first_update = state.update + len(self.sampled_ahead) + 1
+            # generate_ahead is looked up now, so that tests can put a faulty one in its place
+            self.process = start_generator(args, world_size, generate_ahead, (
+                args, task.train_prompts["input_ids"], sampler, range(first_update, num_updates + 1), state.update,
+                num_samples, task.eos_ids, task.tokenizer.pad_token_id, self.snapshots, self.published,
+                self.batches))
+            atexit.register(self.stop)
+
+    def _receive(self, timeout: float, timeout_error: str):
+        """The process's next message; stops within a second when it has failed or died, and with
+        `timeout_error` after `timeout` seconds."""
+
+        deadline = time.time() + timeout
+        while True:
+            alive = self.process.is_alive()  # before reading, so that what it sent before it ended is read first
+            try:
+                item = self.batches.get(timeout=0.5)
+            except queue.Empty:
+                if not alive:
+                    fail("the vLLM engine process died (killed, or out of memory); the last complete checkpoint "
+                         "is kept, --resume continues from it")
+                if time.time() > deadline:
+                    fail(timeout_error)
+                continue
+            if isinstance(item, str):
+                fail(f"generation failed: {item}")
+            return item
+
+    def _next_batch(self) -> dict:
+        """The next whole batch from the process, its arrays as tensors."""
+        timeout = self.args.generator_timeout
+        item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
+        return {**item, "responses": torch.from_numpy(item["responses"]),
+                "logprobs": torch.from_numpy(item["logprobs"])}
+
+    def wait_for_engine(self):
+        """Wait until the engine has started (it loads the model and warms up while the trainer sets up)."""
+        if self.rank == 0:
+            timeout = self.args.engine_start_timeout
+            self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
+
+    def batch_for(self, update: int) -> dict:
+        """This rank's share of the batch sampled for `update`: "queries" (token lists), "responses" and the
+        engine's "logprobs" (N, R), the weight "version" it was sampled with, and the generator's timings."""
+        shares = None
+        if self.rank == 0:
+            batch = self.sampled_ahead.popleft() if self.sampled_ahead else self._next_batch()
+            assert batch["update"] == update
+            rows = self.rows_per_rank
+            shares = [{**batch, **{name: batch[name][r * rows:(r + 1) * rows]
+                                   for name in ("queries", "responses", "logprobs")}}
+                      for r in range(torch.distributed.get_world_size())]
+        received = [None]
+        torch.distributed.scatter_object_list(received, shares, src=0)
+        return received[0]
+
+    def publish_weights(self, engine, version: int):
+        """Snapshot the weights after update `version` for the engine, and announce them (every rank calls it)."""
+        publish_weights(engine, os.path.join(self.snapshots or "", f"version-{version}"))
+        if self.rank == 0:
+            self.published.put(version)
+
+    def sample_ahead(self, update: int) -> list[dict]:
+        """The batches for the updates after `update` that the process samples with weights older than
+        update's (min(K, updates left)), waited for: a checkpoint saves them, so that a resumed run trains
+        on exactly these samples. Rank 0's list; empty on the other ranks."""
+        while self.rank == 0 and len(self.sampled_ahead) < min(self.args.async_steps, self.num_updates - update):
+            self.sampled_ahead.append(self._next_batch())
+        return list(self.sampled_ahead)
+
+    def stop(self):
+        """Stop the process (if it is stuck in native code, kill it) and delete the weight snapshots."""
+        if self.process is not None:
+            self.process.terminate()
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+            shutil.rmtree(self.snapshots, ignore_errors=True)
+            self.process = None
+
+
 # ----------------------------------------------------------------------------------------------
-# Evaluation (SPEC.md, "Evaluation")
+# Evaluation (ALGORITHMS.md, "Evaluation")
 # ----------------------------------------------------------------------------------------------
 def load_gold_scorer(path: str, dtype, policy_tokenizer):
     """A function (queries, responses as text) -> gold scores.
@@ -774,8 +970,9 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
         queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
         policy_gold = torch.tensor(gold_score(queries, responses))
         reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
-        proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos,
-                                args.penalty_reward_value, tokenizer, task.reward_tokenizer)
+        proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos, tokenizer,
+                                task.reward_tokenizer)
+        proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)  # the missing-EOS penalty, as in training
         ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
                                          args.temperature)
         totals["gold_win_rate"] += (policy_gold > reference_gold).float().sum().item()

@@ -1,6 +1,6 @@
 """Online DPO, synchronous: sample k completions per prompt with HF generate, score them with a
 reward model, and run a DPO step on (best, worst) pairs. The synchronous baseline of
-"Asynchronous RLHF" (Noukhovitch et al., 2024); see SPEC.md for every formula.
+"Asynchronous RLHF" (Noukhovitch et al., 2024); ALGORITHMS.md has every formula.
 
     python online_dpo.py                                   # toy task, one CPU process
     deepspeed --num_gpus 2 online_dpo.py                   # two ranks (CPU: add --bind_cores_to_rank)
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 import common
 import toy
@@ -141,6 +142,30 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
     return common.batch_sizes(args, world_size)
 
 
+def best_and_worst(scores: torch.Tensor, k: int):
+    """Rows of the highest- (chosen) and lowest-scoring (rejected) sample of each prompt's k, the first
+    among equals, and whether the two differ: a prompt whose samples all tie has no preference and is
+    left out of the loss.  scores: (prompts * k,) -> chosen_rows, rejected_rows, valid: (prompts,) each"""
+    per_prompt = scores.view(-1, k)  # (prompts, k)
+    offsets = torch.arange(len(per_prompt), device=scores.device) * k
+    valid = (per_prompt.max(1).values > per_prompt.min(1).values).float()
+    return offsets + per_prompt.argmax(1), offsets + per_prompt.argmin(1), valid
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str):
+    """Per-pair DPO loss on sequence log-prob sums.  All inputs: (pairs,)
+
+    logits = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)); sigmoid: -logsigmoid(beta * logits),
+    ipo: (logits - 1 / (2 beta))^2.
+    """
+    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * logits)
+    return (logits - 1 / (2 * beta)) ** 2
+
+
+# Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)
@@ -177,51 +202,54 @@ def main(args: Args):
     if state.update == 0:
         logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
     k = args.num_samples
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
-        # Rollout: k samples per prompt, truncated after the first stop token, scored.
+        # Rollout: k samples per prompt, then the details in order: truncate after the first stop
+        # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
         prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
-        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (B*k, R)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (N, P), (N, R)
         t1 = time.time()
-        rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
-        common.check_rewards(rollout.scores, update)
-        logprobs = common.rollout_logprobs(policy, rollout, args)  # (B*k, R)
-        ref_seq_logps = common.masked_sum(rollout.ref_logprobs, rollout.mask)  # (B*k,)
+        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
+        scores = common.reward_model_scores(reward_model, rollout, task, args)  # (N,)
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        common.check_rewards(scores, update)
+        logprobs = common.rollout_logprobs(policy, rollout, args)  # (N, R), for the logged KL and entropy
+        ref_seq_logps = common.masked_sum(ref_logprobs, rollout.mask)  # (N,)
 
-        # Pairs: best vs worst of each prompt's k samples; a prompt whose samples all tie is masked out.
-        scores = rollout.scores
-        per_prompt = scores.view(-1, k)  # (B, k)
-        offsets = torch.arange(len(per_prompt), device=scores.device) * k
-        chosen_rows, rejected_rows = offsets + per_prompt.argmax(1), offsets + per_prompt.argmin(1)  # (B,)
-        valid = (per_prompt.max(1).values > per_prompt.min(1).values).float()  # (B,)
+        # Pairs: best (chosen) vs worst (rejected) of each prompt's k samples.
+        chosen_rows, rejected_rows, valid = best_and_worst(scores, k)  # (B,) each
         t2 = time.time()
 
-        # Learn: epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
+        # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
+        # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
+        # micro-batches of per_device_train_batch_size pairs.
         stats = {name: [] for name in ("loss", "chosen_rewards", "rejected_rewards", "chosen_logps",
                                        "rejected_logps", "valid")}
         for _ in range(args.num_epochs):
-            order = torch.randperm(local_batch_size)
-            for start in range(0, local_batch_size, args.per_device_train_batch_size):
-                pairs = order[start:start + args.per_device_train_batch_size]
-                rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
-                seq_logps = common.masked_sum(common.response_logprobs(
-                    policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                    rollout.lengths[rows], args.temperature), rollout.mask[rows])
-                policy_chosen, policy_rejected = seq_logps.chunk(2)
-                ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
-                losses = common.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
-                                         args.loss_type)
-                pair_mask = valid[pairs]
-                loss = (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
-                policy.backward(loss)
-                policy.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
-                stats["loss"].append(losses.detach())
-                stats["chosen_rewards"].append(args.beta * (policy_chosen - ref_chosen).detach())
-                stats["rejected_rewards"].append(args.beta * (policy_rejected - ref_rejected).detach())
-                stats["chosen_logps"].append(policy_chosen.detach())
-                stats["rejected_logps"].append(policy_rejected.detach())
-                stats["valid"].append(pair_mask)
+            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
+            for mini_batch in order.split(mini_batch_size):
+                for pairs in mini_batch.split(args.per_device_train_batch_size):
+                    rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
+                    seq_logps = common.masked_sum(common.response_logprobs(
+                        policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
+                        rollout.lengths[rows], args.temperature), rollout.mask[rows])
+                    policy_chosen, policy_rejected = seq_logps.chunk(2)
+                    ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
+                    losses = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
+                                      args.loss_type)
+                    pair_mask = valid[pairs]
+                    loss = (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
+                    policy.backward(loss)
+                    policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
+                    stats["loss"].append(losses.detach())
+                    stats["chosen_rewards"].append(args.beta * (policy_chosen - ref_chosen).detach())
+                    stats["rejected_rewards"].append(args.beta * (policy_rejected - ref_rejected).detach())
+                    stats["chosen_logps"].append(policy_chosen.detach())
+                    stats["rejected_logps"].append(policy_rejected.detach())
+                    stats["valid"].append(pair_mask)
         t3 = time.time()
 
         # Log: pair statistics over non-tied pairs only; rollout statistics over every sample.
@@ -237,7 +265,7 @@ def main(args: Args):
             "rewards/margins": common.masked_mean(stats["chosen_rewards"] - stats["rejected_rewards"], pair_valid),
             "logps/chosen": common.masked_mean(stats["chosen_logps"], pair_valid),
             "logps/rejected": common.masked_mean(stats["rejected_logps"], pair_valid),
-            **common.rollout_metrics(args, rollout, logprobs),
+            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
             "objective/scores_margin": common.masked_mean(scores[chosen_rows] - scores[rejected_rows], valid),
             "objective/tie_fraction": 1 - valid.mean().item(),
             "time/generate": t1 - t0,

@@ -1,6 +1,7 @@
 """Asynchronous online DPO: a vLLM engine samples batch t+1 while the trainer learns on batch t.
 The method of "Asynchronous RLHF" (Noukhovitch et al., 2024); online_dpo.py is its synchronous
-twin and SPEC.md has every formula.
+twin (`diff online_dpo.py online_dpo_vllm.py` shows only the asynchronous part) and ALGORITHMS.md
+has every formula.
 
 Batch t is sampled with exactly the weights after update t-1-K (`--async_steps K`): K=0 is
 synchronous, K=1 the paper's setting (every batch after the first is one update stale). The
@@ -11,22 +12,13 @@ staleness of each batch is measured from the weight version that produced it and
     deepspeed --num_gpus 3 online_dpo_vllm.py --bf16 ...       # GPU node: 3 training GPUs, vLLM on cuda:3
 """
 
-import collections
-import contextlib
-import functools
-import multiprocessing
 import os
-import queue
-import random
-import shutil
-import signal
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 import common
 import toy
@@ -186,96 +178,30 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
     return common.batch_sizes(args, world_size)
 
 
-ENGINE_STARTED = {"engine": "started"}  # the generator's first message (errors are text)
+def best_and_worst(scores: torch.Tensor, k: int):
+    """Rows of the highest- (chosen) and lowest-scoring (rejected) sample of each prompt's k, the first
+    among equals, and whether the two differ: a prompt whose samples all tie has no preference and is
+    left out of the loss.  scores: (prompts * k,) -> chosen_rows, rejected_rows, valid: (prompts,) each"""
+    per_prompt = scores.view(-1, k)  # (prompts, k)
+    offsets = torch.arange(len(per_prompt), device=scores.device) * k
+    valid = (per_prompt.max(1).values > per_prompt.min(1).values).float()
+    return offsets + per_prompt.argmax(1), offsets + per_prompt.argmin(1), valid
 
 
-def generate_ahead(args, prompts, sampler, updates: range, first_version: int, eos_ids, pad_token_id,
-                   snapshots: str, published, batches):
-    """Rank 0's generator process, which holds the vLLM engine: batch t is sampled with exactly the
-    weights after update t-1-K (or `first_version`, the weights the run started from, if that is later).
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str):
+    """Per-pair DPO loss on sequence log-prob sums.  All inputs: (pairs,)
 
-    The trainer announces each published weight version on the queue `published`; ENGINE_STARTED, then
-    the batches (or the error that stopped this process, as text) go to the queue `batches`. It ends
-    when the trainer terminates it, or by itself once the trainer is gone.
+    logits = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)); sigmoid: -logsigmoid(beta * logits),
+    ipo: (logits - 1 / (2 beta))^2.
     """
-    try:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # stopped by the trainer: exit cleanly
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-
-        llm = common.start_vllm(args)
-        # the trainer's model holding the sampling weights, for async/logprob_diff, on the engine's device
-        # (this process sees only the engine's GPU)
-        sampling_policy = AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
-        sampling_policy.to("cuda" if torch.cuda.is_available() else "cpu")
-        batches.put(ENGINE_STARTED)
-        loaded = latest = 0  # the engine starts with the SFT weights, version 0
-        for update in updates:
-            version = max(update - 1 - args.async_steps, first_version)
-            while latest < version:
-                if not multiprocessing.parent_process().is_alive():  # no trainer: free the engine's device
-                    return
-                with contextlib.suppress(queue.Empty):
-                    latest = published.get(timeout=0.1)
-            t0 = time.time()
-            if version != loaded:
-                folder = os.path.join(snapshots, f"version-{version}")
-                common.load_vllm_weights(llm, folder)
-                sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
-                for old in range(loaded, version):  # nothing will sample with older weights again
-                    shutil.rmtree(os.path.join(snapshots, f"version-{old}"), ignore_errors=True)
-                loaded = version
-            t1 = time.time()
-            queries = [prompts[i] for i in sampler.next_indices() for _ in range(args.num_samples)]
-            rng = random.Random(args.seed * 1_000_003 + update)  # per-row seeds: reproducible, resumable
-            responses, logprobs = common.vllm_generate(llm, queries, [rng.getrandbits(63) for _ in queries], args,
-                                                       eos_ids, pad_token_id)  # (B*k, R) each
-            t2 = time.time()
-            checked, device = slice(0, args.logprob_check_rows), sampling_policy.device
-            query_ids, query_mask = common.left_pad(queries[checked], pad_token_id, device)
-            checked_responses = responses[checked].to(device)
-            _, lengths, _ = common.truncate_after_eos(checked_responses, eos_ids, pad_token_id)
-            with torch.no_grad():
-                trainer_logprobs = common.in_chunks(functools.partial(
-                    common.response_logprobs, sampling_policy, temperature=args.temperature),
-                    args.local_rollout_forward_batch_size, query_ids, query_mask, checked_responses, lengths)
-            mask = common.response_mask(lengths, args.response_length)
-            logprob_diff = common.masked_mean((logprobs[checked].to(device) - trainer_logprobs).abs(), mask)
-            # numpy arrays travel by value (torch tensors would be shared and vanish with this process)
-            batches.put({"update": update, "version": version, "queries": queries, "responses": responses.numpy(),
-                         "logprobs": logprobs.numpy(), "time/generate": t2 - t1, "time/weight_load": t1 - t0,
-                         "time/logprob_check": time.time() - t2, "async/logprob_diff": logprob_diff})
-    except BaseException as error:  # any failure must reach the trainer, which stops with it
-        batches.put(f"{type(error).__name__}: {error}")
+    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * logits)
+    return (logits - 1 / (2 * beta)) ** 2
 
 
-def receive(batches, generator, timeout: float, timeout_error: str):
-    """The generator's next message; stops within a second when the generator has failed or died,
-    and with `timeout_error` after `timeout` seconds."""
-    deadline = time.time() + timeout
-    while True:
-        alive = generator.is_alive()  # before reading, so that what it sent before it ended is read first
-        try:
-            item = batches.get(timeout=0.5)
-        except queue.Empty:
-            if not alive:
-                common.fail("the vLLM engine process died (killed, or out of memory); the last complete checkpoint "
-                            "is kept, --resume continues from it")
-            if time.time() > deadline:
-                common.fail(timeout_error)
-            continue
-        if isinstance(item, str):
-            common.fail(f"generation failed: {item}")
-        return item
-
-
-def next_batch(batches, generator, timeout: float) -> dict:
-    """The next generated batch, its arrays as tensors."""
-    item = receive(batches, generator, timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
-    return {**item, "responses": torch.from_numpy(item["responses"]), "logprobs": torch.from_numpy(item["logprobs"])}
-
-
+# Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)
@@ -284,7 +210,7 @@ def main(args: Args):
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     task = common.load_task(args, rank, dtype)
-    # rank 0 draws whole global batches for the engine; each rank's share is its slice of one
+    # the engine samples whole global batches; each rank trains on its share of one
     sampler = common.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
         common.prepare_output_dir(args.output_dir, args.resume)
@@ -307,154 +233,116 @@ def main(args: Args):
     state = common.OnlineTrainerState()
     if args.resume:
         state = common.load_checkpoint(args.output_dir, policy)
-    # batches the interrupted run had already sampled ahead (with older weights) come first, then
-    # the generator carries on drawing prompts after them
-    sampled_ahead = collections.deque(state.pending_batches)
-    sampler.position = state.data_position + len(sampled_ahead)
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "async/staleness", "eval/gold_win_rate"))
+    # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
+    # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
+    # and samples from the checkpoint's weights after them.
+    generator = common.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
+    if state.update > 0:
+        generator.publish_weights(policy, state.update)
+    if state.update == 0:
+        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
+    generator.wait_for_engine()
+    k, pad = args.num_samples, task.tokenizer.pad_token_id
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
+    start_time, start_episode = time.time(), state.episode
+    for update in range(state.update + 1, num_updates + 1):
+        # Rollout: this rank's share of the batch the engine sampled for this update, K updates ago
+        # with older weights; then the details as in the synchronous twin.
+        t0 = time.time()
+        batch = generator.batch_for(update)
+        query_ids, query_mask = common.left_pad(batch["queries"], pad, policy.device)  # (N, P)
+        responses = batch["responses"].to(policy.device)  # (N, R)
+        t1 = time.time()
+        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
+        scores = common.reward_model_scores(reward_model, rollout, task, args)  # (N,)
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        common.check_rewards(scores, update)
+        logprobs = batch["logprobs"].to(policy.device)  # (N, R) the engine's, under the weights that sampled them
+        ref_seq_logps = common.masked_sum(ref_logprobs, rollout.mask)  # (N,)
 
-    # The generator process with the engine lives beside rank 0 (it starts while the trainer
-    # evaluates); weight snapshots go through tmpfs.
-    snapshots = published = batches = generator = None
-    if rank == 0:
-        tmpfs = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-", dir=tmpfs)
-        context = multiprocessing.get_context("spawn")
-        published, batches = context.Queue(), context.Queue()
-        generator = common.start_generator(args, world_size, generate_ahead, (
-            args, task.train_prompts["input_ids"], sampler,
-            range(state.update + len(sampled_ahead) + 1, num_updates + 1), state.update, task.eos_ids,
-            task.tokenizer.pad_token_id, snapshots, published, batches))
-    if state.update > 0:  # a resumed run samples from its checkpoint's weights
-        common.publish_weights(policy, os.path.join(snapshots or "", f"version-{state.update}"))
-        if rank == 0:
-            published.put(state.update)
+        # Pairs: best (chosen) vs worst (rejected) of each prompt's k samples.
+        chosen_rows, rejected_rows, valid = best_and_worst(scores, k)  # (B,) each
+        t2 = time.time()
 
-    try:
-        if state.update == 0:
-            logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
-        if rank == 0:  # the engine has been starting during the trainer's set-up and evaluation
-            receive(batches, generator, args.engine_start_timeout,
-                    f"the vLLM engine did not start within --engine_start_timeout {args.engine_start_timeout:g} s")
-        k, pad = args.num_samples, task.tokenizer.pad_token_id
-        start_time, start_episode = time.time(), state.episode
-        for update in range(state.update + 1, num_updates + 1):
-            # Rollout: rank 0 takes the batch the engine sampled ahead and gives each rank its share.
-            t0 = time.time()
-            shares = None
-            if rank == 0:
-                batch = sampled_ahead.popleft() if sampled_ahead else next_batch(batches, generator,
-                                                                                  args.generator_timeout)
-                assert batch["update"] == update
-                rows = local_batch_size * k
-                shares = [{**batch, "queries": batch["queries"][r * rows:(r + 1) * rows],
-                           "responses": batch["responses"][r * rows:(r + 1) * rows],
-                           "logprobs": batch["logprobs"][r * rows:(r + 1) * rows]} for r in range(world_size)]
-            received = [None]
-            torch.distributed.scatter_object_list(received, shares, src=0)
-            batch = received[0]
-            t1 = time.time()
-            query_ids, query_mask = common.left_pad(batch["queries"], pad, policy.device)  # (B*k, P)
-            rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask,
-                                           batch["responses"].to(policy.device))
-            common.check_rewards(rollout.scores, update)
-            logprobs = batch["logprobs"].to(policy.device)  # (B*k, R) the engine's, under the weights that sampled them
-            ref_seq_logps = common.masked_sum(rollout.ref_logprobs, rollout.mask)  # (B*k,)
-
-            # Pairs: best vs worst of each prompt's k samples; a prompt whose samples all tie is masked out.
-            scores = rollout.scores
-            per_prompt = scores.view(-1, k)  # (B, k)
-            offsets = torch.arange(len(per_prompt), device=scores.device) * k
-            chosen_rows, rejected_rows = offsets + per_prompt.argmax(1), offsets + per_prompt.argmin(1)  # (B,)
-            valid = (per_prompt.max(1).values > per_prompt.min(1).values).float()  # (B,)
-            t2 = time.time()
-
-            # Learn: epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
-            stats = {name: [] for name in ("loss", "chosen_rewards", "rejected_rewards", "chosen_logps",
-                                           "rejected_logps", "valid")}
-            for _ in range(args.num_epochs):
-                order = torch.randperm(local_batch_size)
-                for start in range(0, local_batch_size, args.per_device_train_batch_size):
-                    pairs = order[start:start + args.per_device_train_batch_size]
+        # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
+        # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
+        # micro-batches of per_device_train_batch_size pairs.
+        stats = {name: [] for name in ("loss", "chosen_rewards", "rejected_rewards", "chosen_logps",
+                                       "rejected_logps", "valid")}
+        for _ in range(args.num_epochs):
+            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
+            for mini_batch in order.split(mini_batch_size):
+                for pairs in mini_batch.split(args.per_device_train_batch_size):
                     rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
                     seq_logps = common.masked_sum(common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
                         rollout.lengths[rows], args.temperature), rollout.mask[rows])
                     policy_chosen, policy_rejected = seq_logps.chunk(2)
                     ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
-                    losses = common.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
-                                             args.loss_type)
+                    losses = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
+                                      args.loss_type)
                     pair_mask = valid[pairs]
                     loss = (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
                     policy.backward(loss)
-                    policy.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
+                    policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["loss"].append(losses.detach())
                     stats["chosen_rewards"].append(args.beta * (policy_chosen - ref_chosen).detach())
                     stats["rejected_rewards"].append(args.beta * (policy_rejected - ref_rejected).detach())
                     stats["chosen_logps"].append(policy_chosen.detach())
                     stats["rejected_logps"].append(policy_rejected.detach())
                     stats["valid"].append(pair_mask)
-            t3 = time.time()
+        t3 = time.time()
 
-            # Weight sync: a snapshot of the new weights for the engine, announced by version number.
-            common.publish_weights(policy, os.path.join(snapshots or "", f"version-{update}"))
-            if rank == 0:
-                published.put(update)
-            t4 = time.time()
+        # Weight sync: a snapshot of the new weights for the engine, announced by version number.
+        generator.publish_weights(policy, update)
+        t4 = time.time()
 
-            # Log: pair statistics over non-tied pairs only; rollout statistics over every sample.
-            stats = {name: torch.cat(values) for name, values in stats.items()}
-            pair_valid = stats.pop("valid")
-            # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
-            state.update, state.episode, state.data_position = update, state.episode + batch_size, update
-            metrics = common.all_reduce_mean({
-                "loss/policy_avg": common.masked_mean(stats["loss"], pair_valid),
-                "rewards/chosen": common.masked_mean(stats["chosen_rewards"], pair_valid),
-                "rewards/rejected": common.masked_mean(stats["rejected_rewards"], pair_valid),
-                "rewards/accuracies": common.masked_mean(
-                    (stats["chosen_rewards"] > stats["rejected_rewards"]).float(), pair_valid),
-                "rewards/margins": common.masked_mean(stats["chosen_rewards"] - stats["rejected_rewards"], pair_valid),
-                "logps/chosen": common.masked_mean(stats["chosen_logps"], pair_valid),
-                "logps/rejected": common.masked_mean(stats["rejected_logps"], pair_valid),
-                **common.rollout_metrics(args, rollout, logprobs),
-                "objective/scores_margin": common.masked_mean(scores[chosen_rows] - scores[rejected_rows], valid),
-                "objective/tie_fraction": 1 - valid.mean().item(),
-                "time/wait": t1 - t0,
-                "time/score": t2 - t1,
-                "time/train": t3 - t2,
-            })
-            metrics.update({
-                "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
-                "async/logprob_diff": batch["async/logprob_diff"],
-                "time/generate": batch["time/generate"],
-                "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
-                "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # publish here + load into the engine
-                "lr": policy.get_lr()[0], "episode": state.episode,
-                "eps": (state.episode - start_episode) / (time.time() - start_time)})
-            logger.log(update, metrics)
-            if update % args.eval_every == 0 or update == num_updates:
-                logger.log_evaluation(update, state.episode,
-                                      common.evaluate(args, task, policy, ref_policy, reward_model))
-            if args.save_every and update % args.save_every == 0:
-                # the batches already sampled for the next K updates (with weights this checkpoint no
-                # longer has) are saved with it, so a resumed run trains on exactly the same data
-                while rank == 0 and len(sampled_ahead) < min(args.async_steps, num_updates - update):
-                    sampled_ahead.append(next_batch(batches, generator, args.generator_timeout))
-                state.pending_batches = list(sampled_ahead)
-                common.save_checkpoint(args.output_dir, policy, state)
+        # Log: pair statistics over non-tied pairs only; rollout statistics over every sample.
+        stats = {name: torch.cat(values) for name, values in stats.items()}
+        pair_valid = stats.pop("valid")
+        # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, update
+        metrics = common.all_reduce_mean({
+            "loss/policy_avg": common.masked_mean(stats["loss"], pair_valid),
+            "rewards/chosen": common.masked_mean(stats["chosen_rewards"], pair_valid),
+            "rewards/rejected": common.masked_mean(stats["rejected_rewards"], pair_valid),
+            "rewards/accuracies": common.masked_mean(
+                (stats["chosen_rewards"] > stats["rejected_rewards"]).float(), pair_valid),
+            "rewards/margins": common.masked_mean(stats["chosen_rewards"] - stats["rejected_rewards"], pair_valid),
+            "logps/chosen": common.masked_mean(stats["chosen_logps"], pair_valid),
+            "logps/rejected": common.masked_mean(stats["rejected_logps"], pair_valid),
+            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
+            "objective/scores_margin": common.masked_mean(scores[chosen_rows] - scores[rejected_rows], valid),
+            "objective/tie_fraction": 1 - valid.mean().item(),
+            "time/wait": t1 - t0,
+            "time/score": t2 - t1,
+            "time/train": t3 - t2,
+        })
+        metrics.update({
+            "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
+            "async/logprob_diff": batch["async/logprob_diff"],
+            "time/generate": batch["time/generate"],
+            "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
+            "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # publish here + load into the engine
+            "lr": policy.get_lr()[0], "episode": state.episode,
+            "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        logger.log(update, metrics)
+        if update % args.eval_every == 0 or update == num_updates:
+            logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
+        if args.save_every and update % args.save_every == 0:
+            # the batches already sampled for the next K updates, with weights this checkpoint no longer
+            # has, are saved with it: a resumed run trains on exactly the same samples
+            state.pending_batches = generator.sample_ahead(update)
+            common.save_checkpoint(args.output_dir, policy, state)
 
-        common.save_policy(args.output_dir, policy, task.tokenizer)
-        logger.close()
-        if rank == 0:
-            print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
-    finally:
-        if rank == 0:
-            generator.terminate()
-            generator.join(timeout=10)
-            if generator.is_alive():  # stuck in native code
-                generator.kill()
-            shutil.rmtree(snapshots, ignore_errors=True)
+    common.save_policy(args.output_dir, policy, task.tokenizer)
+    generator.stop()
+    logger.close()
+    if rank == 0:
+        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
 
 
 if __name__ == "__main__":

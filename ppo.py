@@ -1,6 +1,6 @@
 """PPO with a value model: one completion per prompt, a per-token KL penalty, GAE, clipped policy
 and value losses. The PPO baseline of "Asynchronous RLHF" (Noukhovitch et al., 2024), after "The N+
-Implementation Details of RLHF with PPO" (Huang et al., 2024); see SPEC.md for every formula.
+Implementation Details of RLHF with PPO" (Huang et al., 2024); ALGORITHMS.md has every formula.
 
     python ppo.py                                          # toy task, one CPU process
     deepspeed --num_gpus 2 ppo.py                          # two ranks (CPU: add --bind_cores_to_rank)
@@ -79,8 +79,8 @@ class Args:
     """micro-batches per optimizer step"""
     num_mini_batches: int = 1
     """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
-    num_ppo_epochs: int = 4
-    """passes over each generated batch, mini-batch order shuffled each time"""
+    num_epochs: int = 4
+    """passes over each generated batch, prompt order shuffled each time (the reference's num_ppo_epochs)"""
     learning_rate: float = 3e-5
     """peak learning rate of policy and value model, decayed linearly to 0"""
     max_grad_norm: float = 1.0
@@ -128,7 +128,7 @@ PRESETS = {
         "PPO, Pythia 410m SFT on TL;DR, 1 GPU: 512 prompts per update, 256 updates, 1 epoch, 1 mini-batch",
         "python ppo.py --preset tldr-410m-1gpu",
         Args(**common.tldr_artefacts("410m"), total_episodes=131072, per_device_train_batch_size=16,
-             gradient_accumulation_steps=32, num_ppo_epochs=1, local_rollout_forward_batch_size=32)),
+             gradient_accumulation_steps=32, num_epochs=1, local_rollout_forward_batch_size=32)),
 }
 
 
@@ -218,6 +218,8 @@ def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
     return loss, clipfrac
 
 
+# Shapes: B prompts per update on this rank (local_batch_size), one sample each, P prompt tokens
+# (left-padded), R response tokens (--response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = common.batch_sizes(args, world_size)
@@ -244,7 +246,7 @@ def main(args: Args):
         common.disable_dropout(model)
     agent = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW(agent.parameters(), lr=args.learning_rate)
-    num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
+    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     agent = common.prepare_deepspeed(agent, args, optimizer, scheduler)
     ref_policy = common.prepare_deepspeed(ref_policy, args).module
@@ -258,54 +260,62 @@ def main(args: Args):
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
     if state.update == 0:
         logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
-        # Rollout: one sample per prompt, truncated after the first stop token, scored.
+        # Rollout: one sample per prompt, then the details in order: truncate after the first stop
+        # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
         prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
-        query_ids, query_mask, responses = common.sample_responses(agent, prompts, 1, args, task, part="policy")
+        query_ids, query_mask, responses = common.sample_responses(agent, prompts, 1, args, task,
+                                                                   part="policy")  # (B, P), (B, R)
         t1 = time.time()
-        rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
-        common.check_rewards(rollout.scores, update)
+        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (B, R)
+        scores = common.reward_model_scores(reward_model, rollout, task, args)  # (B,)
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        common.check_rewards(scores, update)
         rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
-        with torch.no_grad():
+        with torch.no_grad():  # log-probs under the sampling weights, and the values of the sampled tokens
             logprobs, values, _ = common.in_chunks(
                 lambda *chunk: forward_responses(agent, *chunk, args.temperature),
                 args.local_rollout_forward_batch_size, *rows)  # (B, R) each
 
         # Advantages: per-token KL penalty plus the score at the last real token, then GAE.
         mask = rollout.mask.float()  # (B, R)
-        rewards = token_rewards(logprobs, rollout.ref_logprobs, rollout.scores, rollout.lengths, mask, args.kl_coef)
-        non_score_reward = (rewards.sum(1) - rollout.scores).mean().item()
+        rewards = token_rewards(logprobs, ref_logprobs, scores, rollout.lengths, mask, args.kl_coef)  # (B, R)
+        non_score_reward = (rewards.sum(1) - scores).mean().item()
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)
-        advantages, returns = gae_advantages(rewards, values, mask, args.gamma, args.lam)
+        advantages, returns = gae_advantages(rewards, values, mask, args.gamma, args.lam)  # (B, R) each
         advantages = masked_whiten(advantages, mask)  # over this rank's batch
         t2 = time.time()
 
-        # Learn: epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
+        # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
+        # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
+        # micro-batches of per_device_train_batch_size prompts.
         stats = {name: [] for name in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "entropy",
                                        "ratio")}
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(local_batch_size)
-            for start in range(0, local_batch_size, args.per_device_train_batch_size):
-                batch = order[start:start + args.per_device_train_batch_size]
-                new_logprobs, new_values, entropy = forward_responses(
-                    agent, *(tensor[batch] for tensor in rows), args.temperature)
-                pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, logprobs[batch], advantages[batch],
-                                                          mask[batch], args.cliprange)
-                vf_loss, vf_clipfrac = value_loss(new_values, values[batch], returns[batch], mask[batch],
-                                                  args.cliprange_value)
-                agent.backward(pg_loss + args.vf_coef * vf_loss)
-                agent.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
-                stats["pg_loss"].append(pg_loss.item())
-                stats["vf_loss"].append(vf_loss.item())
-                stats["pg_clipfrac"].append(pg_clipfrac.item())
-                stats["vf_clipfrac"].append(vf_clipfrac.item())
-                stats["approxkl"].append(0.5 * common.masked_mean((new_logprobs - logprobs[batch]).detach() ** 2,
-                                                                  mask[batch]))
-                stats["entropy"].append(common.masked_mean(entropy.detach(), mask[batch]))
-                stats["ratio"].append(ratio.detach()[mask[batch].bool()])
+        for _ in range(args.num_epochs):
+            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
+            for mini_batch in order.split(mini_batch_size):
+                for batch in mini_batch.split(args.per_device_train_batch_size):
+                    new_logprobs, new_values, entropy = forward_responses(
+                        agent, *(tensor[batch] for tensor in rows), args.temperature)
+                    pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, logprobs[batch], advantages[batch],
+                                                              mask[batch], args.cliprange)
+                    vf_loss, vf_clipfrac = value_loss(new_values, values[batch], returns[batch], mask[batch],
+                                                      args.cliprange_value)
+                    agent.backward(pg_loss + args.vf_coef * vf_loss)
+                    agent.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
+                    stats["pg_loss"].append(pg_loss.item())
+                    stats["vf_loss"].append(vf_loss.item())
+                    stats["pg_clipfrac"].append(pg_clipfrac.item())
+                    stats["vf_clipfrac"].append(vf_clipfrac.item())
+                    stats["approxkl"].append(0.5 * common.masked_mean(
+                        (new_logprobs - logprobs[batch]).detach() ** 2, mask[batch]))
+                    stats["entropy"].append(common.masked_mean(entropy.detach(), mask[batch]))
+                    stats["ratio"].append(ratio.detach()[mask[batch].bool()])
         t3 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
@@ -321,7 +331,7 @@ def main(args: Args):
             "val/clipfrac_avg": stats["vf_clipfrac"],
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
-            **common.rollout_metrics(args, rollout, logprobs),
+            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
             "objective/non_score_reward": non_score_reward,
             "time/generate": t1 - t0,
             "time/score": t2 - t1,

@@ -1,6 +1,6 @@
 """RLOO: k completions per prompt, each baselined by the mean reward of the other k-1, and a clipped
 surrogate on the sequence-level ratio; no value model. One of the baselines of "Asynchronous RLHF"
-(Noukhovitch et al., 2024), after Ahmadian et al. (2024); see SPEC.md for every formula.
+(Noukhovitch et al., 2024), after Ahmadian et al. (2024); ALGORITHMS.md has every formula.
 
     python rloo.py                                         # toy task, one CPU process
     deepspeed --num_gpus 2 rloo.py                         # two ranks (CPU: add --bind_cores_to_rank)
@@ -71,8 +71,8 @@ class Args:
     """micro-batches per optimizer step"""
     num_mini_batches: int = 1
     """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
-    num_ppo_epochs: int = 4
-    """passes over each generated batch, mini-batch order shuffled each time"""
+    num_epochs: int = 4
+    """passes over each generated batch, prompt order shuffled each time (the reference's num_ppo_epochs)"""
     learning_rate: float = 3e-5
     """peak learning rate, decayed linearly to 0"""
     max_grad_norm: float = 1.0
@@ -120,7 +120,7 @@ PRESETS = {
         "RLOO (k=2), Pythia 410m SFT on TL;DR, 1 GPU: 512 prompts per update, 256 updates, 1 epoch",
         "python rloo.py --preset tldr-410m-1gpu",
         Args(**common.tldr_artefacts("410m"), total_episodes=131072, per_device_train_batch_size=16,
-             gradient_accumulation_steps=32, num_ppo_epochs=1, local_rollout_forward_batch_size=32)),
+             gradient_accumulation_steps=32, num_epochs=1, local_rollout_forward_batch_size=32)),
 }
 
 
@@ -140,6 +140,8 @@ def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: fl
     return torch.max(unclipped, clipped).mean(), (clipped > unclipped).float().mean(), ratio
 
 
+# Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     if args.num_samples < 2:
@@ -164,7 +166,7 @@ def main(args: Args):
     for model in (policy, ref_policy, reward_model):
         common.disable_dropout(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
-    num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
+    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
     ref_policy = common.prepare_deepspeed(ref_policy, args).module
@@ -179,40 +181,48 @@ def main(args: Args):
     if state.update == 0:
         logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
     k = args.num_samples
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
-        # Rollout: k samples per prompt, truncated after the first stop token, scored.
+        # Rollout: k samples per prompt, then the details in order: truncate after the first stop
+        # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
         prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
-        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (B*k, R)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (N, P), (N, R)
         t1 = time.time()
-        rollout = common.score_rollout(args, task, ref_policy, reward_model, query_ids, query_mask, responses)
-        common.check_rewards(rollout.scores, update)
-        logprobs = common.rollout_logprobs(policy, rollout, args)  # (B*k, R)
-        seq_logps = common.masked_sum(logprobs, rollout.mask)  # (B*k,)
-        kl = common.masked_sum(logprobs - rollout.ref_logprobs, rollout.mask)  # (B*k,)
-        advantages = leave_one_out_advantages(rollout.scores - args.kl_coef * kl, k)  # (B*k,)
+        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
+        scores = common.reward_model_scores(reward_model, rollout, task, args)  # (N,)
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        common.check_rewards(scores, update)
+        logprobs = common.rollout_logprobs(policy, rollout, args)  # (N, R) under the sampling weights
+
+        # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.
+        seq_logps = common.masked_sum(logprobs, rollout.mask)  # (N,)
+        kl = common.masked_sum(logprobs - ref_logprobs, rollout.mask)  # (N,)
+        advantages = leave_one_out_advantages(scores - args.kl_coef * kl, k)  # (N,)
         t2 = time.time()
 
-        # Learn: epochs x mini-batches x micro-batches of prompts (with all their samples), one
-        # optimizer step per mini-batch.
+        # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
+        # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
+        # micro-batches of per_device_train_batch_size prompts with all their k samples.
         stats = {name: [] for name in ("loss", "clipfrac", "approxkl", "ratio")}
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(local_batch_size)
-            for start in range(0, local_batch_size, args.per_device_train_batch_size):
-                prompt_ids = order[start:start + args.per_device_train_batch_size]
-                rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
-                new_seq_logps = common.masked_sum(common.response_logprobs(
-                    policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                    rollout.lengths[rows], args.temperature), rollout.mask[rows])
-                loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, seq_logps[rows], advantages[rows],
-                                                             args.cliprange)
-                policy.backward(loss)
-                policy.step()  # DeepSpeed steps the optimizer once per gradient_accumulation_steps calls
-                stats["loss"].append(loss.item())
-                stats["clipfrac"].append(clipfrac.item())
-                stats["approxkl"].append(0.5 * ((new_seq_logps.detach() - seq_logps[rows]) ** 2).mean().item())
-                stats["ratio"].append(ratio.detach())
+        for _ in range(args.num_epochs):
+            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
+            for mini_batch in order.split(mini_batch_size):
+                for prompt_ids in mini_batch.split(args.per_device_train_batch_size):
+                    rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
+                    new_seq_logps = common.masked_sum(common.response_logprobs(
+                        policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
+                        rollout.lengths[rows], args.temperature), rollout.mask[rows])
+                    loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, seq_logps[rows], advantages[rows],
+                                                                 args.cliprange)
+                    policy.backward(loss)
+                    policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
+                    stats["loss"].append(loss.item())
+                    stats["clipfrac"].append(clipfrac.item())
+                    stats["approxkl"].append(0.5 * ((new_seq_logps.detach() - seq_logps[rows]) ** 2).mean().item())
+                    stats["ratio"].append(ratio.detach())
         t3 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
@@ -225,7 +235,7 @@ def main(args: Args):
             "policy/approxkl_avg": stats["approxkl"],
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
-            **common.rollout_metrics(args, rollout, logprobs),
+            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
             "time/generate": t1 - t0,
             "time/score": t2 - t1,
             "time/train": t3 - t2,

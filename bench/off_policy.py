@@ -4,7 +4,7 @@ learns from off-policy data?
 Every algorithm (online DPO, PPO, RLOO, best-of-k) trains from the same SFT policy on the same
 number of prompts with the same optimizer steps and learning rate, twice: generating one mini-batch per optimizer
 step (on-policy), and generating N mini-batches at once and then taking N steps, so the i-th step
-trains on data i-1 updates stale (SPEC.md's `num_mini_batches`). PPO and RLOO take one epoch, as
+trains on data i-1 updates stale (`--num_mini_batches`). PPO and RLOO take one epoch, as
 in the paper's TL;DR runs, so every algorithm takes the same steps. Prints final gold win-rate and
 KL per algorithm and setting (mean over seeds, with the spread) and the drop in win-rate from 1 to
 N mini-batches. The paper's claim: online DPO is the most robust to off-policy data.
@@ -58,13 +58,11 @@ def train(script: str, mini_batches: int, seed: int, args: Args) -> dict:
     name = f"{script.removesuffix('.py')}-mb{mini_batches}-seed{seed}"
     output_dir = os.path.join(args.output_dir, name)
     module = importlib.import_module(script.removesuffix(".py"))
-    epochs = {"num_ppo_epochs": 1} if hasattr(module.Args, "num_ppo_epochs") else {}
     run_args = module.Args(seed=seed, output_dir=output_dir,
                            total_episodes=args.optimizer_steps * args.prompts_per_step,
                            per_device_train_batch_size=args.prompts_per_step, gradient_accumulation_steps=1,
                            num_mini_batches=mini_batches, learning_rate=args.learning_rate,
-                           eval_every=10**6, eval_num_prompts=args.eval_num_prompts,
-                           **epochs)
+                           eval_every=10**6, eval_num_prompts=args.eval_num_prompts, num_epochs=1)
     print(f"{name}: {script} --num_mini_batches {mini_batches} --seed {seed}", flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, name + ".log"), "w") as log, \
