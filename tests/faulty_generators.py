@@ -1,14 +1,13 @@
 """Generator processes with an injected fault, for online_dpo_vllm.py's fault tests.
 
 The generator runs in a spawned process, which imports this module and calls the function that
-replaced online_dpo_vllm.generate_ahead in the trainer; the fault is injected there, in the
-generator's own copy of common.
+replaced common.generate_ahead in the trainer (tests/run_with_faulty_generator.py); the fault is
+injected there, in the generator's own copy of common.
 """
 
 import time
 
 import common
-import online_dpo_vllm
 
 
 def with_vllm_generate_fault(fault, at_call: int):
@@ -31,7 +30,7 @@ def raise_fault():
 def failing_generate_ahead(*args):
     """Raises at the second batch."""
     common.vllm_generate = with_vllm_generate_fault(raise_fault, at_call=2)
-    online_dpo_vllm.generate_ahead(*args)
+    common.generate_ahead(*args)
 
 
 def never_starting_generate_ahead(*args):
@@ -42,4 +41,4 @@ def never_starting_generate_ahead(*args):
 def hanging_generate_ahead(*args):
     """Hangs at batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)."""
     common.vllm_generate = with_vllm_generate_fault(lambda: time.sleep(3600), at_call=3)
-    online_dpo_vllm.generate_ahead(*args)
+    common.generate_ahead(*args)

@@ -17,12 +17,17 @@ QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", 
 
 
 def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900):
-    script = [os.path.join(ROOT, script)] if script else []  # no script: python -c CODE
-    result = subprocess.run([*launcher, *script, *map(str, args)], cwd=ROOT, text=True,
-                            capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """Run `script` (a path from the repository root: a kit script, or a program under tests/)."""
+    result = subprocess.run([*launcher, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT, text=True,
+                            capture_output=True, timeout=timeout, env=environment(env))
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def environment(extra=None) -> dict:
+    """This process's environment, with the kit importable by the programs under tests/."""
+    return {**os.environ, "PYTHONPATH": ROOT, **(extra or {})}
 
 
 def read_metrics(output_dir):
@@ -34,6 +39,21 @@ def load_policy_weights(output_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy")).state_dict()
+
+
+def assert_trained_policy_saved(output_dir, sft_path=None):
+    """The saved policy loads with from_pretrained with every weight in place (nothing missing, nothing
+    extra such as a value head), and training changed it."""
+    from transformers import AutoModelForCausalLM
+
+    import toy
+
+    policy, info = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"), output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    sft = AutoModelForCausalLM.from_pretrained(sft_path or toy.SFT_POLICY).state_dict()
+    trained = policy.state_dict()
+    assert trained.keys() == sft.keys()
+    assert any(not torch.equal(trained[name], sft[name]) for name in sft), "the saved policy is the SFT policy"
 
 
 def logged_update(output_dir, update: int) -> bool:
@@ -55,11 +75,12 @@ def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,
     """Start (or resume) a run and SIGKILL it, with every process it started, as soon as it reaches `kill_point`."""
     process = subprocess.Popen([*launcher, script, *map(str, args), "--output_dir", str(output_dir)], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                               env={**os.environ, **(env or {})})
+                               env=environment(env))
     deadline = time.time() + 600
     while not KILL_POINTS[kill_point](output_dir) and process.poll() is None:
         assert time.time() < deadline
         time.sleep(0.002)
+    assert KILL_POINTS[kill_point](output_dir), f"the run exited ({process.returncode}) before {kill_point}"
     os.killpg(process.pid, signal.SIGKILL)  # the whole session: ranks under a launcher, the vLLM engine
     process.wait()
     assert not (output_dir / "policy").exists(), f"the run finished before it could be killed {kill_point}"

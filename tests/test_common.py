@@ -87,7 +87,7 @@ def test_response_logprobs_match_manual_and_ignore_left_padding(tiny_dir):
 
 
 # ---- reward at the last real token ---------------------------------------------------------------
-def test_reward_is_read_at_last_real_token_and_penalises_missing_eos(tiny_dir):
+def test_reward_is_read_at_the_last_real_token(tiny_dir):
     _, reward_model = load_tiny(tiny_dir)
     tokenizer = word_tokenizer()
     query_ids, query_mask = common.left_pad([[4, 5], [4, 5, 6, 7]], PAD, "cpu")
@@ -95,11 +95,28 @@ def test_reward_is_read_at_last_real_token_and_penalises_missing_eos(tiny_dir):
     lengths, contains_eos = torch.tensor([2, 3]), torch.tensor([True, False])
     with torch.no_grad():
         scores = common.score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos,
-                                        -1.0, tokenizer)
-        backbone_alone = reward_model.model(torch.tensor([[4, 5, 8, EOS]])).last_hidden_state[0, -1]
-        expected = reward_model.score(backbone_alone).item()
-    assert scores[0].item() == pytest.approx(expected, abs=1e-5)
-    assert scores[1].item() == -1.0
+                                        tokenizer)
+        expected = [reward_model.score(reward_model.model(torch.tensor([row])).last_hidden_state[0, -1]).item()
+                    for row in ([4, 5, 8, EOS], [4, 5, 6, 7, 8, 9, 10])]
+    # unpadded, alone: neither the pad after EOS nor the left padding changes the score
+    assert scores.tolist() == pytest.approx(expected, abs=1e-5)
+    assert expected[0] != pytest.approx(expected[1], abs=1e-3)
+
+
+def test_rollout_metrics_count_eos_over_every_rank(monkeypatch):
+    rollout = common.Rollout(query_ids=torch.ones(3, 2, dtype=torch.long), query_mask=torch.ones(3, 2),
+                             responses=torch.tensor([[5, EOS], [5, 5], [EOS, PAD]]), lengths=torch.tensor([2, 2, 1]),
+                             contains_eos=torch.tensor([True, False, True]))
+    logprobs, ref_logprobs = torch.tensor([[-1.0, -2.0], [-1.0, -1.0], [-3.0, 1.0]]), torch.full((3, 2), -1.0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)  # this rank's half of the batch
+    metrics = common.rollout_metrics(SimpleNamespace(kl_coef=0.5), rollout, logprobs, ref_logprobs,
+                                     torch.tensor([1.0, -1.0, 3.0]))
+    assert metrics["val/num_eos_tokens"] == 4  # 2 here, as many on the other rank (all_reduce_mean averages)
+    kl = [-1.0, 0.0, -2.0]  # sums over real tokens only: the pad of row 3 holds INVALID_LOGPROB
+    assert metrics["objective/kl"] == pytest.approx(sum(kl) / 3)
+    assert metrics["objective/entropy"] == pytest.approx((3 + 2 + 3) / 3)
+    assert metrics["objective/scores"] == pytest.approx(1.0)
+    assert metrics["objective/rlhf_reward"] == pytest.approx(sum(s - 0.5 * k for s, k in zip([1, -1, 3], kl)) / 3)
 
 
 def test_reward_model_with_another_tokenizer_sees_the_same_text(tiny_dir):
@@ -114,7 +131,7 @@ def test_reward_model_with_another_tokenizer_sees_the_same_text(tiny_dir):
     responses, lengths, contains_eos = common.truncate_after_eos(torch.tensor([response + [PAD]]), [EOS], PAD)
     with torch.no_grad():
         score = common.score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos,
-                                       -1.0, policy_tokenizer, reward_tokenizer)
+                                       policy_tokenizer, reward_tokenizer)
         ids = reward_tokenizer("the cat sat on the mat [END]", add_special_tokens=False, return_tensors="pt")
         expected = common.reward_scores(reward_model, ids["input_ids"], ids["attention_mask"])
     assert ids["input_ids"][0, -1].item() == reward_tokenizer.eos_token_id
@@ -206,7 +223,10 @@ def test_prompt_sampler_gives_ranks_disjoint_prompts_and_resumes_exactly():
     resumed = common.PromptSampler(10, 2, 1, 2, seed=3)
     resumed.position = 3
     assert [resumed.next_indices() for _ in range(2)] == first[1][3:]
-    assert sorted(first[0][0] + first[1][0] + first[0][1] + first[1][1]) != list(range(10))  # 2 left out per epoch
+    # an epoch is 2 batches of 2 x 2 prompts: 8 distinct prompts of the 10 (2 left out), reshuffled the next epoch
+    epochs = [first[0][e] + first[1][e] + first[0][e + 1] + first[1][e + 1] for e in (0, 2)]
+    assert all(len(set(epoch)) == 8 and set(epoch) <= set(range(10)) for epoch in epochs)
+    assert epochs[0] != epochs[1]
 
 
 def test_curves_png_is_drawn_from_metrics_jsonl(tmp_path):

@@ -1,4 +1,4 @@
-"""The paper's presets: each parses, its batch arithmetic divides, it names SPEC.md's artefacts,
+"""The paper's presets: each parses, its batch arithmetic divides, it names the paper's artefacts,
 and the README lists its exact launch command."""
 
 import os

@@ -3,16 +3,9 @@ vLLM side are in test_online_dpo_vllm.py, two ranks in test_two_ranks.py)."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
-from scripts import (
-    QUICK,
-    ROOT,
-    SCRIPTS,
-    read_metrics,
-)
+from scripts import QUICK, SCRIPTS, read_metrics, run_script
 
 import toy
 
@@ -68,64 +61,26 @@ def bad_input_cases(script, folder):
     return cases
 
 
-# Runs every case of one script in one process (the imports are the slow part): main() raises
-# SystemExit with the message exactly as it would on the command line.
-RUN_CASES = """
-import json, sys
-sys.path.insert(0, ".")
-import common, importlib
-module = importlib.import_module(sys.argv[1])
-results = []
-for argv in json.loads(sys.argv[2]):
-    sys.argv = [module.__file__, *argv]
-    try:
-        module.main(common.cli(module.Args, module.PRESETS))
-        results.append("finished without an error")
-    except SystemExit as stop:
-        results.append(str(stop.code))
-print("RESULTS " + json.dumps(results))
-"""
-
-
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path, bad_artefacts, script):
     cases = bad_input_cases(script, bad_artefacts)
     argvs = [[*QUICK, *map(str, flags), "--output_dir", str(tmp_path / f"case{i}")]
              for i, (flags, _) in enumerate(cases)]
-    result = subprocess.run([sys.executable, "-c", RUN_CASES, script.removesuffix(".py"), json.dumps(argvs)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script(script.removesuffix(".py"), json.dumps(argvs), script="tests/run_bad_input_cases.py",
+                        timeout=600)
     messages = json.loads(result.stdout.split("RESULTS ")[-1])
+    assert len(messages) == len(cases)
     for i, ((flags, expected), message) in enumerate(zip(cases, messages)):
         assert message.startswith("error: ") and "\n" not in message, (flags, message)
         assert expected in message, (flags, message)
         assert not (tmp_path / f"case{i}").exists(), f"{flags} left output behind"
 
 
-# Runs a script with the reward model's scores made NaN at the third rollout.
-NAN_AT_UPDATE_3 = """
-import runpy, sys
-sys.path.insert(0, ".")
-import common
-score_rollout, calls = common.score_rollout, []
-def nan_at_third_rollout(*args, **kwargs):
-    rollout = score_rollout(*args, **kwargs)
-    calls.append(1)
-    if len(calls) == 3:
-        rollout.scores[1] = float("nan")
-    return rollout
-common.score_rollout = nan_at_third_rollout
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_non_finite_reward_stops_with_the_update_and_keeps_the_last_checkpoint(tmp_path, script):
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-c", NAN_AT_UPDATE_3, script, *QUICK, "--total_episodes", "64",
-                             "--eval_every", "100", "--save_every", "2", "--output_dir", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_script(script, *QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2",
+                        "--output_dir", out, script="tests/run_with_nan_reward.py", check=False, timeout=600)
     assert result.returncode != 0
     completions = 16 if script == "ppo.py" else 32  # 16 prompts, 1 or 2 completions each
     assert result.stderr.strip().splitlines()[-1] == (

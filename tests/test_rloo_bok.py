@@ -8,7 +8,7 @@ from scripts import (
     TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
-    load_policy_weights,
+    assert_trained_policy_saved,
     read_metrics,
     uninterrupted_and_resumed_runs,
 )
@@ -73,11 +73,12 @@ def test_logs_every_metric_and_saves_the_policy(runs):
     for name in names:
         assert all(math.isfinite(m[name]) for m in train), name
     assert train[0]["episode"] == 64 and train[0]["objective/kl"] == pytest.approx(0, abs=1e-4)
-    if script == "bok.py":
-        assert all(m["objective/best_scores"] >= m["objective/scores"] for m in train)
-    else:  # the first of 4 epochs is on-policy: ratios start at 1
-        assert 0.5 < train[0]["val/ratio"] < 2
-    assert load_policy_weights(whole)
+    if script == "bok.py":  # the best of 2 beats the mean of both wherever some pair is not a tie
+        assert all(m["objective/best_scores"] > m["objective/scores"] for m in train
+                   if m["objective/tie_fraction"] < 1)
+    else:  # the first of 4 epochs is on-policy: ratios start at 1, and the later epochs move them
+        assert 0.5 < train[0]["val/ratio"] < 2 and train[0]["val/ratio_var"] > 0
+    assert_trained_policy_saved(whole)
 
 
 def test_short_run_beats_the_sft_policy(runs):

@@ -1,0 +1,68 @@
+"""online_dpo_vllm.py with its generator process replaced by InlineGenerator: each batch is sampled in
+the trainer's process when the trainer asks for it. test_k0_gives_the_same_losses_as_inline_generation
+runs it with --async_steps 0 on one rank and compares its losses with the real generator process's.
+
+    PYTHONPATH=. python tests/run_with_inline_generator.py --async_steps 0 ...
+"""
+
+import os
+import shutil
+import tempfile
+from unittest import mock
+
+import torch
+
+import common
+import online_dpo_vllm
+
+
+class InlineGenerator:
+    """Stands in for common.AsyncGenerator: batch t is sampled with the weights published after
+    update t-1 (the definition of K=0), in this process, with the same per-row seeds."""
+
+    def __init__(self, args, task, sampler, state, num_updates, num_samples):
+        assert args.async_steps == 0 and state.update == 0 and torch.distributed.get_world_size() == 1
+        self.args, self.task, self.sampler, self.num_samples = args, task, sampler, num_samples
+        self.snapshots, self.version = tempfile.mkdtemp(), 0
+        # the trainer's threads as start_generator leaves them (the thread count changes float sums)
+        torch.set_num_threads(len(os.sched_getaffinity(0)) - args.vllm_cpu_threads)
+
+    def wait_for_engine(self):
+        from transformers import AutoModelForCausalLM
+
+        # the engine's model in processes of its own: run in this one, vLLM changes the trainer's numerics
+        environment = {**common.engine_placement(self.args, world_size=1)[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        with mock.patch.dict(os.environ, environment):
+            for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(name)  # the engine's processes are not training ranks
+            self.llm = common.start_vllm(self.args)
+        self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.args.model_name_or_path).eval()
+
+    def batch_for(self, update: int) -> dict:
+        from safetensors.torch import load_file
+
+        if self.version != update - 1:
+            self.version = update - 1
+            folder = os.path.join(self.snapshots, f"version-{self.version}")
+            common.load_vllm_weights(self.llm, folder)
+            self.sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+        prompts = self.task.train_prompts["input_ids"]
+        queries = [prompts[i] for i in self.sampler.next_indices() for _ in range(self.num_samples)]
+        batch = common.sample_batch(self.llm, self.sampling_policy, queries, update, self.args, self.task.eos_ids,
+                                    self.task.tokenizer.pad_token_id)
+        return {**batch, "version": self.version, "time/weight_load": 0.0,
+                "responses": torch.from_numpy(batch["responses"]), "logprobs": torch.from_numpy(batch["logprobs"])}
+
+    def publish_weights(self, engine, version: int):
+        common.publish_weights(engine, os.path.join(self.snapshots, f"version-{version}"))
+
+    def sample_ahead(self, update: int) -> list:
+        return []  # K=0: nothing is sampled ahead
+
+    def stop(self):
+        shutil.rmtree(self.snapshots, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    common.AsyncGenerator = InlineGenerator
+    online_dpo_vllm.main(common.cli(online_dpo_vllm.Args, online_dpo_vllm.PRESETS))

@@ -1,0 +1,79 @@
+"""vLLM's greedy completions equal HF's after a weight sync, and seeded sampling does not depend on
+batching: run by test_engine_greedy_equals_hf_greedy_after_weight_sync in the engine's environment.
+
+    PYTHONPATH=. python tests/weight_sync_check.py SNAPSHOT_DIR
+"""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+import common
+import toy
+
+ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=1, vllm_gpu_memory_utilization=0.9,
+                   model_name_or_path=toy.SFT_POLICY, bf16=False, seed=0, max_prompt_length=64, response_length=12,
+                   temperature=0.7, per_device_train_batch_size=8, gradient_accumulation_steps=1, zero_stage=2,
+                   max_grad_norm=1.0)
+# the generator process's environment on a CPU: the engine in-process, on the last core
+ENGINE_ENVIRONMENT = common.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1)[0]
+
+
+def check_greedy_after_weight_sync(snapshot_dir):
+    """Train the policy a few steps, push the weights, compare vLLM greedy with HF greedy."""
+    from transformers import AutoModelForCausalLM
+
+    args = SimpleNamespace(**ENGINE_ARGS)
+    llm = common.start_vllm(args)  # in this process, on the core ENGINE_ENVIRONMENT names
+    common.init_distributed()
+    tokenizer = common.load_tokenizer(toy.SFT_POLICY)
+    eos_ids = common.eos_token_ids(toy.SFT_POLICY, tokenizer)
+    prompts = common.load_prompts(SimpleNamespace(dataset_name=toy.DATASET, prompt_column="query",
+                                                  chat_template=False, max_prompt_length=64),
+                                  tokenizer, "validation")["input_ids"][:32]
+    policy = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY)
+    engine = common.prepare_deepspeed(policy, args, torch.optim.AdamW(policy.parameters(), lr=1e-2))
+    query_ids, query_mask = common.left_pad(prompts, tokenizer.pad_token_id, engine.device)
+
+    def hf_greedy():
+        output = engine.module.generate(input_ids=query_ids, attention_mask=query_mask, do_sample=False,
+                                        max_new_tokens=args.response_length, eos_token_id=eos_ids,
+                                        pad_token_id=tokenizer.pad_token_id)[:, query_ids.shape[1]:]
+        return [row[:n].tolist() for row, n in zip(*common.truncate_after_eos(output, eos_ids,
+                                                                                  tokenizer.pad_token_id)[:2])]
+
+    def vllm_greedy():
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=args.response_length, stop_token_ids=eos_ids),
+                               use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    before = hf_greedy()
+    assert vllm_greedy() == before
+    for _ in range(3):  # a few large steps that change the greedy completions
+        loss = -engine(input_ids=query_ids[:8], attention_mask=query_mask[:8]).logits[:, -1, 5].mean()
+        engine.backward(loss)
+        engine.step()
+    after = hf_greedy()
+    assert after != before, "the training steps did not change the policy's greedy completions"
+    common.publish_weights(engine, os.path.join(snapshot_dir, "version-1"))
+    common.load_vllm_weights(llm, os.path.join(snapshot_dir, "version-1"))
+    assert vllm_greedy() == after
+    # seeded sampling: a row's completion depends on its prompt and seed alone, however vLLM batches
+    # it, also in a batch of more prompt tokens than one engine step takes (4096 on a CPU)
+    batch, pad = prompts * 8, tokenizer.pad_token_id
+    assert sum(map(len, batch)) > 4096
+    seeds = list(range(len(batch)))
+    responses, _ = common.vllm_generate(llm, batch, seeds, args, eos_ids, pad)
+    alone, _ = common.vllm_generate(llm, batch[-1:], seeds[-1:], args, eos_ids, pad)
+    assert torch.equal(responses[-1:], alone)
+    print("greedy completions equal after weight sync")
+
+
+if __name__ == "__main__":
+    check_greedy_after_weight_sync(sys.argv[1])
