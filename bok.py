@@ -182,7 +182,8 @@ def main(args: Args):
         # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
         prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
-        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (N, P), (N, R)
+        # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R), for the logged KL only

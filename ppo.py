@@ -210,7 +210,8 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float):
 
 
 def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
-    """0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), averaged over real tokens. Returns (loss, clipfrac)."""
+    """0.5 * max((V - returns)^2, (clip(V, V_old +- c) - returns)^2), averaged over real tokens.
+    Returns (loss, clipfrac)."""
     clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
     unclipped_loss, clipped_loss = (new_values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / mask.sum()
@@ -267,8 +268,8 @@ def main(args: Args):
         # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
         prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
-        query_ids, query_mask, responses = common.sample_responses(agent, prompts, 1, args, task,
-                                                                   part="policy")  # (B, P), (B, R)
+        # query_ids, query_mask: (B, P), left-padded; responses: (B, R)
+        query_ids, query_mask, responses = common.sample_responses(agent, prompts, 1, args, task, part="policy")
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (B, R)

@@ -58,7 +58,7 @@ class Args:
     num_samples: int = 2
     """k: completions per prompt; each one's baseline is the mean reward of the other k-1"""
     kl_coef: float = 0.05
-    """weight of the sequence KL in the reward: R = score - kl_coef * sum_t (logp - ref_logp)"""
+    """weight of the sequence KL in the reward: reward = score - kl_coef * sum_t (logp - ref_logp)"""
     cliprange: float = 0.2
     """clip range of the sequence-level policy ratio"""
 
@@ -125,7 +125,8 @@ PRESETS = {
 
 
 def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """A_i = R_i - (sum_j R_j - R_i) / (k - 1) within each prompt's k samples.  rewards: (prompts * k,)"""
+    """A_i = r_i - (sum_j r_j - r_i) / (k - 1) for the rewards r of each prompt's k samples.
+    rewards: (prompts * k,) -> (prompts * k,)"""
     per_prompt = rewards.view(-1, k)  # (prompts, k)
     baselines = (per_prompt.sum(dim=1, keepdim=True) - per_prompt) / (k - 1)
     return (per_prompt - baselines).flatten()
@@ -188,7 +189,8 @@ def main(args: Args):
         # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
         prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
-        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)  # (N, P), (N, R)
+        # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
