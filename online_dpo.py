@@ -29,19 +29,27 @@ class Args:
     model_name_or_path: str = toy.SFT_POLICY
     """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
     reward_model_path: str = toy.REWARD_MODEL
-    """proxy reward model (sequence classification, one label) that RL optimises"""
-    gold_model_path: str = "toy"
-    """gold reward model for evaluation; "toy" is the embedded task's programmatic scorer"""
+    """proxy reward model that RL optimises: any one-label AutoModelForSequenceClassification, decoder (read
+    at the last real token) or encoder (BERT, RoBERTa, DeBERTa), with its own tokenizer if need be"""
+    reward_fn: str | None = None
+    """a Python function as the reward instead of a reward model: path/to/file.py:name or module:name, called
+    as fn(prompts, completions, **columns) -> one float per completion, where columns are the prompts' other
+    dataset columns (e.g. a gold answer)"""
+    gold_model_path: str | None = None
+    """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
+    on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
     dataset_name: str = toy.DATASET
     """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
     train_split: str = "train"
     """split to train on"""
     eval_split: str = "validation"
-    """split to evaluate on (needs the reference column)"""
+    """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (at most a
+    fifth of them) are held out of training for evaluation"""
     prompt_column: str = "query"
     """column holding the prompt text"""
     reference_column: str = "reference_response"
-    """column holding the reference completion that evaluation compares against"""
+    """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
+    them (no win-rate when the column is absent)"""
     chat_template: bool = False
     """wrap each prompt as a user message in the tokenizer's chat template"""
     max_prompt_length: int = 64
@@ -85,7 +93,7 @@ class Args:
 
     # Evaluation, logging, checkpoints
     eval_every: int = 10
-    """evaluate every this many updates (and before the first and after the last)"""
+    """evaluate every this many updates (and before the first and after the last); 0: never"""
     eval_num_prompts: int = 256
     """validation prompts used by each evaluation"""
     eval_temperature: float = 0.01
@@ -176,22 +184,23 @@ def main(args: Args):
     task = common.load_task(args, rank, dtype)
     sampler = common.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args.output_dir, args.resume)
+        common.prepare_output_dir(args)
     torch.distributed.barrier()
 
     from transformers import AutoModelForCausalLM, get_scheduler
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    reward_model = common.load_reward_model(args.reward_model_path, dtype)
-    for model in (policy, ref_policy, reward_model):
+    reward_model = None if args.reward_fn else common.load_reward_model(args.reward_model_path, dtype)
+    for model in (policy, ref_policy):
         common.disable_dropout(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
     ref_policy = common.prepare_deepspeed(ref_policy, args).module
-    reward_model = common.prepare_deepspeed(reward_model, args).module
+    if reward_model is not None:  # none with --reward_fn
+        reward_model = common.prepare_deepspeed(reward_model, args).module
 
     state = common.OnlineTrainerState()
     if args.resume:
@@ -199,7 +208,7 @@ def main(args: Args):
         sampler.position = state.data_position
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
-    if state.update == 0:
+    if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
     k = args.num_samples
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
@@ -208,13 +217,14 @@ def main(args: Args):
         # Rollout: k samples per prompt, then the details in order: truncate after the first stop
         # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
-        prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
+        prompt_rows = task.train_prompts.select(sampler.next_indices())  # with their dataset columns
         # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
-        query_ids, query_mask, responses = common.sample_responses(policy, prompts, k, args, task)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args,
+                                                                   task)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
-        scores = common.reward_model_scores(reward_model, rollout, task, args)  # (N,)
+        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
         scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
         common.check_rewards(scores, update)
         logprobs = common.rollout_logprobs(policy, rollout, args)  # (N, R), for the logged KL and entropy
@@ -276,7 +286,7 @@ def main(args: Args):
         metrics.update({"lr": policy.get_lr()[0], "episode": state.episode,
                         "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
-        if update % args.eval_every == 0 or update == num_updates:
+        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
         if args.save_every and update % args.save_every == 0:
             common.save_checkpoint(args.output_dir, policy, state)

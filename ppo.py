@@ -28,19 +28,30 @@ class Args:
     model_name_or_path: str = toy.SFT_POLICY
     """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
     reward_model_path: str = toy.REWARD_MODEL
-    """proxy reward model (sequence classification, one label) that RL optimises; the value model starts from it"""
-    gold_model_path: str = "toy"
-    """gold reward model for evaluation; "toy" is the embedded task's programmatic scorer"""
+    """proxy reward model that RL optimises: any one-label AutoModelForSequenceClassification, decoder (read
+    at the last real token) or encoder (BERT, RoBERTa, DeBERTa), with its own tokenizer if need be"""
+    reward_fn: str | None = None
+    """a Python function as the reward instead of a reward model: path/to/file.py:name or module:name, called
+    as fn(prompts, completions, **columns) -> one float per completion, where columns are the prompts' other
+    dataset columns (e.g. a gold answer)"""
+    value_model_path: str | None = None
+    """value model: a one-label decoder classifier with the policy's vocabulary; default: the reward model
+    (as in the paper), or with --reward_fn the policy with a fresh scalar head"""
+    gold_model_path: str | None = None
+    """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
+    on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
     dataset_name: str = toy.DATASET
     """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
     train_split: str = "train"
     """split to train on"""
     eval_split: str = "validation"
-    """split to evaluate on (needs the reference column)"""
+    """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (at most a
+    fifth of them) are held out of training for evaluation"""
     prompt_column: str = "query"
     """column holding the prompt text"""
     reference_column: str = "reference_response"
-    """column holding the reference completion that evaluation compares against"""
+    """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
+    them (no win-rate when the column is absent)"""
     chat_template: bool = False
     """wrap each prompt as a user message in the tokenizer's chat template"""
     max_prompt_length: int = 64
@@ -90,7 +101,7 @@ class Args:
 
     # Evaluation, logging, checkpoints
     eval_every: int = 10
-    """evaluate every this many updates (and before the first and after the last)"""
+    """evaluate every this many updates (and before the first and after the last); 0: never"""
     eval_num_prompts: int = 256
     """validation prompts used by each evaluation"""
     eval_temperature: float = 0.01
@@ -221,6 +232,43 @@ def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
 
 # Shapes: B prompts per update on this rank (local_batch_size), one sample each, P prompt tokens
 # (left-padded), R response tokens (--response_length).
+def value_model_path(args: Args) -> str:
+    """Where the value model starts: --value_model_path, else the reward model, else (--reward_fn) the policy."""
+    return args.value_model_path or (args.model_name_or_path if args.reward_fn else args.reward_model_path)
+
+
+def check_value_model(args: Args, task: common.Task):
+    """Fail before any output when the value model cannot give a value at every policy token: it must
+    share the policy's vocabulary and be a decoder (a `score` head at every position), with one label
+    if it is a classifier already."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path = value_model_path(args)
+    if not os.path.exists(path) and path.count("/") != 1:
+        common.fail(f"value model {path!r} does not exist (give a local directory or an owner/name hub id)")
+    config = AutoConfig.from_pretrained(path)
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels != 1:
+        common.fail(f"value model {path!r} has {config.num_labels} labels; a value model has exactly 1")
+    if not common.same_vocabulary(task.tokenizer, common.load_tokenizer(path, policy=False)):
+        common.fail(f"the value model {path!r} must share the policy's vocabulary; give --value_model_path with the "
+                    f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
+    with torch.device("meta"):  # the architecture alone, no weights
+        model = AutoModelForSequenceClassification.from_config(config)
+    if not common.is_decoder_classifier(model):
+        common.fail(f"the value model {path!r} is an encoder classifier, with no value per token; give a decoder "
+                    f"as --value_model_path (the policy itself, with a fresh head, will do)")
+
+
+def load_value_model(args: Args, dtype):
+    """The value model with one label: the reward model's head as it is, or a fresh scalar head on a
+    causal LM such as the policy."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(value_model_path(args), num_labels=1, dtype=dtype)
+    common.disable_dropout(model)
+    return model
+
+
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = common.batch_sizes(args, world_size)
@@ -229,21 +277,19 @@ def main(args: Args):
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     task = common.load_task(args, rank, dtype)
-    if task.reward_tokenizer is not None:
-        common.fail(f"the value model starts from the reward model {args.reward_model_path!r}, so it must share "
-                    f"the policy's vocabulary; give a reward model with the tokenizer of {args.model_name_or_path!r}")
+    check_value_model(args, task)
     sampler = common.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args.output_dir, args.resume)
+        common.prepare_output_dir(args)
     torch.distributed.barrier()
 
     from transformers import AutoModelForCausalLM, get_scheduler
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    value_model = common.load_reward_model(args.reward_model_path, dtype)
-    reward_model = common.load_reward_model(args.reward_model_path, dtype)
-    for model in (policy, ref_policy, value_model, reward_model):
+    value_model = load_value_model(args, dtype)
+    reward_model = None if args.reward_fn else common.load_reward_model(args.reward_model_path, dtype)
+    for model in (policy, ref_policy):
         common.disable_dropout(model)
     agent = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW(agent.parameters(), lr=args.learning_rate)
@@ -251,7 +297,8 @@ def main(args: Args):
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     agent = common.prepare_deepspeed(agent, args, optimizer, scheduler)
     ref_policy = common.prepare_deepspeed(ref_policy, args).module
-    reward_model = common.prepare_deepspeed(reward_model, args).module
+    if reward_model is not None:  # none with --reward_fn
+        reward_model = common.prepare_deepspeed(reward_model, args).module
 
     state = common.OnlineTrainerState()
     if args.resume:
@@ -259,7 +306,7 @@ def main(args: Args):
         sampler.position = state.data_position
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
-    if state.update == 0:
+    if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
@@ -267,13 +314,14 @@ def main(args: Args):
         # Rollout: one sample per prompt, then the details in order: truncate after the first stop
         # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
-        prompts = task.train_prompts.select(sampler.next_indices())["input_ids"]
+        prompt_rows = task.train_prompts.select(sampler.next_indices())  # with their dataset columns
         # query_ids, query_mask: (B, P), left-padded; responses: (B, R)
-        query_ids, query_mask, responses = common.sample_responses(agent, prompts, 1, args, task, part="policy")
+        query_ids, query_mask, responses = common.sample_responses(agent, prompt_rows["input_ids"], 1, args,
+                                                                   task, part="policy")
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (B, R)
-        scores = common.reward_model_scores(reward_model, rollout, task, args)  # (B,)
+        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (B,)
         scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
         common.check_rewards(scores, update)
         rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
@@ -341,7 +389,7 @@ def main(args: Args):
         metrics.update({"lr": agent.get_lr()[0], "episode": state.episode,
                         "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
-        if update % args.eval_every == 0 or update == num_updates:
+        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode,
                                   common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
         if args.save_every and update % args.save_every == 0:

@@ -66,7 +66,7 @@ def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path, bad_artef
     cases = bad_input_cases(script, bad_artefacts)
     argvs = [[*QUICK, *map(str, flags), "--output_dir", str(tmp_path / f"case{i}")]
              for i, (flags, _) in enumerate(cases)]
-    result = run_script(script.removesuffix(".py"), json.dumps(argvs), script="tests/run_bad_input_cases.py",
+    result = run_script(script.removesuffix(".py"), json.dumps(argvs), script="tests/run_in_one_process.py",
                         timeout=600)
     messages = json.loads(result.stdout.split("RESULTS ")[-1])
     assert len(messages) == len(cases)

@@ -1,8 +1,8 @@
 """Runs many command lines of one kit script in one process (the imports are the slow part) and
-prints, as JSON after "RESULTS ", the message each main() stopped with: SystemExit's text, exactly as
-it would end a command-line run.
+prints, as JSON after "RESULTS ", how each main() ended: "finished without an error", or the message
+it stopped with (SystemExit's text, exactly as it would end a command-line run).
 
-    PYTHONPATH=. python tests/run_bad_input_cases.py online_dpo '[["--response_length", "0"], ...]'
+    PYTHONPATH=. python tests/run_in_one_process.py online_dpo '[["--response_length", "0"], ...]'
 """
 
 import importlib

@@ -1,0 +1,186 @@
+"""A researcher's own inputs, built locally and saved the way hub artefacts are: policies of four
+architectures, an encoder reward model whose WordPiece tokenizer has no EOS, decoder reward models on
+the policy's vocabulary and on another one, a reward function reading an answer column, and prompt
+datasets (a prompt-only .jsonl, a .jsonl with answers, a directory of train/validation splits with
+references). Everything is tiny: heads of size 32, which vLLM's CPU backend runs."""
+
+import json
+import os
+
+import torch
+from conftest import word_tokenizer
+
+WORDS = ("the a cat dog sat ran on in mat park red blue big small one two three four five six seven "
+         "eight nine ten what is plus answer question user assistant : ? .").split()
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant : {% endif %}")
+SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=128)
+
+
+def token_ids(tokenizer) -> dict:
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.eos_token_id)
+
+
+def policies() -> dict:
+    """The four policy architectures of the test matrix: (config, tokenizer) by name. Qwen2 has a
+    byte-level BPE tokenizer with a chat template, the others a word-level one."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    words, bpe = word_tokenizer(words=WORDS), byte_level_bpe_tokenizer()
+    bpe.chat_template = CHAT_TEMPLATE
+    return {
+        "llama": (LlamaConfig(**SIZE, num_key_value_heads=2, **token_ids(words)), words),
+        "qwen2": (Qwen2Config(**SIZE, num_key_value_heads=2, **token_ids(bpe)), bpe),
+        "gpt_neox": (GPTNeoXConfig(**SIZE, **token_ids(words)), words),
+        # GPT-2: learned absolute positions
+        "gpt2": (GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=128, **token_ids(words)), words),
+    }
+
+
+def sft(policy, tokenizer, texts: list[str], steps: int = 40):
+    """A few full-batch steps of next-token prediction, so the policy answers in the data's format and
+    stops (a randomly initialised one almost never samples its stop token)."""
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in texts]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = policy(input_ids=input_ids, attention_mask=mask, labels=input_ids.masked_fill(mask == 0, -100)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def questions() -> list[tuple[str, str]]:
+    """(question, answer) pairs of the datasets: "what is two plus three ?" -> "five"."""
+    numbers = WORDS[WORDS.index("one"):WORDS.index("ten") + 1]
+    return [(f"what is {numbers[i % 5]} plus {numbers[i % 4]} ?", numbers[i % 5 + i % 4 + 1]) for i in range(40)]
+
+
+def save_policy(folder, config, tokenizer):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config)
+    chat = [[{"role": "user", "content": q}] for q, _ in questions()]
+    prompts = ([q for q, _ in questions()] if tokenizer.chat_template is None else
+               [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chat])
+    sft(policy, tokenizer, [f"{p} the answer is {a} ." for p, (_, a) in zip(prompts, questions())])
+    policy.save_pretrained(folder)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def bert_wordpiece_tokenizer():
+    """A BERT WordPiece tokenizer ([CLS] ... [SEP], right padding) with no EOS token."""
+    from transformers import BertTokenizer
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    return BertTokenizer(vocab={word: i for i, word in enumerate(words)}, do_lower_case=False)
+
+
+def byte_level_bpe_tokenizer():
+    """A byte-level BPE tokenizer trained here, as Qwen2's is (it loads back as a Qwen2Tokenizer)."""
+    import random
+
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(500)], vocab_size=320,
+                            special_tokens=["<pad>", "<eos>"], show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<pad>", eos_token="<eos>")
+
+
+def build(folder) -> dict[str, str]:
+    """Every artefact under `folder`; returns their paths by name."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        GPTNeoXConfig,
+        GPTNeoXForSequenceClassification,
+    )
+
+    paths = {}
+    for name, (config, tokenizer) in policies().items():
+        paths[name] = str(folder / name)
+        save_policy(paths[name], config, tokenizer)
+
+    torch.manual_seed(1)
+    paths["bert_rm"] = str(folder / "bert_rm")
+    bert_tokenizer = bert_wordpiece_tokenizer()
+    assert bert_tokenizer.eos_token is None
+    BertForSequenceClassification(BertConfig(vocab_size=len(bert_tokenizer), hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                             pad_token_id=0)).save_pretrained(paths["bert_rm"])
+    bert_tokenizer.save_pretrained(paths["bert_rm"])
+
+    # a decoder reward model on another vocabulary: other ids, other special tokens
+    paths["gpt2_rm_other_vocabulary"] = str(folder / "gpt2_rm_other_vocabulary")
+    other = word_tokenizer(words=list(reversed(WORDS)), specials=("[PAD]", "[END]", "<unk>"))
+    GPT2ForSequenceClassification(GPT2Config(n_embd=64, n_layer=2, n_head=2, num_labels=1,
+                                             **token_ids(other))).save_pretrained(
+        paths["gpt2_rm_other_vocabulary"])
+    other.save_pretrained(paths["gpt2_rm_other_vocabulary"])
+
+    # a decoder reward model on the word-level policies' vocabulary
+    paths["gpt_neox_rm"] = str(folder / "gpt_neox_rm")
+    words = word_tokenizer(words=WORDS)
+    GPTNeoXForSequenceClassification(GPTNeoXConfig(**SIZE, num_labels=1, **token_ids(words))).save_pretrained(
+        paths["gpt_neox_rm"])
+    words.save_pretrained(paths["gpt_neox_rm"])
+
+    paths["prompts_jsonl"] = write_jsonl(folder / "prompts.jsonl", [{"prompt": q} for q, _ in questions()])
+    paths["answers_jsonl"] = write_jsonl(folder / "answers.jsonl", [{"prompt": q, "answer": a} for q, a in questions()])
+    os.makedirs(folder / "splits")
+    for split, rows in (("train", questions()[:32]), ("validation", questions()[32:])):
+        write_jsonl(folder / "splits" / f"{split}.jsonl",
+                    [{"query": q, "reference_response": f" the answer is {a} . <eos>"} for q, a in rows])
+    paths["splits"] = str(folder / "splits")
+    paths["reward_fn"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_fns.py") + ":says_the_answer"
+    return paths
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+# Each case: what a researcher brings, as the flags that describe it; every script trains on each.
+SHORT_RUN = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--total_episodes", "8",
+             "--eval_every", "1", "--eval_num_prompts", "8", "--response_length", "8", "--max_prompt_length", "32",
+             "--local_rollout_forward_batch_size", "16"]
+
+
+def cases(paths: dict[str, str]) -> dict[str, dict]:
+    """name -> {"flags", "policy", "value_model" (PPO's, where the default cannot serve), "eval" (the
+    eval/* metrics the run must report beyond proxy reward and KL)}."""
+    return {
+        "qwen2 chat policy, prompt-only jsonl, encoder reward model": dict(
+            flags=["--model_name_or_path", paths["qwen2"], "--chat_template", "--dataset_name", paths["prompts_jsonl"],
+                   "--prompt_column", "prompt", "--reward_model_path", paths["bert_rm"]],
+            policy=paths["qwen2"], value_model=paths["qwen2"], eval=[]),
+        "llama policy, decoder reward model on another vocabulary, encoder gold model": dict(
+            flags=["--model_name_or_path", paths["llama"], "--dataset_name", paths["splits"],
+                   "--reward_model_path", paths["gpt2_rm_other_vocabulary"], "--gold_model_path", paths["bert_rm"]],
+            policy=paths["llama"], value_model=paths["llama"], eval=["eval/gold_win_rate", "eval/gold_score"]),
+        "gpt2 policy, reward function reading the answer column": dict(
+            flags=["--model_name_or_path", paths["gpt2"], "--dataset_name", paths["answers_jsonl"],
+                   "--prompt_column", "prompt", "--reward_fn", paths["reward_fn"]],
+            policy=paths["gpt2"], value_model=None, eval=[]),
+        "gpt-neox policy and reward model, decoder gold model on another vocabulary": dict(
+            flags=["--model_name_or_path", paths["gpt_neox"], "--dataset_name", paths["splits"],
+                   "--reward_model_path", paths["gpt_neox_rm"], "--gold_model_path", paths["gpt2_rm_other_vocabulary"]],
+            policy=paths["gpt_neox"], value_model=None, eval=["eval/gold_win_rate", "eval/gold_score"]),
+    }
+
+
+def case_argv(script: str, case: dict, output_dir) -> list[str]:
+    value_model = ["--value_model_path", case["value_model"]] if script == "ppo.py" and case["value_model"] else []
+    return [*SHORT_RUN, *case["flags"], *value_model, "--output_dir", str(output_dir)]
