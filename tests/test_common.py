@@ -138,6 +138,102 @@ def test_reward_model_with_another_tokenizer_sees_the_same_text(tiny_dir):
     assert score.item() == pytest.approx(expected.item(), abs=1e-5)
 
 
+def test_encoder_reward_model_scores_its_own_encoding_of_the_text():
+    from own_inputs import WORDS, bert_wordpiece_tokenizer
+    from transformers import BertConfig, BertForSequenceClassification
+
+    policy_tokenizer = word_tokenizer(words=WORDS)
+    bert_tokenizer = bert_wordpiece_tokenizer()  # [CLS] ... [SEP], right padding, no EOS
+    torch.manual_seed(0)
+    bert = BertForSequenceClassification(BertConfig(vocab_size=len(bert_tokenizer), hidden_size=32, num_labels=1,
+                                                    num_hidden_layers=1, num_attention_heads=2,
+                                                    intermediate_size=64)).eval()
+    assert not common.is_decoder_classifier(bert) and bert_tokenizer.eos_token is None
+    prompts, completions = ["what is one plus two ?", "what is two plus two ?"], [" three . <eos>", " four four"]
+    query_ids, query_mask = common.left_pad([policy_tokenizer(p, add_special_tokens=False)["input_ids"]
+                                             for p in prompts], policy_tokenizer.pad_token_id, "cpu")
+    responses = [policy_tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    width = max(map(len, responses))
+    responses = torch.tensor([r + [PAD] * (width - len(r)) for r in responses])
+    responses, lengths, contains_eos = common.truncate_after_eos(responses, [policy_tokenizer.eos_token_id], PAD)
+    with torch.no_grad():
+        scores = common.score_responses(bert, query_ids, query_mask, responses, lengths, contains_eos,
+                                        policy_tokenizer, bert_tokenizer)
+        # alone, unpadded: its own special tokens around the words, no stop token text
+        expected = [bert(**bert_tokenizer(text, return_tensors="pt")).logits[0, 0].item()
+                    for text in ("what is one plus two? three.", "what is two plus two? four four")]
+    assert bert_tokenizer("what is one plus two? three.")["input_ids"][0] == bert_tokenizer.cls_token_id
+    assert scores.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_decoder_reward_model_whose_tokenizer_has_no_eos_gets_no_eos_text(tiny_dir):
+    _, reward_model = load_tiny(tiny_dir)
+    no_eos = word_tokenizer()
+    no_eos.eos_token = None
+    texts = ["the cat sat", "the cat sat"]
+    with torch.no_grad():
+        stopped, unstopped = common.score_texts(reward_model, no_eos, texts, [True, False]).tolist()
+        with_eos = common.score_texts(reward_model, word_tokenizer(), texts, [True, False]).tolist()
+    assert stopped == pytest.approx(unstopped, abs=1e-6)  # nothing appended for the stop
+    assert with_eos[0] != pytest.approx(with_eos[1], abs=1e-4)  # "<eos>" appended where the completion stopped
+
+
+def test_reward_function_gets_prompts_completions_and_the_other_columns_per_sample():
+    import datasets
+
+    tokenizer = word_tokenizer()
+    calls = []
+
+    def reward_fn(prompts, completions, answer, source):
+        calls.append((prompts, completions, answer, source))
+        return [float(a in c) for c, a in zip(completions, answer)]
+
+    rows = datasets.Dataset.from_dict({"prompt": ["the cat", "the dog"], "answer": ["mat", "sat"],
+                                       "source": ["a", "b"], "input_ids": [[3, 4], [3, 5]]})
+    query_ids, query_mask = common.left_pad([[3, 4], [3, 4], [3, 5], [3, 5]], PAD, "cpu")
+    mat, sat = tokenizer.convert_tokens_to_ids(["mat", "sat"])
+    rollout = common.Rollout(query_ids, query_mask, torch.tensor([[mat, EOS], [sat, EOS], [mat, EOS], [sat, PAD]]),
+                             torch.tensor([2, 2, 2, 1]), torch.tensor([True, True, True, False]))
+    task = SimpleNamespace(tokenizer=tokenizer, reward_fn=reward_fn)
+    args = SimpleNamespace(prompt_column="prompt", reward_fn="test:reward_fn")
+    scores = common.function_rewards(task, args, rollout, rows, "update 3")
+    assert scores.tolist() == [1.0, 0.0, 0.0, 1.0]
+    # completions as the policy wrote them after its prompt (here with the space the tokenizer puts there)
+    assert calls == [(["the cat", "the cat", "the dog", "the dog"], [" mat", " sat", " mat", " sat"],
+                      ["mat", "mat", "sat", "sat"], ["a", "a", "b", "b"])]
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("raises", "update 3: --reward_fn tests/reward_fns.py:raises raised ValueError: a bug in the reward function"),
+    ("one_score_short", "update 3: --reward_fn tests/reward_fns.py:one_score_short returned 1 scores for 2 "
+                        "completions"),
+])
+def test_a_failing_reward_function_stops_naming_the_update(name, message):
+    import datasets
+
+    spec = f"tests/reward_fns.py:{name}"
+    task = SimpleNamespace(tokenizer=word_tokenizer(), reward_fn=common.load_reward_function(spec))
+    rollout = common.Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                             torch.tensor([[5], [6]]), torch.tensor([1, 1]), torch.tensor([False, False]))
+    rows = datasets.Dataset.from_dict({"prompt": ["p", "q"], "input_ids": [[1], [1]]})
+    with pytest.raises(SystemExit) as stop:
+        common.function_rewards(task, SimpleNamespace(prompt_column="prompt", reward_fn=spec), rollout, rows,
+                                "update 3")
+    assert str(stop.value.code) == f"error: {message}"
+
+
+def test_reward_function_specs_resolve_or_fail_on_one_line():
+    assert common.load_reward_function("tests/reward_fns.py:says_the_answer")([], [], answer=[]) == []
+    assert common.load_reward_function("math:sqrt")(4.0) == 2.0  # module:name
+    for spec, message in [("tests/missing.py:f", "no file 'tests/missing.py'"),
+                          ("no_such_module:f", "cannot import module 'no_such_module'"),
+                          ("tests/reward_fns.py:nothing", "has no function 'nothing'"),
+                          ("says_the_answer", "must be path/to/file.py:function or module:function")]:
+        with pytest.raises(SystemExit) as stop:
+            common.load_reward_function(spec)
+        assert message in str(stop.value.code) and "\n" not in str(stop.value.code), spec
+
+
 # ---- data ---------------------------------------------------------------------------------------
 def data_args(path, **overrides):
     return SimpleNamespace(**{"dataset_name": str(path), "prompt_column": "query", "chat_template": False,
@@ -156,13 +252,13 @@ def test_prompts_from_jsonl_drop_long_ones_with_a_count(tmp_path, capsys):
     assert "dropped 1 of 2 prompts" in capsys.readouterr().out
 
 
-def test_prompts_from_a_save_to_disk_directory_keep_extra_columns(tmp_path):
+def test_prompts_from_a_save_to_disk_directory_keep_their_columns(tmp_path):
     import datasets
 
     datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"query": ["hello world"], "ref": ["cat"]})}) \
         .save_to_disk(tmp_path / "data")
-    prompts = common.load_prompts(data_args(tmp_path / "data"), word_tokenizer(), "validation", keep_columns=("ref",))
-    assert prompts["ref"] == ["cat"] and prompts["input_ids"] == [[3, 4]]
+    prompts = common.load_prompts(data_args(tmp_path / "data"), word_tokenizer(), "validation")
+    assert prompts["ref"] == ["cat"] and prompts["query"] == ["hello world"] and prompts["input_ids"] == [[3, 4]]
 
 
 def test_chat_template_wraps_the_prompt(tmp_path):

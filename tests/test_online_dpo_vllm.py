@@ -23,7 +23,8 @@ import toy
 
 def test_engine_greedy_equals_hf_greedy_after_weight_sync(tmp_path):
     toy.build()
-    result = run_script(tmp_path, script="tests/weight_sync_check.py", env=ENGINE_ENVIRONMENT, timeout=600)
+    result = run_script(tmp_path, toy.SFT_POLICY, toy.DATASET, "query", "validation",
+                        script="tests/weight_sync_check.py", env=ENGINE_ENVIRONMENT, timeout=600)
     assert "greedy completions equal after weight sync" in result.stdout
 
 

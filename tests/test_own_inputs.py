@@ -42,3 +42,39 @@ def test_every_case_trains_evaluates_and_saves(tmp_path, artefacts, script):
         train, evals = check_case(case, tmp_path / f"case{i}")
         if "reward function" in name:  # the function's 0/1, or the -1 penalty: a mean over 8 prompts
             assert all(round(8 * m["eval/proxy_score"], 6).is_integer() for m in evals), evals
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_neox", "gpt2"])
+def test_left_padded_log_probs_equal_the_sampling_ones(artefacts, name):
+    """Rows of different prompt lengths, left-padded: the trainer's log-probs of the sampled tokens
+    equal those HF generate sampled them from, and those of each row scored alone, without padding."""
+    import torch
+    from own_inputs import questions
+    from transformers import AutoModelForCausalLM
+
+    import common
+
+    policy = AutoModelForCausalLM.from_pretrained(artefacts[name]).eval()
+    tokenizer = common.load_tokenizer(artefacts[name])
+    eos_ids, pad, temperature = common.eos_token_ids(artefacts[name], tokenizer), tokenizer.pad_token_id, 0.7
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"]
+               for text in ("two ?", questions()[0][0], "what is one plus one ? the answer is")]
+    query_ids, query_mask = common.left_pad(prompts, pad, "cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = policy.generate(input_ids=query_ids, attention_mask=query_mask, do_sample=True, max_new_tokens=6,
+                              temperature=temperature + 1e-7, top_k=0, top_p=1.0, eos_token_id=eos_ids,
+                              pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+        responses, lengths, _ = common.truncate_after_eos(out.sequences[:, query_ids.shape[1]:], eos_ids, pad)
+        sampled_from = torch.stack(out.logits, dim=1)  # (rows, new tokens, vocab), before the temperature
+        expected = common.logprobs_from_logits(sampled_from, responses[:, :sampled_from.shape[1]], temperature)
+        padded = common.response_logprobs(policy, query_ids, query_mask, responses, lengths, temperature)
+        alone = [common.response_logprobs(policy, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                                          responses[i:i + 1], lengths[i:i + 1], temperature)[0]
+                 for i, p in enumerate(prompts)]
+    mask = common.response_mask(lengths, responses.shape[1])
+    assert mask.sum() >= 6
+    for i in range(len(prompts)):
+        real = mask[i]
+        assert torch.allclose(padded[i][real], expected[i][real[:expected.shape[1]]], atol=1e-4), (name, i)
+        assert torch.allclose(padded[i][real], alone[i][real], atol=1e-4), (name, i)

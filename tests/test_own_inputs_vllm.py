@@ -6,6 +6,7 @@ import pytest
 from own_inputs import build, case_argv, cases
 from scripts import run_script
 from test_own_inputs import check_case
+from weight_sync_check import ENGINE_ENVIRONMENT
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +22,10 @@ def test_every_case_trains_evaluates_and_saves(tmp_path, artefacts, case):
     train, _ = check_case(spec, out)
     assert [m["async/staleness"] for m in train] == [0, 1], name
     assert all(m["async/logprob_diff"] < 1e-3 for m in train), (name, [m["async/logprob_diff"] for m in train])
+
+
+@pytest.mark.parametrize("policy", ["qwen2", "gpt_neox", "gpt2"])  # Llama: test_online_dpo_vllm.py, on the toy
+def test_engine_greedy_equals_hf_greedy_after_weight_sync(tmp_path, artefacts, policy):
+    result = run_script(tmp_path, artefacts[policy], artefacts["prompts_jsonl"], "prompt", "train",
+                        script="tests/weight_sync_check.py", env=ENGINE_ENVIRONMENT, timeout=600)
+    assert "greedy completions equal after weight sync" in result.stdout

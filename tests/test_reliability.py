@@ -33,6 +33,7 @@ def bad_artefacts(tmp_path_factory):
     config = AutoConfig.from_pretrained(toy.REWARD_MODEL)
     config.num_labels = 2
     config.save_pretrained(folder / "two_label_rm")
+    (folder / "prompts.jsonl").write_text('{"query": "a prompt of the user"}\n')
     return folder
 
 
@@ -50,6 +51,12 @@ def bad_input_cases(script, folder):
         (["--response_length", "-3"], "--response_length must be positive, got -3"),
         (["--preset", "tldr-7b"], "--preset 'tldr-7b' is not one of this script's presets"),
         (["--learning_rate", "fast"], "Error parsing --learning_rate"),
+        (["--eval_every", "-1"], "--eval_every must be 0 (no evaluation) or positive, got -1"),
+        (["--reward_fn", "tests/missing.py:score"], "--reward_fn 'tests/missing.py:score': no file 'tests/missing.py'"),
+        (["--reward_fn", "no_such_module:score"], "cannot import module 'no_such_module'"),
+        (["--reward_fn", "tests/reward_fns.py:nothing"], "'tests/reward_fns.py' has no function 'nothing'"),
+        (["--dataset_name", folder / "prompts.jsonl", "--gold_model_path", "toy"],
+         "--gold_model_path toy scores the embedded toy task only"),
     ]
     if script in NEEDS_PAIRS:
         cases.append((["--num_samples", "1"], "--num_samples must be at least 2"))
@@ -84,7 +91,34 @@ def test_non_finite_reward_stops_with_the_update_and_keeps_the_last_checkpoint(t
     assert result.returncode != 0
     completions = 16 if script == "ppo.py" else 32  # 16 prompts, 1 or 2 completions each
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: update 3: the reward model returned NaN or infinite scores for 1 of {completions} completions; "
+        f"error: update 3: the reward was NaN or infinite for 1 of {completions} completions; "
         "stopped, the last complete checkpoint is kept")
     assert (out / "checkpoints" / "update-2").is_dir() and not (out / "policy").exists()
     assert [m["update"] for m in read_metrics(out) if "loss/policy_avg" in m] == [1, 2]
+
+
+# A reward function that fails mid-run: the run stops at the update, with the function's error on one line.
+FAILING_REWARD_FUNCTIONS = {
+    "raises": "update 1: --reward_fn tests/reward_fns.py:raises raised ValueError: a bug in the reward function",
+    "one_score_short": "update 1: --reward_fn tests/reward_fns.py:one_score_short returned {short} scores for "
+                       "{completions} completions",
+    # (completions with no stop token get the finite missing-EOS penalty instead)
+    "nan_scores": "update 1: the reward was NaN or infinite for ",
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_failing_reward_function_stops_the_run_at_its_update(tmp_path, script):
+    # the vLLM script: one case (its engine would start once per case); the failure is the same common code
+    names = ["raises"] if script == "online_dpo_vllm.py" else list(FAILING_REWARD_FUNCTIONS)
+    argvs = [[*QUICK, "--total_episodes", "32", "--eval_every", "0", "--reward_fn", f"tests/reward_fns.py:{name}",
+              "--output_dir", str(tmp_path / name)] for name in names]
+    result = run_script(script.removesuffix(".py"), json.dumps(argvs), script="tests/run_in_one_process.py")
+    completions = 16 if script == "ppo.py" else 32
+    expected = [FAILING_REWARD_FUNCTIONS[name].format(short=completions - 1, completions=completions)
+                for name in names]
+    messages = json.loads(result.stdout.split("RESULTS ")[-1])
+    assert len(messages) == len(names)
+    assert all(message.startswith(f"error: {start}") and "\n" not in message
+               for message, start in zip(messages, expected)), messages
+    assert not any((tmp_path / name / "policy").exists() for name in names)

@@ -1,7 +1,8 @@
 """vLLM's greedy completions equal HF's after a weight sync, and seeded sampling does not depend on
-batching: run by test_engine_greedy_equals_hf_greedy_after_weight_sync in the engine's environment.
+batching: run by test_engine_greedy_equals_hf_greedy_after_weight_sync in the engine's environment,
+for a policy and prompts of a dataset split (with its prompt column).
 
-    PYTHONPATH=. python tests/weight_sync_check.py SNAPSHOT_DIR
+    PYTHONPATH=. python tests/weight_sync_check.py SNAPSHOT_DIR POLICY DATASET PROMPT_COLUMN SPLIT
 """
 
 import os
@@ -21,19 +22,21 @@ ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=
 ENGINE_ENVIRONMENT = common.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1)[0]
 
 
-def check_greedy_after_weight_sync(snapshot_dir):
+def check_greedy_after_weight_sync(snapshot_dir, policy_path, dataset, prompt_column, split):
     """Train the policy a few steps, push the weights, compare vLLM greedy with HF greedy."""
     from transformers import AutoModelForCausalLM
 
-    args = SimpleNamespace(**ENGINE_ARGS)
+    args = SimpleNamespace(**{**ENGINE_ARGS, "model_name_or_path": policy_path})
+    policy = AutoModelForCausalLM.from_pretrained(policy_path)  # before the engine, as in common.generate_ahead
     llm = common.start_vllm(args)  # in this process, on the core ENGINE_ENVIRONMENT names
+    for module in policy.modules():
+        module.do_not_compile = True  # vLLM's Transformers backend (GPT-NeoX) decorated HF classes just now
     common.init_distributed()
-    tokenizer = common.load_tokenizer(toy.SFT_POLICY)
-    eos_ids = common.eos_token_ids(toy.SFT_POLICY, tokenizer)
-    prompts = common.load_prompts(SimpleNamespace(dataset_name=toy.DATASET, prompt_column="query",
+    tokenizer = common.load_tokenizer(policy_path)
+    eos_ids = common.eos_token_ids(policy_path, tokenizer)
+    prompts = common.load_prompts(SimpleNamespace(dataset_name=dataset, prompt_column=prompt_column,
                                                   chat_template=False, max_prompt_length=64),
-                                  tokenizer, "validation")["input_ids"][:32]
-    policy = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY)
+                                  tokenizer, split)["input_ids"][:32]
     engine = common.prepare_deepspeed(policy, args, torch.optim.AdamW(policy.parameters(), lr=1e-2))
     query_ids, query_mask = common.left_pad(prompts, tokenizer.pad_token_id, engine.device)
 
@@ -66,7 +69,7 @@ def check_greedy_after_weight_sync(snapshot_dir):
     assert vllm_greedy() == after
     # seeded sampling: a row's completion depends on its prompt and seed alone, however vLLM batches
     # it, also in a batch of more prompt tokens than one engine step takes (4096 on a CPU)
-    batch, pad = prompts * 8, tokenizer.pad_token_id
+    batch, pad = prompts * (4096 // sum(map(len, prompts)) + 1), tokenizer.pad_token_id
     assert sum(map(len, batch)) > 4096
     seeds = list(range(len(batch)))
     responses, _ = common.vllm_generate(llm, batch, seeds, args, eos_ids, pad)
@@ -76,4 +79,4 @@ def check_greedy_after_weight_sync(snapshot_dir):
 
 
 if __name__ == "__main__":
-    check_greedy_after_weight_sync(sys.argv[1])
+    check_greedy_after_weight_sync(*sys.argv[1:])
