@@ -39,8 +39,14 @@ import torch.nn.functional as F
 INVALID_LOGPROB = 1.0  # sentinel written at padded positions; masked out of every sum and mean
 
 
+STOP_BEFORE_FAILING = []  # what must stop before an error ends the run: the generator process, whose
+# shutdown would otherwise print after the error's line
+
+
 def fail(message: str):
-    """Stop with a one-line error (on every rank) and a non-zero exit."""
+    """Stop with a one-line error (on every rank) and a non-zero exit; the last line the run prints."""
+    for stop in STOP_BEFORE_FAILING:
+        stop()
     raise SystemExit(f"error: {message}")
 
 
@@ -755,13 +761,20 @@ def engine_placement(args, world_size: int) -> tuple[dict[str, str], list[int], 
     """Where the engine runs: the environment of its process, its cores and the trainer's cores.
 
     GPU: it sees only `--vllm_device` (default the GPU after the training ranks'). CPU: it runs on
-    the last `--vllm_cpu_threads` cores and the trainer keeps the others.
+    the last `--vllm_cpu_threads` cores and the trainer keeps the others. "shared" (one training
+    rank): the engine on the trainer's own device, its GPU or all its cores; the two take turns.
     """
     device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else f"cuda:{world_size}")
     # the engine runs inside the generator process: no further processes, no inter-process polling
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cores = engine_cores = trainer_cores = sorted(os.sched_getaffinity(0))
-    if device == "cpu":
+    if device == "shared":
+        if world_size != 1:
+            fail(f"--vllm_device shared puts the engine on the device of a single training rank, not {world_size}")
+        if not torch.cuda.is_available():  # on a GPU it sees the trainer's GPUs, and takes the first, as the trainer
+            environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
+                               VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
+    elif device == "cpu":
         if not 0 < args.vllm_cpu_threads < len(cores):
             fail(f"--vllm_cpu_threads {args.vllm_cpu_threads} must leave the trainer at least one of "
                  f"the {len(cores)} cores")
@@ -771,7 +784,7 @@ def engine_placement(args, world_size: int) -> tuple[dict[str, str], list[int], 
     elif device.startswith("cuda:"):
         environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
     else:
-        fail(f"--vllm_device {device!r} is neither 'cpu' nor 'cuda:<index>'")
+        fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
     return environment, engine_cores, trainer_cores
 
 
@@ -837,15 +850,16 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids
     return responses, logprobs
 
 
-def publish_weights(engine, folder: str):
+def publish_weights(engine, folder: str, part: str | None = None):
     """Snapshot the trained weights as safetensors in `folder` (tmpfs), written atomically.
 
     The engine later reads this snapshot, never the tensors the optimizer is mutating.
-    Every rank must call this (ZeRO-3 gathers); rank 0 writes.
+    Every rank must call this (ZeRO-3 gathers); rank 0 writes. `part`: the policy's attribute name
+    when the engine trains more than the policy (PPO).
     """
     from safetensors.torch import save_file
 
-    with full_parameters(engine) as model:
+    with full_parameters(engine, part) as model:
         if torch.distributed.get_rank() == 0:
             partial = folder + ".partial"
             os.makedirs(partial, exist_ok=True)
@@ -859,6 +873,17 @@ def load_vllm_weights(llm, folder: str):
     """Load a published snapshot into the engine. The worker's `reload_weights` re-runs the CPU
     backend's weight repacking, which per-parameter `load_weights` skips (it breaks on CPU)."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+
+
+def check_async_args(args):
+    """The asynchronous scripts' own flags, checked before anything is written."""
+    if args.async_steps < 0:
+        fail(f"--async_steps must be 0 (synchronous) or more, got {args.async_steps}")
+    for name in ("engine_start_timeout", "generator_timeout"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name} must be positive (seconds), got {getattr(args, name)}")
+    if args.logprob_check_rows < 1:
+        fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), got {args.logprob_check_rows}")
 
 
 ENGINE_STARTED = {"engine": "started"}  # the generator process's first message (errors are text)
@@ -893,14 +918,16 @@ def sample_batch(llm, sampling_policy, queries: list[list[int]], update: int, ar
 
 
 def generate_ahead(args, prompts, sampler, updates: range, first_version: int, num_samples: int, eos_ids,
-                   pad_token_id, snapshots: str, published, batches):
+                   pad_token_id, snapshots: str, published, batches, requests):
     """The generator process (rank 0's), which holds the vLLM engine: batch t is sampled with exactly the
     weights after update t-1-K (K = --async_steps), or `first_version`, the weights the run started
     from, if that is later.
 
     The trainer announces each published weight version on the queue `published`; ENGINE_STARTED, then
-    the batches (or the error that stopped this process, as text) go to the queue `batches`. It ends
-    when the trainer terminates it, or by itself once the trainer is gone.
+    the batches (or the error that stopped this process, as text) go to the queue `batches`. With
+    `requests` (an engine sharing the trainer's device), batch t is sampled only once the trainer has
+    asked for it there, so that the two take turns. It ends when the trainer terminates it, or by
+    itself once the trainer is gone.
     """
 
     try:
@@ -921,13 +948,17 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, n
             module.do_not_compile = True
         batches.put(ENGINE_STARTED)
         loaded = latest = 0  # the engine starts with the SFT weights, version 0
+        requested = 0
         for update in updates:
             version = max(update - 1 - args.async_steps, first_version)
-            while latest < version:
+            while latest < version or (requests is not None and requested < update):
                 if not multiprocessing.parent_process().is_alive():  # no trainer: free the engine's device
                     return
                 with contextlib.suppress(queue.Empty):
-                    latest = published.get(timeout=0.1)
+                    if latest < version:
+                        latest = published.get(timeout=0.1)
+                    else:
+                        requested = requests.get(timeout=0.1)
             t0 = time.time()
             if version != loaded:
                 folder = os.path.join(snapshots, f"version-{version}")
@@ -963,19 +994,23 @@ class AsyncGenerator:
         self.prompts_per_rank = sampler.global_batch_size // world_size
         self.sampled_ahead = collections.deque(state.pending_batches)
         sampler.position = state.data_position + len(self.sampled_ahead)
-        self.snapshots = self.published = self.batches = self.process = None
+        self.snapshots = self.published = self.batches = self.requests = self.process = None
+        self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
         if self.rank == 0:
             self.snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-",
                                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
             context = multiprocessing.get_context("spawn")
             self.published, self.batches = context.Queue(), context.Queue()
+            if args.vllm_device == "shared":  # one device for both: the engine samples when the trainer waits
+                self.requests = context.Queue()
             first_update = state.update + len(self.sampled_ahead) + 1
             # generate_ahead is looked up now, so that tests can put a faulty one in its place
             self.process = start_generator(args, world_size, generate_ahead, (
                 args, task.train_prompts["input_ids"], sampler, range(first_update, num_updates + 1), state.update,
                 num_samples, task.eos_ids, task.tokenizer.pad_token_id, self.snapshots, self.published,
-                self.batches))
-            atexit.register(self.stop)
+                self.batches, self.requests))
+            atexit.register(self.stop)  # however the trainer exits
+            STOP_BEFORE_FAILING.append(self.stop)
 
     def _receive(self, timeout: float, timeout_error: str):
         """The process's next message; stops within a second when it has failed or died, and with
@@ -998,7 +1033,11 @@ class AsyncGenerator:
             return item
 
     def _next_batch(self) -> dict:
-        """The next whole batch from the process, its arrays as tensors."""
+        """The next whole batch from the process (asked for first, when the engine shares the trainer's
+        device), its arrays as tensors."""
+        if self.requests is not None:
+            self.requested += 1
+            self.requests.put(self.requested)
         timeout = self.args.generator_timeout
         item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
         return {**item, "responses": torch.from_numpy(item["responses"]),
@@ -1026,9 +1065,10 @@ class AsyncGenerator:
         torch.distributed.scatter_object_list(received, shares, src=0)
         return received[0]
 
-    def publish_weights(self, engine, version: int):
-        """Snapshot the weights after update `version` for the engine, and announce them (every rank calls it)."""
-        publish_weights(engine, os.path.join(self.snapshots or "", f"version-{version}"))
+    def publish_weights(self, engine, version: int, part: str | None = None):
+        """Snapshot the policy's weights after update `version` for the engine, and announce them (every
+        rank calls it). `part`: the policy's attribute name when the engine trains more than the policy."""
+        publish_weights(engine, os.path.join(self.snapshots or "", f"version-{version}"), part)
         if self.rank == 0:
             self.published.put(version)
 

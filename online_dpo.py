@@ -219,8 +219,7 @@ def main(args: Args):
         t0 = time.time()
         prompt_rows = task.train_prompts.select(sampler.next_indices())  # with their dataset columns
         # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
-        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args,
-                                                                   task)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)

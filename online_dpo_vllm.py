@@ -126,7 +126,9 @@ class Args:
     async_steps: int = 1
     """K: how many updates the sampling weights may lag behind the trained weights (0: synchronous)"""
     vllm_device: str | None = None
-    """device of the vLLM engine: "cpu", or "cuda:<i>" (default: the GPU after the training ranks, else cpu)"""
+    """device of the vLLM engine: "cpu" (its own cores), "cuda:<i>", or "shared": the single training rank's
+    own device (its GPU, or all its cores), engine and trainer taking turns; default: the GPU after the
+    training ranks, else cpu"""
     vllm_cpu_threads: int = 1
     """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
     vllm_cpu_kv_cache_gib: int = 1
@@ -175,14 +177,7 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
         common.fail(f"--num_samples must be at least 2 to form a (chosen, rejected) pair, got {args.num_samples}")
     if args.beta <= 0:
         common.fail(f"--beta must be positive, got {args.beta}")
-    if args.async_steps < 0:
-        common.fail(f"--async_steps must be 0 (synchronous) or more, got {args.async_steps}")
-    for name in ("engine_start_timeout", "generator_timeout"):
-        if getattr(args, name) <= 0:
-            common.fail(f"--{name} must be positive (seconds), got {getattr(args, name)}")
-    if args.logprob_check_rows < 1:
-        common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
-                    f"got {args.logprob_check_rows}")
+    common.check_async_args(args)
     return common.batch_sizes(args, world_size)
 
 

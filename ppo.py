@@ -348,23 +348,24 @@ def main(args: Args):
         for _ in range(args.num_epochs):
             order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
             for mini_batch in order.split(mini_batch_size):
-                for batch in mini_batch.split(args.per_device_train_batch_size):
+                for micro_batch in mini_batch.split(args.per_device_train_batch_size):
                     new_logprobs, new_values, entropy = forward_responses(
-                        agent, *(tensor[batch] for tensor in rows), args.temperature)
-                    pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, logprobs[batch], advantages[batch],
-                                                              mask[batch], args.cliprange)
-                    vf_loss, vf_clipfrac = value_loss(new_values, values[batch], returns[batch], mask[batch],
-                                                      args.cliprange_value)
+                        agent, *(tensor[micro_batch] for tensor in rows), args.temperature)
+                    old_logprobs, micro_mask = logprobs[micro_batch], mask[micro_batch]
+                    pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
+                                                              micro_mask, args.cliprange)
+                    vf_loss, vf_clipfrac = value_loss(new_values, values[micro_batch], returns[micro_batch],
+                                                      micro_mask, args.cliprange_value)
                     agent.backward(pg_loss + args.vf_coef * vf_loss)
                     agent.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["pg_loss"].append(pg_loss.item())
                     stats["vf_loss"].append(vf_loss.item())
                     stats["pg_clipfrac"].append(pg_clipfrac.item())
                     stats["vf_clipfrac"].append(vf_clipfrac.item())
-                    stats["approxkl"].append(0.5 * common.masked_mean(
-                        (new_logprobs - logprobs[batch]).detach() ** 2, mask[batch]))
-                    stats["entropy"].append(common.masked_mean(entropy.detach(), mask[batch]))
-                    stats["ratio"].append(ratio.detach()[mask[batch].bool()])
+                    stats["approxkl"].append(0.5 * common.masked_mean((new_logprobs - old_logprobs).detach() ** 2,
+                                                                      micro_mask))
+                    stats["entropy"].append(common.masked_mean(entropy.detach(), micro_mask))
+                    stats["ratio"].append(ratio.detach()[micro_mask.bool()])
         t3 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.

@@ -132,6 +132,13 @@ PRESETS = {
 }
 
 
+def check_args(args: Args, world_size: int) -> tuple[int, int]:
+    if args.num_samples < 2:
+        common.fail(f"--num_samples must be at least 2: the leave-one-out baseline needs another sample, "
+                    f"got {args.num_samples}")
+    return common.batch_sizes(args, world_size)
+
+
 def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
     """A_i = r_i - (sum_j r_j - r_i) / (k - 1) for the rewards r of each prompt's k samples.
     rewards: (prompts * k,) -> (prompts * k,)"""
@@ -153,10 +160,7 @@ def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: fl
 # rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
-    if args.num_samples < 2:
-        common.fail(f"--num_samples must be at least 2: the leave-one-out baseline needs another sample, "
-                    f"got {args.num_samples}")
-    local_batch_size, num_updates = common.batch_sizes(args, world_size)
+    local_batch_size, num_updates = check_args(args, world_size)
     batch_size = local_batch_size * world_size
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
@@ -199,15 +203,14 @@ def main(args: Args):
         t0 = time.time()
         prompt_rows = task.train_prompts.select(sampler.next_indices())  # with their dataset columns
         # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
-        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args,
-                                                                   task)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
         scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
         scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
         common.check_rewards(scores, update)
-        logprobs = common.rollout_logprobs(policy, rollout, args)  # (N, R) under the sampling weights
+        logprobs = common.rollout_logprobs(policy, rollout, args)  # (N, R) under the sampling weights: the old policy
 
         # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.
         seq_logps = common.masked_sum(logprobs, rollout.mask)  # (N,)

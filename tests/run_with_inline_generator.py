@@ -1,19 +1,21 @@
-"""online_dpo_vllm.py with its generator process replaced by InlineGenerator: each batch is sampled in
-the trainer's process when the trainer asks for it. test_k0_gives_the_same_losses_as_inline_generation
-runs it with --async_steps 0 on one rank and compares its losses with the real generator process's.
+"""A vLLM script (named by the first argument: online_dpo_vllm, rloo_vllm or ppo_vllm) with its
+generator process replaced by InlineGenerator: each batch is sampled in the trainer's process when the
+trainer asks for it. test_k0_gives_the_same_losses_as_inline_generation runs it with --async_steps 0
+on one rank and compares its losses with the real generator process's.
 
-    PYTHONPATH=. python tests/run_with_inline_generator.py --async_steps 0 ...
+    PYTHONPATH=. python tests/run_with_inline_generator.py online_dpo_vllm --async_steps 0 ...
 """
 
+import importlib
 import os
 import shutil
+import sys
 import tempfile
 from unittest import mock
 
 import torch
 
 import common
-import online_dpo_vllm
 
 
 class InlineGenerator:
@@ -25,7 +27,8 @@ class InlineGenerator:
         self.args, self.task, self.sampler, self.num_samples = args, task, sampler, num_samples
         self.snapshots, self.version = tempfile.mkdtemp(), 0
         # the trainer's threads as start_generator leaves them (the thread count changes float sums)
-        torch.set_num_threads(len(os.sched_getaffinity(0)) - args.vllm_cpu_threads)
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(cores if args.vllm_device == "shared" else cores - args.vllm_cpu_threads)
 
     def wait_for_engine(self):
         from transformers import AutoModelForCausalLM
@@ -47,14 +50,15 @@ class InlineGenerator:
             common.load_vllm_weights(self.llm, folder)
             self.sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
         prompts = self.task.train_prompts["input_ids"]
-        queries = [prompts[i] for i in self.sampler.next_indices() for _ in range(self.num_samples)]
+        indices = self.sampler.next_indices()
+        queries = [prompts[i] for i in indices for _ in range(self.num_samples)]
         batch = common.sample_batch(self.llm, self.sampling_policy, queries, update, self.args, self.task.eos_ids,
                                     self.task.tokenizer.pad_token_id)
-        return {**batch, "version": self.version, "time/weight_load": 0.0,
+        return {**batch, "prompt_indices": indices, "version": self.version, "time/weight_load": 0.0,
                 "responses": torch.from_numpy(batch["responses"]), "logprobs": torch.from_numpy(batch["logprobs"])}
 
-    def publish_weights(self, engine, version: int):
-        common.publish_weights(engine, os.path.join(self.snapshots, f"version-{version}"))
+    def publish_weights(self, engine, version: int, part: str | None = None):
+        common.publish_weights(engine, os.path.join(self.snapshots, f"version-{version}"), part)
 
     def sample_ahead(self, update: int) -> list:
         return []  # K=0: nothing is sampled ahead
@@ -64,5 +68,6 @@ class InlineGenerator:
 
 
 if __name__ == "__main__":
+    script = importlib.import_module(sys.argv.pop(1))
     common.AsyncGenerator = InlineGenerator
-    online_dpo_vllm.main(common.cli(online_dpo_vllm.Args, online_dpo_vllm.PRESETS))
+    script.main(common.cli(script.Args, script.PRESETS))

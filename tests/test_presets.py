@@ -14,9 +14,12 @@ import common
 import online_dpo
 import online_dpo_vllm
 import ppo
+import ppo_vllm
 import rloo
+import rloo_vllm
 
 SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "ppo.py": ppo, "rloo.py": rloo,
+           "rloo_vllm.py": rloo_vllm, "ppo_vllm.py": ppo_vllm,
            "bok.py": bok}
 ALL_PRESETS = [(script, name) for script, module in SCRIPTS.items() for name in module.PRESETS]
 
@@ -31,6 +34,7 @@ def test_the_paper_runs_are_all_there():
                                                 for gpus in (1, 4))
     assert sorted(online_dpo_vllm.PRESETS) == sorted(f"tldr-{size}-async-4gpu" for size in ("410m", "1b", "2.8b"))
     assert list(ppo.PRESETS) == list(rloo.PRESETS) == list(bok.PRESETS) == ["tldr-410m-1gpu"]
+    assert list(ppo_vllm.PRESETS) == list(rloo_vllm.PRESETS) == ["tldr-410m-async-4gpu", "tldr-410m-1gpu"]
 
 
 @pytest.mark.parametrize(("script", "name"), ALL_PRESETS)
@@ -51,9 +55,11 @@ def test_preset_parses_divides_and_names_the_artefacts(script, name):
     assert preset.launch.split()[-3:] == [script, "--preset", name]
     local_batch_size, num_updates = common.batch_sizes(args, world_size)
     assert num_updates == 256
-    assert local_batch_size * world_size == (504 if script == "online_dpo_vllm.py" else 512)
-    if script == "online_dpo_vllm.py":
-        assert world_size == 3 and args.async_steps == 1  # the 4th GPU generates
+    assert local_batch_size * world_size == (504 if "async-4gpu" in name else 512)
+    if "async-4gpu" in name:
+        assert world_size == 3 and args.async_steps == 1 and args.vllm_device is None  # the 4th GPU generates
+    elif script.endswith("_vllm.py"):  # the reference's single-vLLM runs: the engine on the training GPU
+        assert (world_size, args.vllm_device, args.vllm_gpu_memory_utilization) == (1, "shared", 0.3)
 
 
 def test_flags_override_a_preset():

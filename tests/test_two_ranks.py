@@ -7,6 +7,7 @@ import pytest
 from scripts import (
     QUICK,
     SCRIPTS,
+    VLLM_SCRIPTS,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     read_metrics,
@@ -18,7 +19,7 @@ TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 
 @pytest.mark.parametrize(("script", "zero_stage"), [
     (script, stage) for script in SCRIPTS for stage in (2, 3)
-    if (script, stage) != ("online_dpo_vllm.py", 2)])  # that one is test_online_dpo_vllm's two-rank run
+    if not (script in VLLM_SCRIPTS and stage == 2)])  # those are the vLLM scripts' own K=2 two-rank runs
 def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
     """Two ranks of 16 prompts each. With ZeRO-3 the run also checkpoints at update 2 and a copy of it
     resumes from that checkpoint on two ranks (the state of a run killed right after the checkpoint:

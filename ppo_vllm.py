@@ -1,0 +1,471 @@
+"""Asynchronous PPO: a vLLM engine samples batch t+1 while the trainer learns on batch t. ppo.py is
+its synchronous twin (`diff ppo.py ppo_vllm.py` shows only the asynchronous part) and ALGORITHMS.md
+has every formula.
+
+Batch t is sampled with exactly the weights after update t-1-K (`--async_steps K`; 0 is synchronous).
+The clipped per-token ratios are taken against the log-probs of the weights that sampled the batch:
+the engine's, which async/logprob_diff checks against the trainer's model under the same weights.
+
+    python ppo_vllm.py                                         # toy task: trainer on one core, vLLM on the other
+    python ppo_vllm.py --vllm_device shared --async_steps 0    # one device, engine and trainer taking turns
+    deepspeed --num_gpus 3 ppo_vllm.py --bf16 ...              # GPU node: 3 training GPUs, vLLM on cuda:3
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+import common
+import toy
+
+
+@dataclass
+class Args:
+    # Configuration
+    preset: str | None = None
+    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+
+    # Model and data
+    model_name_or_path: str = toy.SFT_POLICY
+    """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
+    reward_model_path: str = toy.REWARD_MODEL
+    """proxy reward model that RL optimises: any one-label AutoModelForSequenceClassification, decoder (read
+    at the last real token) or encoder (BERT, RoBERTa, DeBERTa), with its own tokenizer if need be"""
+    reward_fn: str | None = None
+    """a Python function as the reward instead of a reward model: path/to/file.py:name or module:name, called
+    as fn(prompts, completions, **columns) -> one float per completion, where columns are the prompts' other
+    dataset columns (e.g. a gold answer)"""
+    value_model_path: str | None = None
+    """value model: a one-label decoder classifier with the policy's vocabulary; default: the reward model
+    (as in the paper), or with --reward_fn the policy with a fresh scalar head"""
+    gold_model_path: str | None = None
+    """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
+    on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
+    dataset_name: str = toy.DATASET
+    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "validation"
+    """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (at most a
+    fifth of them) are held out of training for evaluation"""
+    prompt_column: str = "query"
+    """column holding the prompt text"""
+    reference_column: str = "reference_response"
+    """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
+    them (no win-rate when the column is absent)"""
+    chat_template: bool = False
+    """wrap each prompt as a user message in the tokenizer's chat template"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (the count is printed)"""
+
+    # Generation
+    response_length: int = 12
+    """new tokens sampled per completion"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    penalty_reward_value: float = -1.0
+    """reward given instead of the score to a completion with no stop token"""
+
+    # Algorithm
+    kl_coef: float = 0.05
+    """weight of the per-token KL penalty -kl_coef * (logp - ref_logp) in the reward"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards (masked, mean kept) before GAE"""
+    gamma: float = 1.0
+    """discount of GAE"""
+    lam: float = 0.95
+    """lambda of GAE"""
+    cliprange: float = 0.2
+    """clip range of the per-token policy ratio"""
+    cliprange_value: float = 0.2
+    """clip range of the value prediction around the rollout's value"""
+    vf_coef: float = 0.1
+    """weight of the value loss: loss = policy loss + vf_coef * value loss"""
+
+    # Optimisation
+    total_episodes: int = 4480
+    """prompts to train on, over all ranks"""
+    per_device_train_batch_size: int = 16
+    """completions per micro-batch on each rank"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
+    num_epochs: int = 4
+    """passes over each generated batch, prompt order shuffled each time (the reference's num_ppo_epochs)"""
+    learning_rate: float = 3e-5
+    """peak learning rate of policy and value model, decayed linearly to 0"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (over policy and value model together)"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / scoring forward pass"""
+
+    # Evaluation, logging, checkpoints
+    eval_every: int = 10
+    """evaluate every this many updates (and before the first and after the last); 0: never"""
+    eval_num_prompts: int = 256
+    """validation prompts used by each evaluation"""
+    eval_temperature: float = 0.01
+    """near-greedy temperature of evaluation completions (the paper's protocol)"""
+    save_every: int = 0
+    """write a resumable checkpoint every this many updates (0: never)"""
+    output_dir: str | None = None
+    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
+    resume: bool = False
+    """continue the run in --output_dir from its latest complete checkpoint"""
+    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
+    """experiment name, used for the run directory and wandb"""
+    seed: int = 1
+    """seed of sampling, data order and initialisation"""
+    torch_deterministic: bool = True
+    """torch.use_deterministic_algorithms"""
+    track: bool = False
+    """log to wandb (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team)"""
+
+    # Asynchronous generation
+    async_steps: int = 1
+    """K: how many updates the sampling weights may lag behind the trained weights (0: synchronous)"""
+    vllm_device: str | None = None
+    """device of the vLLM engine: "cpu" (its own cores), "cuda:<i>", or "shared": the single training rank's
+    own device (its GPU, or all its cores), engine and trainer taking turns; default: the GPU after the
+    training ranks, else cpu"""
+    vllm_cpu_threads: int = 1
+    """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """CPU only: RAM reserved for the engine's KV cache"""
+    vllm_gpu_memory_utilization: float = 0.8
+    """GPU only: share of the engine's GPU memory vLLM may use; the rest holds the copy of the policy that
+    checks async/logprob_diff"""
+    logprob_check_rows: int = 16
+    """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
+    their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
+    engine_start_timeout: float = 1800.0
+    """seconds the trainer waits for the vLLM engine to start (it loads the model and warms up) before it
+    stops with an error"""
+    generator_timeout: float = 600.0
+    """seconds the trainer waits for each batch, once the engine has started, before it stops with an error"""
+
+    # Distributed
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage of policy and value model (3 also partitions the reference and reward models)"""
+    bf16: bool = False
+    """train and generate in bfloat16 (GPU runs)"""
+    local_rank: int = -1
+    """set by the deepspeed launcher"""
+
+
+def tldr_ppo(size: str, **placement) -> Args:
+    """The paper's PPO on TL;DR: 512 prompts per update (504 on three training GPUs), 1 epoch, 1 mini-batch."""
+    per_device, gpus = (16, 1) if placement.get("vllm_device") == "shared" else (8, 3)
+    accumulation = 512 // (per_device * gpus)
+    return Args(**common.tldr_artefacts(size), total_episodes=256 * per_device * accumulation * gpus,
+                per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, num_epochs=1,
+                local_rollout_forward_batch_size=32, **placement)
+
+
+PRESETS = {
+    "tldr-410m-async-4gpu": common.Preset(
+        "asynchronous PPO, Pythia 410m SFT on TL;DR, 3 training GPUs + vLLM on the 4th, one update stale",
+        "deepspeed --num_gpus 3 ppo_vllm.py --preset tldr-410m-async-4gpu", tldr_ppo("410m", async_steps=1)),
+    "tldr-410m-1gpu": common.Preset(
+        "PPO, Pythia 410m SFT on TL;DR, vLLM on the training GPU (the reference's single-vLLM setting), synchronous",
+        "python ppo_vllm.py --preset tldr-410m-1gpu",
+        tldr_ppo("410m", async_steps=0, vllm_device="shared", vllm_gpu_memory_utilization=0.3)),
+}
+
+
+class PolicyAndValue(torch.nn.Module):
+    """Policy and value model as one module, so one DeepSpeed engine trains both, as the reference
+    does: the loss is one sum (policy loss + vf_coef * value loss), so one backward, one optimizer
+    step and one gradient clip cover both. Only `policy` is saved as the trained model."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        """Policy logits (batch, len, vocab) and the value head at every position (batch, len)."""
+        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        backbone = getattr(self.value_model, self.value_model.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids).last_hidden_state
+        return logits, self.value_model.score(hidden).squeeze(-1).float()
+
+
+def forward_responses(model, query_ids, query_mask, responses, lengths, temperature):
+    """Log-probs (INVALID_LOGPROB at pads), values (0 at pads) and entropies of each response token,
+    from the positions that predicted it.  Each (batch, response_len)."""
+    inputs, mask = common.response_inputs(query_ids, query_mask, responses, lengths)
+    logits, values = model(**inputs)
+    start = query_ids.shape[1] - 1
+    logits = logits[:, start:-1].float() / (temperature + 1e-7)
+    logprobs = torch.gather(torch.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return logprobs.masked_fill(~mask, common.INVALID_LOGPROB), values[:, start:-1] * mask, entropy
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(values - mean) / std over the real entries (unbiased variance); the mean is added back
+    when `shift_mean` is False. Padded entries are returned as 0."""
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    variance = (((values - mean) * mask) ** 2).sum() / (count - 1)
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def token_rewards(logprobs, ref_logprobs, scores, lengths, mask, kl_coef: float) -> torch.Tensor:
+    """-kl_coef * (logp - ref_logp) at every real token, plus the score at the last real token.  (batch, len)"""
+    rewards = -kl_coef * (logprobs - ref_logprobs) * mask
+    rewards[torch.arange(len(rewards), device=rewards.device), lengths - 1] += scores
+    return rewards
+
+
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation over each response's real tokens.  All (batch, len).
+
+    The episode ends at the last real token: nothing is bootstrapped from beyond it (pads hold
+    value 0 and reward 0, and advantages at pads are 0). Returns (advantages, returns).
+    """
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, advantages + values
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float):
+    """Clipped surrogate on per-token ratios, averaged over real tokens. Returns (loss, clipfrac, ratio)."""
+    ratio = torch.exp(new_logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    loss = (torch.max(unclipped, clipped) * mask).sum() / mask.sum()
+    clipfrac = ((clipped > unclipped).float() * mask).sum() / mask.sum()
+    return loss, clipfrac, ratio
+
+
+def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
+    """0.5 * max((V - returns)^2, (clip(V, V_old +- c) - returns)^2), averaged over real tokens.
+    Returns (loss, clipfrac)."""
+    clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
+    unclipped_loss, clipped_loss = (new_values - returns) ** 2, (clipped_values - returns) ** 2
+    loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / mask.sum()
+    clipfrac = ((clipped_loss > unclipped_loss).float() * mask).sum() / mask.sum()
+    return loss, clipfrac
+
+
+# Shapes: B prompts per update on this rank (local_batch_size), one sample each, P prompt tokens
+# (left-padded), R response tokens (--response_length).
+def value_model_path(args: Args) -> str:
+    """Where the value model starts: --value_model_path, else the reward model, else (--reward_fn) the policy."""
+    return args.value_model_path or (args.model_name_or_path if args.reward_fn else args.reward_model_path)
+
+
+def check_value_model(args: Args, task: common.Task):
+    """Fail before any output when the value model cannot give a value at every policy token: it must
+    share the policy's vocabulary and be a decoder (a `score` head at every position), with one label
+    if it is a classifier already."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path = value_model_path(args)
+    if not os.path.exists(path) and path.count("/") != 1:
+        common.fail(f"value model {path!r} does not exist (give a local directory or an owner/name hub id)")
+    config = AutoConfig.from_pretrained(path)
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels != 1:
+        common.fail(f"value model {path!r} has {config.num_labels} labels; a value model has exactly 1")
+    if not common.same_vocabulary(task.tokenizer, common.load_tokenizer(path, policy=False)):
+        common.fail(f"the value model {path!r} must share the policy's vocabulary; give --value_model_path with the "
+                    f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
+    with torch.device("meta"):  # the architecture alone, no weights
+        model = AutoModelForSequenceClassification.from_config(config)
+    if not common.is_decoder_classifier(model):
+        common.fail(f"the value model {path!r} is an encoder classifier, with no value per token; give a decoder "
+                    f"as --value_model_path (the policy itself, with a fresh head, will do)")
+
+
+def load_value_model(args: Args, dtype):
+    """The value model with one label: the reward model's head as it is, or a fresh scalar head on a
+    causal LM such as the policy."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(value_model_path(args), num_labels=1, dtype=dtype)
+    common.disable_dropout(model)
+    return model
+
+
+def main(args: Args):
+    rank, world_size = common.init_distributed()
+    common.check_async_args(args)
+    local_batch_size, num_updates = common.batch_sizes(args, world_size)
+    batch_size = local_batch_size * world_size
+    common.resolve_output_dir(args)
+    common.seed_everything(args.seed + rank, args.torch_deterministic)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    task = common.load_task(args, rank, dtype)
+    check_value_model(args, task)
+    # the engine samples whole global batches; each rank trains on its share of one
+    sampler = common.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
+    if rank == 0:  # only now, so that bad input leaves no output directory behind
+        common.prepare_output_dir(args)
+    torch.distributed.barrier()
+
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    value_model = load_value_model(args, dtype)
+    reward_model = None if args.reward_fn else common.load_reward_model(args.reward_model_path, dtype)
+    for model in (policy, ref_policy):
+        common.disable_dropout(model)
+    agent = PolicyAndValue(policy, value_model)
+    optimizer = torch.optim.AdamW(agent.parameters(), lr=args.learning_rate)
+    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    agent = common.prepare_deepspeed(agent, args, optimizer, scheduler)
+    ref_policy = common.prepare_deepspeed(ref_policy, args).module
+    if reward_model is not None:  # none with --reward_fn
+        reward_model = common.prepare_deepspeed(reward_model, args).module
+
+    state = common.OnlineTrainerState()
+    if args.resume:
+        state = common.load_checkpoint(args.output_dir, agent)
+    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+                                  ("loss/policy_avg", "objective/scores", "async/staleness", "eval/gold_win_rate"))
+    # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
+    # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
+    # and samples from the checkpoint's weights after them.
+    generator = common.AsyncGenerator(args, task, sampler, state, num_updates, 1)
+    if state.update > 0:
+        generator.publish_weights(agent, state.update, part="policy")
+    if state.update == 0 and args.eval_every:
+        logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
+    generator.wait_for_engine()
+    pad = task.tokenizer.pad_token_id
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
+    start_time, start_episode = time.time(), state.episode
+    for update in range(state.update + 1, num_updates + 1):
+        # Rollout: this rank's share of the batch the engine sampled for this update, K updates ago
+        # with older weights; then the details as in the synchronous twin.
+        t0 = time.time()
+        batch = generator.batch_for(update)
+        prompt_rows = task.train_prompts.select(batch["prompt_indices"])  # with their dataset columns
+        query_ids, query_mask = common.left_pad(batch["queries"], pad, agent.device)  # (B, P)
+        responses = batch["responses"].to(agent.device)  # (B, R)
+        t1 = time.time()
+        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (B, R)
+        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (B,)
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        common.check_rewards(scores, update)
+        rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
+        with torch.no_grad():  # the values of the sampled tokens
+            _, values, _ = common.in_chunks(
+                lambda *chunk: forward_responses(agent, *chunk, args.temperature),
+                args.local_rollout_forward_batch_size, *rows)  # (B, R)
+        # (B, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
+        # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
+        logprobs = batch["logprobs"].to(agent.device)
+
+        # Advantages: per-token KL penalty plus the score at the last real token, then GAE.
+        mask = rollout.mask.float()  # (B, R)
+        rewards = token_rewards(logprobs, ref_logprobs, scores, rollout.lengths, mask, args.kl_coef)  # (B, R)
+        non_score_reward = (rewards.sum(1) - scores).mean().item()
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = gae_advantages(rewards, values, mask, args.gamma, args.lam)  # (B, R) each
+        advantages = masked_whiten(advantages, mask)  # over this rank's batch
+        t2 = time.time()
+
+        # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
+        # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
+        # micro-batches of per_device_train_batch_size prompts.
+        stats = {name: [] for name in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "entropy",
+                                       "ratio")}
+        for _ in range(args.num_epochs):
+            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
+            for mini_batch in order.split(mini_batch_size):
+                for micro_batch in mini_batch.split(args.per_device_train_batch_size):
+                    new_logprobs, new_values, entropy = forward_responses(
+                        agent, *(tensor[micro_batch] for tensor in rows), args.temperature)
+                    old_logprobs, micro_mask = logprobs[micro_batch], mask[micro_batch]
+                    pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
+                                                              micro_mask, args.cliprange)
+                    vf_loss, vf_clipfrac = value_loss(new_values, values[micro_batch], returns[micro_batch],
+                                                      micro_mask, args.cliprange_value)
+                    agent.backward(pg_loss + args.vf_coef * vf_loss)
+                    agent.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
+                    stats["pg_loss"].append(pg_loss.item())
+                    stats["vf_loss"].append(vf_loss.item())
+                    stats["pg_clipfrac"].append(pg_clipfrac.item())
+                    stats["vf_clipfrac"].append(vf_clipfrac.item())
+                    stats["approxkl"].append(0.5 * common.masked_mean((new_logprobs - old_logprobs).detach() ** 2,
+                                                                      micro_mask))
+                    stats["entropy"].append(common.masked_mean(entropy.detach(), micro_mask))
+                    stats["ratio"].append(ratio.detach()[micro_mask.bool()])
+        t3 = time.time()
+
+        # Weight sync: a snapshot of the new policy weights for the engine, announced by version number.
+        generator.publish_weights(agent, update, part="policy")
+        t4 = time.time()
+
+        # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
+        ratios = torch.cat(stats.pop("ratio"))
+        stats = {name: sum(values) / len(values) for name, values in stats.items()}
+        # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, update
+        metrics = common.all_reduce_mean({
+            "policy/approxkl_avg": stats["approxkl"],
+            "policy/clipfrac_avg": stats["pg_clipfrac"],
+            "policy/entropy_avg": stats["entropy"],
+            "loss/policy_avg": stats["pg_loss"],
+            "loss/value_avg": stats["vf_loss"],
+            "val/clipfrac_avg": stats["vf_clipfrac"],
+            "val/ratio": ratios.mean().item(),
+            "val/ratio_var": ratios.var().item(),
+            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
+            "objective/non_score_reward": non_score_reward,
+            "time/wait": t1 - t0,
+            "time/score": t2 - t1,
+            "time/train": t3 - t2,
+        })
+        metrics.update({
+            "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
+            "async/logprob_diff": batch["async/logprob_diff"],
+            "time/generate": batch["time/generate"],
+            "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
+            "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # publish here + load into the engine
+            "lr": agent.get_lr()[0], "episode": state.episode,
+            "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        logger.log(update, metrics)
+        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
+            logger.log_evaluation(update, state.episode,
+                                  common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
+        if args.save_every and update % args.save_every == 0:
+            # the batches already sampled for the next K updates, with weights this checkpoint no longer
+            # has, are saved with it: a resumed run trains on exactly the same samples
+            state.pending_batches = generator.sample_ahead(update)
+            common.save_checkpoint(args.output_dir, agent, state)
+
+    common.save_policy(args.output_dir, agent, task.tokenizer, part="policy")
+    generator.stop()
+    logger.close()
+    if rank == 0:
+        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
+
+
+if __name__ == "__main__":
+    main(common.cli(Args, PRESETS))

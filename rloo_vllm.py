@@ -1,0 +1,337 @@
+"""Asynchronous RLOO: a vLLM engine samples batch t+1 while the trainer learns on batch t. rloo.py is
+its synchronous twin (`diff rloo.py rloo_vllm.py` shows only the asynchronous part) and ALGORITHMS.md
+has every formula.
+
+Batch t is sampled with exactly the weights after update t-1-K (`--async_steps K`; 0 is synchronous).
+The clipped ratio is taken against the log-probs of the weights that sampled the batch: the engine's,
+which async/logprob_diff checks against the trainer's model under the same weights.
+
+    python rloo_vllm.py                                        # toy task: trainer on one core, vLLM on the other
+    python rloo_vllm.py --vllm_device shared --async_steps 0   # one device, engine and trainer taking turns
+    deepspeed --num_gpus 3 rloo_vllm.py --bf16 ...             # GPU node: 3 training GPUs, vLLM on cuda:3
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+import common
+import toy
+
+
+@dataclass
+class Args:
+    # Configuration
+    preset: str | None = None
+    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+
+    # Model and data
+    model_name_or_path: str = toy.SFT_POLICY
+    """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
+    reward_model_path: str = toy.REWARD_MODEL
+    """proxy reward model that RL optimises: any one-label AutoModelForSequenceClassification, decoder (read
+    at the last real token) or encoder (BERT, RoBERTa, DeBERTa), with its own tokenizer if need be"""
+    reward_fn: str | None = None
+    """a Python function as the reward instead of a reward model: path/to/file.py:name or module:name, called
+    as fn(prompts, completions, **columns) -> one float per completion, where columns are the prompts' other
+    dataset columns (e.g. a gold answer)"""
+    gold_model_path: str | None = None
+    """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
+    on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
+    dataset_name: str = toy.DATASET
+    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "validation"
+    """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (at most a
+    fifth of them) are held out of training for evaluation"""
+    prompt_column: str = "query"
+    """column holding the prompt text"""
+    reference_column: str = "reference_response"
+    """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
+    them (no win-rate when the column is absent)"""
+    chat_template: bool = False
+    """wrap each prompt as a user message in the tokenizer's chat template"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (the count is printed)"""
+
+    # Generation
+    response_length: int = 12
+    """new tokens sampled per completion"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    penalty_reward_value: float = -1.0
+    """reward given instead of the score to a completion with no stop token"""
+
+    # Algorithm
+    num_samples: int = 2
+    """k: completions per prompt; each one's baseline is the mean reward of the other k-1"""
+    kl_coef: float = 0.05
+    """weight of the sequence KL in the reward: reward = score - kl_coef * sum_t (logp - ref_logp)"""
+    cliprange: float = 0.2
+    """clip range of the sequence-level policy ratio"""
+
+    # Optimisation
+    total_episodes: int = 4480
+    """prompts to train on, over all ranks"""
+    per_device_train_batch_size: int = 16
+    """prompts per micro-batch on each rank (each with its k completions)"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
+    num_epochs: int = 4
+    """passes over each generated batch, prompt order shuffled each time (the reference's num_ppo_epochs)"""
+    learning_rate: float = 3e-5
+    """peak learning rate, decayed linearly to 0"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / scoring forward pass"""
+
+    # Evaluation, logging, checkpoints
+    eval_every: int = 10
+    """evaluate every this many updates (and before the first and after the last); 0: never"""
+    eval_num_prompts: int = 256
+    """validation prompts used by each evaluation"""
+    eval_temperature: float = 0.01
+    """near-greedy temperature of evaluation completions (the paper's protocol)"""
+    save_every: int = 0
+    """write a resumable checkpoint every this many updates (0: never)"""
+    output_dir: str | None = None
+    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
+    resume: bool = False
+    """continue the run in --output_dir from its latest complete checkpoint"""
+    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
+    """experiment name, used for the run directory and wandb"""
+    seed: int = 1
+    """seed of sampling, data order and initialisation"""
+    torch_deterministic: bool = True
+    """torch.use_deterministic_algorithms"""
+    track: bool = False
+    """log to wandb (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team)"""
+
+    # Asynchronous generation
+    async_steps: int = 1
+    """K: how many updates the sampling weights may lag behind the trained weights (0: synchronous)"""
+    vllm_device: str | None = None
+    """device of the vLLM engine: "cpu" (its own cores), "cuda:<i>", or "shared": the single training rank's
+    own device (its GPU, or all its cores), engine and trainer taking turns; default: the GPU after the
+    training ranks, else cpu"""
+    vllm_cpu_threads: int = 1
+    """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """CPU only: RAM reserved for the engine's KV cache"""
+    vllm_gpu_memory_utilization: float = 0.8
+    """GPU only: share of the engine's GPU memory vLLM may use; the rest holds the copy of the policy that
+    checks async/logprob_diff"""
+    logprob_check_rows: int = 16
+    """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
+    their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
+    engine_start_timeout: float = 1800.0
+    """seconds the trainer waits for the vLLM engine to start (it loads the model and warms up) before it
+    stops with an error"""
+    generator_timeout: float = 600.0
+    """seconds the trainer waits for each batch, once the engine has started, before it stops with an error"""
+
+    # Distributed
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models)"""
+    bf16: bool = False
+    """train and generate in bfloat16 (GPU runs)"""
+    local_rank: int = -1
+    """set by the deepspeed launcher"""
+
+
+def tldr_rloo(size: str, **placement) -> Args:
+    """The paper's RLOO on TL;DR (k=2): 512 prompts per update (504 on three training GPUs), 1 epoch."""
+    per_device, gpus = (16, 1) if placement.get("vllm_device") == "shared" else (8, 3)
+    accumulation = 512 // (per_device * gpus)
+    return Args(**common.tldr_artefacts(size), total_episodes=256 * per_device * accumulation * gpus,
+                per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, num_epochs=1,
+                local_rollout_forward_batch_size=32, **placement)
+
+
+PRESETS = {
+    "tldr-410m-async-4gpu": common.Preset(
+        "asynchronous RLOO (k=2), Pythia 410m SFT on TL;DR, 3 training GPUs + vLLM on the 4th, one update stale",
+        "deepspeed --num_gpus 3 rloo_vllm.py --preset tldr-410m-async-4gpu", tldr_rloo("410m", async_steps=1)),
+    "tldr-410m-1gpu": common.Preset(
+        "RLOO (k=2), Pythia 410m SFT on TL;DR, vLLM on the training GPU (the reference's single-vLLM setting), "
+        "synchronous", "python rloo_vllm.py --preset tldr-410m-1gpu",
+        tldr_rloo("410m", async_steps=0, vllm_device="shared", vllm_gpu_memory_utilization=0.3)),
+}
+
+
+def check_args(args: Args, world_size: int) -> tuple[int, int]:
+    if args.num_samples < 2:
+        common.fail(f"--num_samples must be at least 2: the leave-one-out baseline needs another sample, "
+                    f"got {args.num_samples}")
+    common.check_async_args(args)
+    return common.batch_sizes(args, world_size)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """A_i = r_i - (sum_j r_j - r_i) / (k - 1) for the rewards r of each prompt's k samples.
+    rewards: (prompts * k,) -> (prompts * k,)"""
+    per_prompt = rewards.view(-1, k)  # (prompts, k)
+    baselines = (per_prompt.sum(dim=1, keepdim=True) - per_prompt) / (k - 1)
+    return (per_prompt - baselines).flatten()
+
+
+def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float):
+    """Clipped surrogate on the sequence-level ratio exp(sum new_logp - sum old_logp), averaged over
+    sequences. All inputs (batch,). Returns (loss, clipfrac, ratio)."""
+    ratio = torch.exp(new_seq_logps - old_seq_logps)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    return torch.max(unclipped, clipped).mean(), (clipped > unclipped).float().mean(), ratio
+
+
+# Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
+def main(args: Args):
+    rank, world_size = common.init_distributed()
+    local_batch_size, num_updates = check_args(args, world_size)
+    batch_size = local_batch_size * world_size
+    common.resolve_output_dir(args)
+    common.seed_everything(args.seed + rank, args.torch_deterministic)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    task = common.load_task(args, rank, dtype)
+    # the engine samples whole global batches; each rank trains on its share of one
+    sampler = common.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
+    if rank == 0:  # only now, so that bad input leaves no output directory behind
+        common.prepare_output_dir(args)
+    torch.distributed.barrier()
+
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    reward_model = None if args.reward_fn else common.load_reward_model(args.reward_model_path, dtype)
+    for model in (policy, ref_policy):
+        common.disable_dropout(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
+    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
+    ref_policy = common.prepare_deepspeed(ref_policy, args).module
+    if reward_model is not None:  # none with --reward_fn
+        reward_model = common.prepare_deepspeed(reward_model, args).module
+
+    state = common.OnlineTrainerState()
+    if args.resume:
+        state = common.load_checkpoint(args.output_dir, policy)
+    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+                                  ("loss/policy_avg", "objective/scores", "async/staleness", "eval/gold_win_rate"))
+    # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
+    # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
+    # and samples from the checkpoint's weights after them.
+    generator = common.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
+    if state.update > 0:
+        generator.publish_weights(policy, state.update)
+    if state.update == 0 and args.eval_every:
+        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
+    generator.wait_for_engine()
+    k, pad = args.num_samples, task.tokenizer.pad_token_id
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
+    start_time, start_episode = time.time(), state.episode
+    for update in range(state.update + 1, num_updates + 1):
+        # Rollout: this rank's share of the batch the engine sampled for this update, K updates ago
+        # with older weights; then the details as in the synchronous twin.
+        t0 = time.time()
+        batch = generator.batch_for(update)
+        prompt_rows = task.train_prompts.select(batch["prompt_indices"])  # with their dataset columns
+        query_ids, query_mask = common.left_pad(batch["queries"], pad, policy.device)  # (N, P)
+        responses = batch["responses"].to(policy.device)  # (N, R)
+        t1 = time.time()
+        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
+        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        common.check_rewards(scores, update)
+        # (N, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
+        # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
+        logprobs = batch["logprobs"].to(policy.device)
+
+        # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.
+        seq_logps = common.masked_sum(logprobs, rollout.mask)  # (N,)
+        kl = common.masked_sum(logprobs - ref_logprobs, rollout.mask)  # (N,)
+        advantages = leave_one_out_advantages(scores - args.kl_coef * kl, k)  # (N,)
+        t2 = time.time()
+
+        # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
+        # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
+        # micro-batches of per_device_train_batch_size prompts with all their k samples.
+        stats = {name: [] for name in ("loss", "clipfrac", "approxkl", "ratio")}
+        for _ in range(args.num_epochs):
+            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
+            for mini_batch in order.split(mini_batch_size):
+                for prompt_ids in mini_batch.split(args.per_device_train_batch_size):
+                    rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
+                    new_seq_logps = common.masked_sum(common.response_logprobs(
+                        policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
+                        rollout.lengths[rows], args.temperature), rollout.mask[rows])
+                    loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, seq_logps[rows], advantages[rows],
+                                                                 args.cliprange)
+                    policy.backward(loss)
+                    policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
+                    stats["loss"].append(loss.item())
+                    stats["clipfrac"].append(clipfrac.item())
+                    stats["approxkl"].append(0.5 * ((new_seq_logps.detach() - seq_logps[rows]) ** 2).mean().item())
+                    stats["ratio"].append(ratio.detach())
+        t3 = time.time()
+
+        # Weight sync: a snapshot of the new weights for the engine, announced by version number.
+        generator.publish_weights(policy, update)
+        t4 = time.time()
+
+        # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
+        ratios = torch.cat(stats.pop("ratio"))
+        stats = {name: sum(values) / len(values) for name, values in stats.items()}
+        # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, update
+        metrics = common.all_reduce_mean({
+            "loss/policy_avg": stats["loss"],
+            "policy/clipfrac_avg": stats["clipfrac"],
+            "policy/approxkl_avg": stats["approxkl"],
+            "val/ratio": ratios.mean().item(),
+            "val/ratio_var": ratios.var().item(),
+            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
+            "time/wait": t1 - t0,
+            "time/score": t2 - t1,
+            "time/train": t3 - t2,
+        })
+        metrics.update({
+            "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
+            "async/logprob_diff": batch["async/logprob_diff"],
+            "time/generate": batch["time/generate"],
+            "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
+            "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # publish here + load into the engine
+            "lr": policy.get_lr()[0], "episode": state.episode,
+            "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        logger.log(update, metrics)
+        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
+            logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
+        if args.save_every and update % args.save_every == 0:
+            # the batches already sampled for the next K updates, with weights this checkpoint no longer
+            # has, are saved with it: a resumed run trains on exactly the same samples
+            state.pending_batches = generator.sample_ahead(update)
+            common.save_checkpoint(args.output_dir, policy, state)
+
+    common.save_policy(args.output_dir, policy, task.tokenizer)
+    generator.stop()
+    logger.close()
+    if rank == 0:
+        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
+
+
+if __name__ == "__main__":
+    main(common.cli(Args, PRESETS))
