@@ -1,12 +1,13 @@
-"""Asynchronous vs synchronous online DPO on the toy task, measured in one run.
+"""Asynchronous vs synchronous RLHF on the toy task, measured in one run, for online DPO, RLOO or PPO.
 
-Runs the same number of updates three ways: online_dpo.py (sync, HF generate), online_dpo_vllm.py
-with --async_steps 0 (sync, vLLM) and with --async_steps 1 (the paper's async). Prints seconds
-per update, where the time goes, the final gold win-rate, the speedups, and the overlap bound
-(G + T) / max(G, T) from the K=0 run's generation time G and trainer time T.
+Runs the same number of updates three ways: the synchronous script (HF generate, e.g. online_dpo.py),
+its vLLM twin with --async_steps 0 (sync, vLLM) and with --async_steps 1 (the paper's async). Prints
+seconds per update, where the time goes, the final gold win-rate, the speedups, and the overlap
+bound (G + T) / max(G, T) from the K=0 run's generation time G and trainer time T.
 
-    python bench/async_speedup.py                 # about 7 minutes on 2 CPU cores
-    python bench/async_speedup.py --updates 10    # quicker, noisier
+    python bench/async_speedup.py                          # online DPO, about 7 minutes on 2 CPU cores
+    python bench/async_speedup.py --algorithm rloo         # rloo.py vs rloo_vllm.py
+    python bench/async_speedup.py --algorithm ppo --updates 10    # quicker, noisier
 """
 
 import json
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Literal
 
 import tyro
 
@@ -25,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @dataclass
 class Args:
+    algorithm: Literal["online_dpo", "rloo", "ppo"] = "online_dpo"
+    """which pair to compare: <algorithm>.py and <algorithm>_vllm.py"""
     updates: int = 30
     """training updates per run (the first is excluded from the timings as warm-up)"""
     prompts_per_update: int = 64
@@ -64,9 +68,10 @@ def summarise(name: str, metrics: list[dict]) -> dict:
 
 def main(args: Args):
     with tempfile.TemporaryDirectory() as folder:
-        results = [summarise("sync, HF generate (online_dpo.py)", run("online_dpo.py", args, folder)),
-                   summarise("sync, vLLM (K=0)", run("online_dpo_vllm.py", args, folder, "--async_steps", "0")),
-                   summarise("async, vLLM (K=1)", run("online_dpo_vllm.py", args, folder, "--async_steps", "1"))]
+        sync, vllm = f"{args.algorithm}.py", f"{args.algorithm}_vllm.py"
+        results = [summarise(f"sync, HF generate ({sync})", run(sync, args, folder)),
+                   summarise("sync, vLLM (K=0)", run(vllm, args, folder, "--async_steps", "0")),
+                   summarise("async, vLLM (K=1)", run(vllm, args, folder, "--async_steps", "1"))]
     print(f"\n{'run':36} {'s/update':>9} {'generate':>9} {'w-sync':>7} {'lp-check':>8} {'score':>7} {'train':>7}"
           f" {'wait':>7} {'stale':>6} {'gold win':>9}")
     for r in results:
