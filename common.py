@@ -348,7 +348,7 @@ def split_names(name_or_path: str) -> list[str]:
             return json.load(f)["splits"]
     try:
         return datasets.get_dataset_split_names(name_or_path)
-    except Exception:  # noqa: BLE001 (whatever datasets raises) load_split then says what is wrong
+    except Exception:  # whatever datasets raises: load_split then says what is wrong
         return []
 
 
@@ -356,10 +356,9 @@ def load_prompts(args, tokenizer, split: str):
     """Tokenized prompts of one split ("input_ids"), with every column of the dataset; prompts longer
     than `max_prompt_length` are dropped."""
     dataset = load_split(args.dataset_name, split)
-    for column in (args.prompt_column,):
-        if column not in dataset.column_names:
-            fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
-                 f"it has {dataset.column_names}")
+    if args.prompt_column not in dataset.column_names:
+        fail(f"dataset {args.dataset_name!r} split {split!r} has no column {args.prompt_column!r}; "
+             f"it has {dataset.column_names}")
     if len(dataset) == 0:
         fail(f"dataset {args.dataset_name!r} split {split!r} is empty")
     if args.chat_template and tokenizer.chat_template is None:
@@ -655,7 +654,7 @@ def function_rewards(task: "Task", args, rollout: "Rollout", prompt_rows, where:
     try:
         values = task.reward_fn(prompts, completions, **columns)
         scores = [float(value) for value in values]
-    except Exception as error:  # noqa: BLE001 (the user's code: any error stops the run, on one line)
+    except Exception as error:  # the user's code: any error stops the run, on one line
         fail(f"{where}: --reward_fn {args.reward_fn} raised {type(error).__name__}: {error}")
     if len(scores) != len(completions):
         fail(f"{where}: --reward_fn {args.reward_fn} returned {len(scores)} scores for {len(completions)} completions")

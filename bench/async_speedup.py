@@ -1,9 +1,10 @@
 """Asynchronous vs synchronous RLHF on the toy task, measured in one run, for online DPO, RLOO or PPO.
 
-Runs the same number of updates three ways: the synchronous script (HF generate, e.g. online_dpo.py),
-its vLLM twin with --async_steps 0 (sync, vLLM) and with --async_steps 1 (the paper's async). Prints
-seconds per update, where the time goes, the final gold win-rate, the speedups, and the overlap
-bound (G + T) / max(G, T) from the K=0 run's generation time G and trainer time T.
+Runs the same number of updates four ways: the synchronous script (HF generate, e.g. online_dpo.py),
+its vLLM twin with --async_steps 0 (sync, vLLM on its own core) and with --async_steps 1 (the paper's
+async), and --vllm_device shared --async_steps 0 (sync, vLLM on the trainer's cores, taking turns).
+Prints seconds per update, where the time goes, the final gold win-rate, the speedups, and the
+overlap bound (G + T) / max(G, T) from the K=0 run's generation time G and trainer time T.
 
     python bench/async_speedup.py                          # online DPO, about 7 minutes on 2 CPU cores
     python bench/async_speedup.py --algorithm rloo         # rloo.py vs rloo_vllm.py
@@ -71,14 +72,16 @@ def main(args: Args):
         sync, vllm = f"{args.algorithm}.py", f"{args.algorithm}_vllm.py"
         results = [summarise(f"sync, HF generate ({sync})", run(sync, args, folder)),
                    summarise("sync, vLLM (K=0)", run(vllm, args, folder, "--async_steps", "0")),
-                   summarise("async, vLLM (K=1)", run(vllm, args, folder, "--async_steps", "1"))]
+                   summarise("async, vLLM (K=1)", run(vllm, args, folder, "--async_steps", "1")),
+                   summarise("sync, vLLM shared (K=0)",
+                             run(vllm, args, folder, "--async_steps", "0", "--vllm_device", "shared"))]
     print(f"\n{'run':36} {'s/update':>9} {'generate':>9} {'w-sync':>7} {'lp-check':>8} {'score':>7} {'train':>7}"
           f" {'wait':>7} {'stale':>6} {'gold win':>9}")
     for r in results:
         print(f"{r['name']:36} {r['seconds_per_update']:9.3f} {r['generate']:9.3f} {r['weight_sync']:7.3f}"
               f" {r['logprob_check']:8.3f} {r['score']:7.3f} {r['train']:7.3f} {r['wait']:7.3f} {r['staleness']:6.2f}"
               f" {r['gold_win_rate']:9.3f}")
-    hf, k0, k1 = results
+    hf, k0, k1, shared = results
     generation = k0["generate"] + k0["weight_sync"] + k0["logprob_check"]  # G: the generator's side of one update
     trainer = k0["score"] + k0["train"]  # T: the trainer's side of one update
     bound = (generation + trainer) / max(generation, trainer)
@@ -87,7 +90,9 @@ def main(args: Args):
           f"T = {trainer:.3f} s (score + train)")
     print(f"overlap bound (G + T) / max(G, T) = {bound:.2f}x")
     print(f"K=1 over K=0: {speedup:.2f}x = {speedup / bound:.0%} of the bound")
-    print(f"K=1 over sync HF generate: {hf['seconds_per_update'] / k1['seconds_per_update']:.2f}x")
+    k1_seconds = k1["seconds_per_update"]
+    print(f"K=1 over sync HF generate: {hf['seconds_per_update'] / k1_seconds:.2f}x; over the engine sharing "
+          f"the trainer's cores (K=0): {shared['seconds_per_update'] / k1_seconds:.2f}x")
     # why K=1 falls short of the bound: contention slows both sides when they run at once
     print(f"contention: in the K=1 run generation took {k1['generate'] / k0['generate']:.2f}x and training "
           f"{(k1['score'] + k1['train']) / trainer:.2f}x their K=0 times; the trainer waited {k1['wait']:.3f} s "
