@@ -435,16 +435,18 @@ def load_task(args, rank: int, dtype) -> Task:
         check_reward_model(gold_path)
     train_prompts = load_prompts(args, tokenizer, args.train_split)
     eval_prompts = None
-    if args.eval_every:
-        if args.eval_split in split_names(args.dataset_name):
-            eval_prompts = load_prompts(args, tokenizer, args.eval_split)
-        else:
-            held_out = min(args.eval_num_prompts, len(train_prompts) // 5)
-            eval_prompts = train_prompts.select(range(len(train_prompts) - held_out, len(train_prompts)))
-            train_prompts = train_prompts.select(range(len(train_prompts) - held_out))
-            if rank == 0:
-                print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
-                      f"{args.train_split!r} prompts are held out for evaluation")
+    if args.eval_split not in split_names(args.dataset_name):  # held out even with --eval_every 0: the
+        held_out = min(args.eval_num_prompts, len(train_prompts) // 5)  # training prompts never depend on it
+        eval_prompts = train_prompts.select(range(len(train_prompts) - held_out, len(train_prompts)))
+        train_prompts = train_prompts.select(range(len(train_prompts) - held_out))
+        if rank == 0:
+            print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
+                  f"{args.train_split!r} prompts are held out for evaluation")
+    elif args.eval_every:
+        eval_prompts = load_prompts(args, tokenizer, args.eval_split)
+    if not args.eval_every:
+        eval_prompts = None
+    else:
         eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
     has_references = eval_prompts is not None and args.reference_column in eval_prompts.column_names
     if eval_prompts is not None and rank == 0:
@@ -1199,18 +1201,39 @@ class OnlineTrainerState:
             torch.cuda.set_rng_state(rng["cuda"])
 
 
+# What a resumed run may change: logging, evaluation and checkpoint frequency, timeouts, and where the
+# vLLM engine runs (the rest would mix two configurations into one run)
+RESUME_MAY_CHANGE = ("preset", "output_dir", "resume", "exp_name", "track", "wandb_project_name", "wandb_entity",
+                     "eval_every", "eval_temperature", "save_every", "local_rank", "local_rollout_forward_batch_size",
+                     "engine_start_timeout", "generator_timeout", "logprob_check_rows", "vllm_device",
+                     "vllm_cpu_threads", "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization")
+
+
 def prepare_output_dir(args):
-    """Refuse to mix a new run into an old one: a fresh run needs an empty directory. A fresh run
-    records its arguments and the versions of the stack it ran on in args.json (with or without wandb)."""
+    """Refuse to mix a new run into an old one: a fresh run needs an empty directory, and a resumed one
+    the arguments and number of ranks its checkpoint was trained with (but RESUME_MAY_CHANGE). A run
+    that starts from update 0 records them, and the versions of the stack it ran on, in args.json
+    (with or without wandb)."""
     exists = os.path.isdir(args.output_dir) and os.listdir(args.output_dir)
     if not args.resume and exists:
         fail(f"output directory {args.output_dir!r} is not empty; pass --resume to continue that run "
              "or choose another --output_dir")
+    record = {"args": json.loads(json.dumps(vars(args), default=str)), "ranks": torch.distributed.get_world_size()}
+    recorded_path = os.path.join(args.output_dir, "args.json")
+    if args.resume and latest_checkpoint(args.output_dir) and os.path.isfile(recorded_path):
+        with open(recorded_path) as f:
+            recorded = json.load(f)
+        changed = [f"--{name} {recorded['args'][name]!r} -> {record['args'].get(name)!r}"
+                   for name in recorded["args"] if name not in RESUME_MAY_CHANGE
+                   and recorded["args"][name] != record["args"].get(name)]
+        if recorded.get("ranks", record["ranks"]) != record["ranks"]:
+            changed.append(f"ranks {recorded['ranks']} -> {record['ranks']}")
+        if changed:
+            fail(f"--resume: the run in {args.output_dir!r} was trained with other settings: {'; '.join(changed)}; "
+                 "resume with its own (its args.json) or start a new run")
+        return
     os.makedirs(args.output_dir, exist_ok=True)
-    if not args.resume:
-        write_atomically(os.path.join(args.output_dir, "args.json"),
-                         json.dumps({"args": vars(args), "versions": stack_versions(), "argv": sys.argv}, indent=2,
-                                    default=str))
+    write_atomically(recorded_path, json.dumps({**record, "versions": stack_versions(), "argv": sys.argv}, indent=2))
 
 
 def stack_versions() -> dict[str, str | None]:
@@ -1242,10 +1265,27 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(folder, max(complete, key=lambda n: int(n.split("-")[1]))) if complete else None
 
 
+@contextlib.contextmanager
+def stop_if_writing_fails(path: str):
+    """A write that fails (disk full, permission denied) stops the run with a one-line error naming `path`;
+    whatever was complete before (the last checkpoint) stays usable."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+        fail(f"writing {path!r} failed ({type(error).__name__}: {' '.join(str(error).split())}); the last complete "
+             "checkpoint is kept, --resume continues from it")
+
+
 def save_checkpoint(output_dir: str, engine, state: OnlineTrainerState):
     """Write the checkpoint under a temporary name, then rename it: a crash never leaves a corrupt one."""
-    rank = torch.distributed.get_rank()
     folder = os.path.join(output_dir, "checkpoints")
+    with stop_if_writing_fails(os.path.join(folder, f"update-{state.update}")):
+        write_checkpoint(folder, engine, state)
+
+
+def write_checkpoint(folder: str, engine, state: OnlineTrainerState):
+    """save_checkpoint's writing: every rank's share into .partial-update-N, then the rename."""
+    rank = torch.distributed.get_rank()
     final = os.path.join(folder, f"update-{state.update}")
     partial = os.path.join(folder, f".partial-update-{state.update}")
     if rank == 0:
@@ -1260,7 +1300,7 @@ def save_checkpoint(output_dir: str, engine, state: OnlineTrainerState):
         os.rename(partial, final)
         for name in os.listdir(folder):  # older checkpoints are superseded once this one is complete
             if name != os.path.basename(final):
-                shutil.rmtree(os.path.join(folder, name))
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)  # leftovers must not stop a run
     torch.distributed.barrier()
 
 
@@ -1287,15 +1327,14 @@ def save_policy(output_dir: str, engine, tokenizer, part: str | None = None):
     """
     rank = torch.distributed.get_rank()
     final, partial = os.path.join(output_dir, "policy"), os.path.join(output_dir, ".partial-policy")
-    with full_parameters(engine, part) as model:
+    with stop_if_writing_fails(final), full_parameters(engine, part) as model:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
             model.save_pretrained(partial, state_dict=state_dict)
             tokenizer.save_pretrained(partial)
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(partial, final)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(partial, final)
     torch.distributed.barrier()
 
 

@@ -49,7 +49,7 @@ class Args:
     """split to train on"""
     eval_split: str = "validation"
     """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (at most a
-    fifth of them) are held out of training for evaluation"""
+    fifth of them) are held out of training for evaluation (with --eval_every 0 too)"""
     prompt_column: str = "query"
     """column holding the prompt text"""
     reference_column: str = "reference_response"
@@ -108,7 +108,8 @@ class Args:
     output_dir: str | None = None
     """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
     resume: bool = False
-    """continue the run in --output_dir from its latest complete checkpoint"""
+    """continue the run in --output_dir from its latest complete checkpoint, with the same arguments and ranks
+    (only logging, evaluation and checkpoint frequency, timeouts and the engine's placement may change)"""
     exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
     """experiment name, used for the run directory and wandb"""
     seed: int = 1

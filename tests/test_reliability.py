@@ -125,3 +125,41 @@ def test_a_failing_reward_function_stops_the_run_at_its_update(tmp_path, script)
     assert all(message.startswith(f"error: {start}") and "\n" not in message
                for message, start in zip(messages, expected)), messages
     assert not any((tmp_path / name / "policy").exists() for name in names)
+
+
+def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    run_args = [*QUICK, "--total_episodes", "32", "--eval_every", "100", "--save_every", "1", "--output_dir", out]
+    run_script(*run_args)  # 2 updates, checkpointed after each
+
+    def files():
+        return {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+
+    before = files()
+    changed = run_script(*run_args, "--resume", "--learning_rate", "0.001", "--total_episodes", "64", check=False)
+    assert changed.returncode != 0 and changed.stderr.strip().splitlines()[-1] == (
+        f"error: --resume: the run in {str(out)!r} was trained with other settings: --total_episodes 32 -> 64; "
+        "--learning_rate 0.0001 -> 0.001; resume with its own (its args.json) or start a new run")
+    two_ranks = run_script(*run_args, "--resume", check=False, env={"OMP_NUM_THREADS": "1"},
+                           launcher=("deepspeed", "--num_gpus", "2", "--master_port", "29690"))
+    assert two_ranks.returncode != 0 and "was trained with other settings: ranks 1 -> 2;" in two_ranks.stderr
+    assert files() == before
+    # evaluation, checkpoint frequency and logging may change
+    run_script(*run_args, "--resume", "--eval_every", "1", "--save_every", "2", "--track")
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_the_last_one_stays_usable(tmp_path):
+    out = tmp_path / "run"
+    blocked = out / "checkpoints" / ".partial-update-2"  # where checkpoint 2 is written: a file, not a folder
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("in the way")
+    run_args = [*QUICK, "--total_episodes", "48", "--eval_every", "100", "--save_every", "1", "--output_dir", out]
+    result = run_script(*run_args, "--resume", check=False)  # no complete checkpoint yet: starts from update 0
+    error = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and error.startswith(
+        f"error: writing {str(out / 'checkpoints' / 'update-2')!r} failed (FileExistsError: "), error
+    assert error.endswith("the last complete checkpoint is kept, --resume continues from it")
+    assert (out / "checkpoints" / "update-1").is_dir() and not (out / "policy").exists()
+    blocked.unlink()
+    run_script(*run_args, "--resume")  # carries on from checkpoint 1
+    assert [m["update"] for m in read_metrics(out) if "loss/policy_avg" in m] == [1, 2, 3]
