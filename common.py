@@ -4,8 +4,8 @@ In the order a reader meets it (ALGORITHMS.md has the formulas):
 - Distributed setup: ranks through DeepSpeed, seeds, dropout off, DeepSpeed engines, ZeRO-3 gathers,
   metric averaging over ranks, the batch arithmetic.
 - Command line and the paper's presets: tyro with `--preset`, the TL;DR artefacts.
-- Models and data: tokenizers and stop tokens, reward models, prompt datasets, the Task a run loads,
-  left padding, the resumable PromptSampler.
+- Models and data: tokenizers and stop tokens, reward models and functions, PPO's value model, prompt
+  datasets, the Task a run loads, left padding, the resumable PromptSampler.
 - Rollout details: truncation after the stop token, temperature-scaled log-probs at the positions that
   predicted each token, the reward at the last real token, HF sampling, the Rollout of a batch, the
   reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
@@ -298,6 +298,43 @@ def load_reward_function(spec: str):
     if not callable(function):
         fail(f"--reward_fn {spec!r}: {location!r} has no function {name!r}")
     return function
+
+
+def value_model_path(args) -> str:
+    """Where PPO's value model starts: --value_model_path, else the reward model, else (--reward_fn) the policy."""
+    return args.value_model_path or (args.model_name_or_path if args.reward_fn else args.reward_model_path)
+
+
+def check_value_model(args, task: "Task"):
+    """Fail before any output when the value model cannot give a value at every policy token: it must
+    share the policy's vocabulary and be a decoder (a `score` head at every position), with one label
+    if it is a classifier already."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path = value_model_path(args)
+    if not os.path.exists(path) and path.count("/") != 1:
+        fail(f"value model {path!r} does not exist (give a local directory or an owner/name hub id)")
+    config = AutoConfig.from_pretrained(path)
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels != 1:
+        fail(f"value model {path!r} has {config.num_labels} labels; a value model has exactly 1")
+    if not same_vocabulary(task.tokenizer, load_tokenizer(path, policy=False)):
+        fail(f"the value model {path!r} must share the policy's vocabulary; give --value_model_path with the "
+             f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
+    with torch.device("meta"):  # the architecture alone, no weights
+        model = AutoModelForSequenceClassification.from_config(config)
+    if not is_decoder_classifier(model):
+        fail(f"the value model {path!r} is an encoder classifier, with no value per token; give a decoder "
+             "as --value_model_path (the policy itself, with a fresh head, will do)")
+
+
+def load_value_model(args, dtype):
+    """The value model with one label: the reward model's head as it is, or a fresh scalar head on a
+    causal LM such as the policy."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(value_model_path(args), num_labels=1, dtype=dtype)
+    disable_dropout(model)
+    return model
 
 
 def same_vocabulary(tokenizer_a, tokenizer_b) -> bool:

@@ -233,43 +233,6 @@ def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
 
 # Shapes: B prompts per update on this rank (local_batch_size), one sample each, P prompt tokens
 # (left-padded), R response tokens (--response_length).
-def value_model_path(args: Args) -> str:
-    """Where the value model starts: --value_model_path, else the reward model, else (--reward_fn) the policy."""
-    return args.value_model_path or (args.model_name_or_path if args.reward_fn else args.reward_model_path)
-
-
-def check_value_model(args: Args, task: common.Task):
-    """Fail before any output when the value model cannot give a value at every policy token: it must
-    share the policy's vocabulary and be a decoder (a `score` head at every position), with one label
-    if it is a classifier already."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    path = value_model_path(args)
-    if not os.path.exists(path) and path.count("/") != 1:
-        common.fail(f"value model {path!r} does not exist (give a local directory or an owner/name hub id)")
-    config = AutoConfig.from_pretrained(path)
-    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels != 1:
-        common.fail(f"value model {path!r} has {config.num_labels} labels; a value model has exactly 1")
-    if not common.same_vocabulary(task.tokenizer, common.load_tokenizer(path, policy=False)):
-        common.fail(f"the value model {path!r} must share the policy's vocabulary; give --value_model_path with the "
-                    f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
-    with torch.device("meta"):  # the architecture alone, no weights
-        model = AutoModelForSequenceClassification.from_config(config)
-    if not common.is_decoder_classifier(model):
-        common.fail(f"the value model {path!r} is an encoder classifier, with no value per token; give a decoder "
-                    f"as --value_model_path (the policy itself, with a fresh head, will do)")
-
-
-def load_value_model(args: Args, dtype):
-    """The value model with one label: the reward model's head as it is, or a fresh scalar head on a
-    causal LM such as the policy."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(value_model_path(args), num_labels=1, dtype=dtype)
-    common.disable_dropout(model)
-    return model
-
-
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = common.batch_sizes(args, world_size)
@@ -278,7 +241,7 @@ def main(args: Args):
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     task = common.load_task(args, rank, dtype)
-    check_value_model(args, task)
+    common.check_value_model(args, task)
     sampler = common.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
         common.prepare_output_dir(args)
@@ -288,7 +251,7 @@ def main(args: Args):
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    value_model = load_value_model(args, dtype)
+    value_model = common.load_value_model(args, dtype)
     reward_model = None if args.reward_fn else common.load_reward_model(args.reward_model_path, dtype)
     for model in (policy, ref_policy):
         common.disable_dropout(model)
