@@ -1026,7 +1026,6 @@ class AsyncGenerator:
 
     def __init__(self, args, task: Task, sampler: PromptSampler, state: "OnlineTrainerState", num_updates: int,
                  num_samples: int):
-
         self.args, self.rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.num_updates, self.num_samples = num_updates, num_samples
         self.prompts_per_rank = sampler.global_batch_size // world_size
@@ -1053,7 +1052,6 @@ class AsyncGenerator:
     def _receive(self, timeout: float, timeout_error: str):
         """The process's next message; stops within a second when it has failed or died, and with
         `timeout_error` after `timeout` seconds."""
-
         deadline = time.time() + timeout
         while True:
             alive = self.process.is_alive()  # before reading, so that what it sent before it ended is read first
