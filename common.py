@@ -51,10 +51,50 @@ def fail(message: str):
 
 
 # ----------------------------------------------------------------------------------------------
+# Preemption
+# ----------------------------------------------------------------------------------------------
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL, "try again": what a requeueing job script can check for
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers send before they kill a job
+PREEMPTION_HELP = ("Preemption: on SIGTERM or SIGUSR1 a run finishes the update in progress (and its evaluation, "
+                   "if due), writes a checkpoint (in the vLLM scripts with the batches the engine sampled ahead) "
+                   f"and exits with code {PREEMPTED_EXIT_CODE}; run the same command with --resume to continue "
+                   "exactly. The deepspeed launcher passes SIGTERM on to the ranks and kills them 30 s later: when "
+                   "an update takes longer, signal the ranks themselves (SIGUSR1).")
+RECEIVED = {}  # the first preemption signal this process received: its name and time
+
+
+def record_preemption(signum, _frame):
+    """Signal handler: only note the signal (the loop checkpoints at the end of its update); a second one,
+    say during the checkpoint's writing, changes nothing."""
+    RECEIVED.setdefault("signal", signal.Signals(signum).name)
+    RECEIVED.setdefault("time", time.time())
+
+
+def preemption_requested() -> bool:
+    """Whether a preemption signal has reached any rank (every rank calls it at the same point)."""
+    received = torch.tensor([float(bool(RECEIVED))], device=local_device())
+    torch.distributed.all_reduce(received, op=torch.distributed.ReduceOp.MAX)
+    return bool(received.item())
+
+
+def exit_preempted(update: int, logger: "MetricsLogger"):
+    """End a preempted run, its checkpoint of `update` written, with PREEMPTED_EXIT_CODE."""
+    logger.close()
+    if torch.distributed.get_rank() == 0:
+        since = f" {time.time() - RECEIVED['time']:.1f} s after {RECEIVED['signal']}" if RECEIVED else ""
+        print(f"preempted: update {update} finished and checkpointed{since}; exiting with code "
+              f"{PREEMPTED_EXIT_CODE}, --resume continues", flush=True)
+    raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+# ----------------------------------------------------------------------------------------------
 # Distributed setup
 # ----------------------------------------------------------------------------------------------
 def init_distributed():
-    """Start torch.distributed through DeepSpeed; a plain `python script.py` becomes a 1-rank world."""
+    """Start torch.distributed through DeepSpeed (a plain `python script.py` becomes a 1-rank world), and
+    catch the preemption signals."""
+    for preemption_signal in PREEMPTION_SIGNALS:
+        signal.signal(preemption_signal, record_preemption)
     if "RANK" not in os.environ:  # not under the deepspeed launcher
         with socket.socket() as s:  # a free port, so parallel single-process runs do not collide
             s.bind(("127.0.0.1", 0))
@@ -203,10 +243,12 @@ def cli(args_class, presets: dict[str, Preset]):
     chosen = parser.parse_known_args()[0].preset
     if chosen is not None and chosen not in presets:
         fail(f"--preset {chosen!r} is not one of this script's presets: {', '.join(presets)}")
+    summary = " ".join(sys.modules[args_class.__module__].__doc__.split("\n\n")[0].split())
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            return tyro.cli(args_class, default=presets[chosen].args if chosen else None, use_underscores=True)
+            return tyro.cli(args_class, default=presets[chosen].args if chosen else None, use_underscores=True,
+                            description=f"{summary}\n\n{PREEMPTION_HELP}")
     except SystemExit as exit:
         if exit.code in (0, None):
             raise
@@ -839,11 +881,19 @@ def start_generator(args, world_size: int, target, target_args: tuple):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)  # not a training rank: vLLM sets up its own one-process world
     os.environ.update(environment)
+    # ... and ignored signals: a preemption signal sent to the whole process group leaves the engine
+    # sampling ahead, for the trainer's checkpoint; the trainer stops it after. Blocked meanwhile, so
+    # that one arriving now reaches the trainer's handler once restored.
+    signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+    trainer_handlers = {number: signal.signal(number, signal.SIG_IGN) for number in PREEMPTION_SIGNALS}
     try:
         generator.start()
     finally:
         os.environ.clear()
         os.environ.update(trainer_environment)
+        for number, handler in trainer_handlers.items():
+            signal.signal(number, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
     os.sched_setaffinity(0, trainer_cores)
     torch.set_num_threads(len(trainer_cores))
     return generator
@@ -964,14 +1014,20 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, n
     The trainer announces each published weight version on the queue `published`; ENGINE_STARTED, then
     the batches (or the error that stopped this process, as text) go to the queue `batches`. With
     `requests` (an engine sharing the trainer's device), batch t is sampled only once the trainer has
-    asked for it there, so that the two take turns. It ends when the trainer terminates it, or by
-    itself once the trainer is gone.
+    asked for it there, so that the two take turns. It ends after the last batch, when the
+    trainer kills it, or once the trainer is gone.
     """
 
     try:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # stopped by the trainer: exit cleanly
+        import threading
+
+        import tqdm
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
+
+        # the engine's progress bars without tqdm's multiprocessing lock, which the resource tracker would
+        # report as leaked, after the trainer's error, when the trainer kills this process
+        tqdm.tqdm.set_lock(threading.RLock())
 
         # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's
         # device (this process sees only the engine's GPU)
@@ -1117,12 +1173,11 @@ class AsyncGenerator:
         return list(self.sampled_ahead)
 
     def stop(self):
-        """Stop the process (if it is stuck in native code, kill it) and delete the weight snapshots."""
+        """Stop the process (SIGKILL: it ignores the preemption signals, and holds nothing that needs
+        saving) and delete the weight snapshots."""
         if self.process is not None:
-            self.process.terminate()
-            self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.kill()
+            self.process.kill()  # nothing happens if it has ended by itself, after the run's last batch
+            self.process.join()
             shutil.rmtree(self.snapshots, ignore_errors=True)
             self.process = None
 
@@ -1301,12 +1356,17 @@ def latest_checkpoint(output_dir: str) -> str | None:
 
 
 @contextlib.contextmanager
-def stop_if_writing_fails(path: str):
-    """A write that fails (disk full, permission denied) stops the run with a one-line error naming `path`;
-    whatever was complete before (the last checkpoint) stays usable."""
+def stop_if_writing_fails(path: str, partial: str):
+    """A write that fails (disk full, permission denied, something in the way) stops the run with a one-line
+    error naming `path`, once what it had written (`partial`) is deleted; whatever was complete before (the
+    last checkpoint) stays usable."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+    # torch.save reports a full disk as a RuntimeError, safetensors as a SafetensorError
+    except (OSError, RuntimeError, SafetensorError) as error:
+        shutil.rmtree(partial, ignore_errors=True)
         fail(f"writing {path!r} failed ({type(error).__name__}: {' '.join(str(error).split())}); the last complete "
              "checkpoint is kept, --resume continues from it")
 
@@ -1314,15 +1374,15 @@ def stop_if_writing_fails(path: str):
 def save_checkpoint(output_dir: str, engine, state: OnlineTrainerState):
     """Write the checkpoint under a temporary name, then rename it: a crash never leaves a corrupt one."""
     folder = os.path.join(output_dir, "checkpoints")
-    with stop_if_writing_fails(os.path.join(folder, f"update-{state.update}")):
-        write_checkpoint(folder, engine, state)
-
-
-def write_checkpoint(folder: str, engine, state: OnlineTrainerState):
-    """save_checkpoint's writing: every rank's share into .partial-update-N, then the rename."""
-    rank = torch.distributed.get_rank()
     final = os.path.join(folder, f"update-{state.update}")
     partial = os.path.join(folder, f".partial-update-{state.update}")
+    with stop_if_writing_fails(final, partial):
+        write_checkpoint(final, partial, engine, state)
+
+
+def write_checkpoint(final: str, partial: str, engine, state: OnlineTrainerState):
+    """save_checkpoint's writing: every rank's share into `partial`, then the rename to `final`."""
+    rank = torch.distributed.get_rank()
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
@@ -1333,6 +1393,7 @@ def write_checkpoint(folder: str, engine, state: OnlineTrainerState):
     torch.distributed.barrier()
     if rank == 0:
         os.rename(partial, final)
+        folder = os.path.dirname(final)
         for name in os.listdir(folder):  # older checkpoints are superseded once this one is complete
             if name != os.path.basename(final):
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)  # leftovers must not stop a run
@@ -1362,9 +1423,10 @@ def save_policy(output_dir: str, engine, tokenizer, part: str | None = None):
     """
     rank = torch.distributed.get_rank()
     final, partial = os.path.join(output_dir, "policy"), os.path.join(output_dir, ".partial-policy")
-    with stop_if_writing_fails(final), full_parameters(engine, part) as model:
+    with stop_if_writing_fails(final, partial), full_parameters(engine, part) as model:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)  # save_pretrained would only log an error if a file were in the way
             state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
             model.save_pretrained(partial, state_dict=state_dict)
             tokenizer.save_pretrained(partial)

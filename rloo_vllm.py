@@ -100,7 +100,7 @@ class Args:
     eval_temperature: float = 0.01
     """near-greedy temperature of evaluation completions (the paper's protocol)"""
     save_every: int = 0
-    """write a resumable checkpoint every this many updates (0: never)"""
+    """write a resumable checkpoint every this many updates (0: only on preemption)"""
     output_dir: str | None = None
     """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
     resume: bool = False
@@ -321,11 +321,15 @@ def main(args: Args):
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
-        if args.save_every and update % args.save_every == 0:
+        # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
+        preempted = common.preemption_requested()
+        if preempted or (args.save_every and update % args.save_every == 0):
             # the batches already sampled for the next K updates, with weights this checkpoint no longer
             # has, are saved with it: a resumed run trains on exactly the same samples
             state.pending_batches = generator.sample_ahead(update)
             common.save_checkpoint(args.output_dir, policy, state)
+        if preempted:
+            common.exit_preempted(update, logger)
 
     common.save_policy(args.output_dir, policy, task.tokenizer)
     generator.stop()

@@ -64,12 +64,20 @@ def logged_update(output_dir, update: int) -> bool:
                                  for line in path.read_text().splitlines())
 
 
-# Where a run gets killed: each a (description, condition on the output directory) pair.
+# Where a run gets killed (SIGKILL: the out-of-memory killer, or a scheduler at the end of its grace
+# period): each a (description, condition on the output directory) pair.
 KILL_POINTS = {
-    "during update 1, before any checkpoint": lambda out: logged_update(out, 1),
-    "right after checkpoint 2": lambda out: (out / "checkpoints" / "update-2").exists(),
-    "while checkpoint 4 is being written": lambda out: (out / "checkpoints" / ".partial-update-4").exists(),
+    "SIGKILL during update 1, before any checkpoint": lambda out: logged_update(out, 1),
+    "SIGKILL while checkpoint 4 is being written": lambda out: (out / "checkpoints" / ".partial-update-4").exists(),
 }
+# Where a run is preempted: the signals tests/run_with_signals.py sends the run's process group, at points
+# of its updates (counted from 1 in each launch)
+PREEMPTIONS = {
+    "SIGTERM while the first update's batch is sampled": [[1, "generation", "SIGTERM"]],
+    "SIGUSR1 while the first update trains, SIGTERM again while its checkpoint is written":
+        [[1, "training", "SIGUSR1"], [1, "saving", "SIGTERM"]],
+}
+PREEMPTED_EXIT_CODE = 75
 
 
 def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,), env=None):
@@ -85,9 +93,33 @@ def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,
     os.killpg(process.pid, signal.SIGKILL)  # the whole session: ranks under a launcher, the vLLM engine
     process.wait()
     assert not (output_dir / "policy").exists(), f"the run finished before it could be killed {kill_point}"
-    if kill_point.startswith("while checkpoint"):  # killed mid-save: the half-written checkpoint is not used
+    if "while checkpoint" in kill_point:  # killed mid-save: the half-written checkpoint is not used
         assert not (output_dir / "checkpoints" / "update-4").exists(), "the save completed before the kill"
         assert (output_dir / "checkpoints" / "update-2").exists()
+
+
+def checkpointed_update(output_dir) -> int:
+    folder = output_dir / "checkpoints"
+    updates = [int(p.name.split("-")[1]) for p in folder.glob("update-*")] if folder.is_dir() else []
+    return max(updates, default=0)
+
+
+def preempt(script, args, output_dir, preemption: str, launcher=(sys.executable,), env=None):
+    """Start (or resume) a run that gets the signals of `preemption` in its first update: it must
+    checkpoint that update and exit with PREEMPTED_EXIT_CODE (every rank; the deepspeed runner itself
+    dies of the SIGTERM). Returns the run's output."""
+    update = checkpointed_update(output_dir) + 1
+    # in its own session, as a scheduler's job; the output is complete once every process has ended
+    result = subprocess.run([*launcher, "tests/run_with_signals.py", script.removesuffix(".py"),
+                             json.dumps(PREEMPTIONS[preemption]), *map(str, args), "--output_dir", str(output_dir)],
+                            cwd=ROOT, text=True, capture_output=True, start_new_session=True, timeout=600,
+                            env=environment(env))
+    output = result.stdout + result.stderr
+    if launcher == (sys.executable,):
+        assert result.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert f"preempted: update {update} finished and checkpointed" in output, output[-3000:]
+    assert checkpointed_update(output_dir) == update and not (output_dir / "policy").exists()
+    return output
 
 
 # A short toy run: 5 updates of 64 prompts, evaluated after every update on 128 prompts, checkpointed
@@ -95,15 +127,22 @@ def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,
 TOY_RUN = ["--total_episodes", "320", "--eval_every", "1", "--eval_num_prompts", "128", "--save_every", "2"]
 
 
-def uninterrupted_and_resumed_runs(folder, script, args, kill_points=tuple(KILL_POINTS), launcher=(sys.executable,),
-                                   env=None):
-    """Run `script` once without interruption, and once killed at each of `kill_points` in turn,
-    resuming with --resume after each kill; returns both run directories."""
+def uninterrupted_and_resumed_runs(folder, script, args, interruptions, launcher=(sys.executable,), env=None):
+    """Run `script` once without interruption, and once interrupted by each of `interruptions` (KILL_POINTS
+    and PREEMPTIONS) in turn, resuming with --resume after each; returns both run directories."""
     run_script(*args, "--output_dir", folder / "whole", script=script, launcher=launcher, env=env)
-    for kill_point in kill_points:
-        kill_at(script, [*args, "--resume"], folder / "interrupted", kill_point, launcher=launcher, env=env)
+    for interruption in interruptions:
+        interrupt = kill_at if interruption in KILL_POINTS else preempt
+        interrupt(script, [*args, "--resume"], folder / "interrupted", interruption, launcher=launcher, env=env)
     run_script(*args, "--output_dir", folder / "interrupted", "--resume", script=script, launcher=launcher, env=env)
     return folder / "whole", folder / "interrupted"
+
+
+# What a run of 4 or more updates checkpointed every 2 goes through: both preemptions (checkpoints 1 and
+# 2), then a kill in the middle of writing checkpoint 4; the synchronous scripts are first killed
+# before any checkpoint, too (the vLLM scripts go through the same code there).
+INTERRUPTIONS = (*PREEMPTIONS, "SIGKILL while checkpoint 4 is being written")
+SYNC_INTERRUPTIONS = ("SIGKILL during update 1, before any checkpoint", *INTERRUPTIONS)
 
 
 def assert_same_weights_and_metrics(whole, resumed, names):

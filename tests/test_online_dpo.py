@@ -7,6 +7,7 @@ import pytest
 import torch
 from scripts import (
     QUICK,
+    SYNC_INTERRUPTIONS,
     TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
@@ -49,7 +50,7 @@ def test_pairs_are_best_vs_worst_and_ties_are_masked(script):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("online_dpo"), "online_dpo.py",
-                                          [*TOY_RUN, "--track"])
+                                          [*TOY_RUN, "--track"], SYNC_INTERRUPTIONS)
 
 
 def test_logs_every_metric_to_jsonl_and_wandb_offline(runs):
@@ -79,7 +80,7 @@ def test_short_run_beats_the_sft_policy(tmp_path):
     assert_learns(tmp_path / "run")
 
 
-def test_resume_after_kill_gives_the_same_weights(runs):
+def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):
     assert_same_weights_and_metrics(*runs, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
 

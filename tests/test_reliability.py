@@ -5,7 +5,7 @@ import json
 import shutil
 
 import pytest
-from scripts import QUICK, SCRIPTS, read_metrics, run_script
+from scripts import QUICK, SCRIPTS, assert_trained_policy_saved, read_metrics, run_script
 
 import toy
 
@@ -148,7 +148,7 @@ def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_w
     run_script(*run_args, "--resume", "--eval_every", "1", "--save_every", "2", "--track")
 
 
-def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_the_last_one_stays_usable(tmp_path):
+def test_a_checkpoint_or_policy_that_cannot_be_written_stops_the_run_and_the_last_checkpoint_stays_usable(tmp_path):
     out = tmp_path / "run"
     blocked = out / "checkpoints" / ".partial-update-2"  # where checkpoint 2 is written: a file, not a folder
     blocked.parent.mkdir(parents=True)
@@ -161,5 +161,13 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_the_last_one_stay
     assert error.endswith("the last complete checkpoint is kept, --resume continues from it")
     assert (out / "checkpoints" / "update-1").is_dir() and not (out / "policy").exists()
     blocked.unlink()
-    run_script(*run_args, "--resume")  # carries on from checkpoint 1
+    blocked = out / ".partial-policy"  # where the policy is written
+    blocked.write_text("in the way")
+    result = run_script(*run_args, "--resume", check=False)  # carries on from checkpoint 1
+    error = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and error.startswith(f"error: writing {str(out / 'policy')!r} failed "), error
+    assert (out / "checkpoints" / "update-3").is_dir() and not (out / "policy").exists()
+    blocked.unlink()
+    run_script(*run_args, "--resume")  # nothing left to train: writes the policy
     assert [m["update"] for m in read_metrics(out) if "loss/policy_avg" in m] == [1, 2, 3]
+    assert_trained_policy_saved(out)

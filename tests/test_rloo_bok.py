@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from scripts import (
+    SYNC_INTERRUPTIONS,
     TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
@@ -57,7 +58,7 @@ def test_nll_averages_over_real_tokens():
 @pytest.fixture(scope="module", params=["rloo.py", "bok.py"])
 def runs(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param.removesuffix(".py"))
-    return request.param, *uninterrupted_and_resumed_runs(folder, request.param, TOY_RUN)
+    return request.param, *uninterrupted_and_resumed_runs(folder, request.param, TOY_RUN, SYNC_INTERRUPTIONS)
 
 
 def test_logs_every_metric_and_saves_the_policy(runs):
@@ -85,5 +86,5 @@ def test_short_run_beats_the_sft_policy(runs):
     assert_learns(runs[1])
 
 
-def test_resume_after_kill_gives_the_same_weights(runs):
+def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):
     assert_same_weights_and_metrics(*runs[1:], ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])

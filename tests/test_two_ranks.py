@@ -10,20 +10,23 @@ from scripts import (
     VLLM_SCRIPTS,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
+    preempt,
     read_metrics,
     run_script,
 )
 
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
+PREEMPTED_ON_TWO_RANKS = ("online_dpo.py", "online_dpo_vllm.py")  # the preemption is common code
 
 
 @pytest.mark.parametrize(("script", "zero_stage"), [
     (script, stage) for script in SCRIPTS for stage in (2, 3)
     if not (script in VLLM_SCRIPTS and stage == 2)])  # those are the vLLM scripts' own K=2 two-rank runs
 def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
-    """Two ranks of 16 prompts each. With ZeRO-3 the run also checkpoints at update 2 and a copy of it
-    resumes from that checkpoint on two ranks (the state of a run killed right after the checkpoint:
-    only the latest checkpoint is kept), ending with the same weights and metrics, bit for bit."""
+    """Two ranks of 16 prompts each. With ZeRO-3 a second run resumes on two ranks, and ends with the
+    same weights and metrics, bit for bit: online DPO's from a SIGTERM to the whole job (launcher, ranks
+    and engine) in its first update; the others' from a copy of the first run at its checkpoint 2 (the
+    state of a run killed right after it: only the latest checkpoint is kept)."""
     out = tmp_path / "run"
     port = 29600 + 10 * SCRIPTS.index(script) + zero_stage
     updates = 3 if zero_stage == 3 else 2
@@ -38,8 +41,12 @@ def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
     assert_trained_policy_saved(out)  # gathered from both ranks
     if zero_stage == 3:
         resumed = tmp_path / "resumed"
-        shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("policy", "wandb"))
-        assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["update-2"]
+        if script in PREEMPTED_ON_TWO_RANKS:
+            preempt(script, args, resumed, "SIGTERM while the first update's batch is sampled", launcher=launcher,
+                    env=env)
+        else:
+            shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("policy", "wandb"))
+            assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["update-2"]
         run_script(*args, "--output_dir", resumed, "--resume", script=script, launcher=launcher, env=env)
         assert_same_weights_and_metrics(out, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 

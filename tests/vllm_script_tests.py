@@ -4,7 +4,7 @@ read it from there, so each file makes its own runs (and xdist gives each file t
 
 import pytest
 from scripts import (
-    KILL_POINTS,
+    INTERRUPTIONS,
     QUICK,
     TOY_RUN,
     assert_same_weights_and_metrics,
@@ -16,7 +16,7 @@ from scripts import (
 
 ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2"]  # 4 updates of 16
 FAULTY = "tests/run_with_faulty_generator.py"  # the generator process runs a function of faulty_generators.py
-# what each script's K=1 kill/resume chain runs: online DPO the quick run (its learning is checked on the
+# what each script's K=1 interrupt/resume chain runs: online DPO the quick run (its learning is checked on the
 # synchronous twin; it needs ~10 updates at its learning rate), RLOO and PPO the toy run, where they learn
 K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK}
 
@@ -36,11 +36,12 @@ def k0_shared_run(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k1_runs(request, tmp_path_factory):
-    """K=1 uninterrupted, and killed right after checkpoint 2 and again while writing checkpoint 4."""
+    """K=1 uninterrupted, and preempted twice (the engine sampling ahead), then killed while writing
+    checkpoint 4."""
     script = request.module.SCRIPT
     return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("k1"), script,
                                           [*K1_RUN.get(script, TOY_RUN), "--async_steps", "1"],
-                                          kill_points=list(KILL_POINTS)[1:])  # K=1 from the first batch on
+                                          INTERRUPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run
     assert_trained_policy_saved(out)
 
 
-def test_k1_resumes_after_kills_with_the_same_weights_and_samples(k1_runs):
+def test_k1_resumes_after_preemptions_and_kills_with_the_same_weights_and_samples(k1_runs):
     # the batches sampled ahead with pre-checkpoint weights are saved with the checkpoint, so even
     # with K=1 a resumed run trains on exactly the samples of the uninterrupted one
     assert_same_weights_and_metrics(*k1_runs, ["loss/policy_avg", "objective/scores", "async/staleness",
