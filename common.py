@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import queue
 import random
+import re
 import shutil
 import signal
 import socket
@@ -198,6 +199,8 @@ def batch_sizes(args, world_size: int) -> tuple[int, int]:
             fail(f"--{name} must be positive, got {getattr(args, name)}")
     if args.eval_every < 0:
         fail(f"--eval_every must be 0 (no evaluation) or positive, got {args.eval_every}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1] (1: no nucleus truncation), got {args.top_p}")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * world_size
     if args.total_episodes % batch_size:
@@ -227,6 +230,25 @@ def tldr_artefacts(size: str) -> dict:
                 dataset_name="vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144",
                 max_prompt_length=512, response_length=53, temperature=0.7, penalty_reward_value=-1.0,
                 learning_rate=3e-6, bf16=True, eval_every=32, eval_num_prompts=512, save_every=64)
+
+
+def gsm8k_artefacts() -> dict:
+    """The paper's math setting: Rho-1B SFT on GSM8k, the reference's prompt, the `#### N` reward, no
+    reward model and no gold model (evaluation reports accuracy on the test split)."""
+    return dict(model_name_or_path="realtreetune/rho-1b-sft-GSM8K", dataset_name="openai/gsm8k:main",
+                prompt_column="question", prompt_template="[MATH_TASK] Problem:\n{question}\n\nSolution:",
+                answer_column="answer", eval_split="test", eval_num_prompts=1319, reward_fn="common:gsm8k_reward",
+                max_prompt_length=512, bf16=True, eval_every=32, save_every=64)
+
+
+def toy_math_artefacts() -> dict:
+    """The embedded arithmetic task (toy.build_math) in the paper's math setting: the `#### N` reward, no
+    missing-EOS penalty, accuracy on held-out problems."""
+    import toy
+
+    return dict(model_name_or_path=toy.MATH_POLICY, dataset_name=toy.MATH_DATASET, prompt_column="question",
+                answer_column="answer", eval_split="test", eval_num_prompts=256, reward_fn="common:gsm8k_reward",
+                missing_eos_penalty=False, response_length=toy.MATH_RESPONSE_LENGTH, max_prompt_length=16)
 
 
 def cli(args_class, presets: dict[str, Preset]):
@@ -407,11 +429,12 @@ def load_split(name_or_path: str, split: str):
             return datasets.load_from_disk(os.path.join(name_or_path, split))
         except IndexError:  # how datasets reports a split saved with no rows
             fail(f"dataset {name_or_path!r} split {split!r} is empty")
-    if not os.path.exists(name_or_path) and name_or_path.count("/") != 1:
+    name, _, config = name_or_path.partition(":")  # owner/name:configuration, as openai/gsm8k:main
+    if not os.path.exists(name_or_path) and name.count("/") != 1:
         fail(f"dataset {name_or_path!r} does not exist (give a directory, a .json/.jsonl/.parquet file, "
-             "or an owner/name hub id)")
+             "or an owner/name hub id, with :configuration if it has several)")
     try:
-        return datasets.load_dataset(name_or_path, split=split)
+        return datasets.load_dataset(name, config or None, split=split)
     except ValueError as error:  # datasets says which splits exist
         fail(f"dataset {name_or_path!r}: {str(error).splitlines()[0]}")
 
@@ -425,8 +448,9 @@ def split_names(name_or_path: str) -> list[str]:
     if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
         with open(os.path.join(name_or_path, "dataset_dict.json")) as f:
             return json.load(f)["splits"]
+    name, _, config = name_or_path.partition(":")
     try:
-        return datasets.get_dataset_split_names(name_or_path)
+        return datasets.get_dataset_split_names(name, config or None)
     except Exception:  # whatever datasets raises: load_split then says what is wrong
         return []
 
@@ -435,16 +459,20 @@ def load_prompts(args, tokenizer, split: str):
     """Tokenized prompts of one split ("input_ids"), with every column of the dataset; prompts longer
     than `max_prompt_length` are dropped."""
     dataset = load_split(args.dataset_name, split)
-    if args.prompt_column not in dataset.column_names:
-        fail(f"dataset {args.dataset_name!r} split {split!r} has no column {args.prompt_column!r}; "
-             f"it has {dataset.column_names}")
+    import string
+
+    template_columns = [field for _, field, _, _ in string.Formatter().parse(args.prompt_template or "") if field]
+    for column in [args.prompt_column, *template_columns]:
+        if column not in dataset.column_names:
+            fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
+                 f"it has {dataset.column_names}")
     if len(dataset) == 0:
         fail(f"dataset {args.dataset_name!r} split {split!r} is empty")
     if args.chat_template and tokenizer.chat_template is None:
         fail(f"--chat_template was given but the tokenizer of {args.model_name_or_path!r} has no chat template")
 
     def tokenize(row):
-        prompt = row[args.prompt_column]
+        prompt = args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
         if args.chat_template:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -493,10 +521,11 @@ def load_task(args, rank: int, dtype) -> Task:
     """
     import toy
 
-    if toy.TOY_DIR in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
-        if rank == 0:
-            toy.build()
-        torch.distributed.barrier()
+    for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math)):
+        if folder in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
+            if rank == 0:
+                build()
+            torch.distributed.barrier()
     if args.gold_model_path == "toy" and not is_toy_dataset(args):
         fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
              "reward model, or leave it out (evaluation then reports the proxy reward and KL)")
@@ -528,10 +557,14 @@ def load_task(args, rank: int, dtype) -> Task:
     else:
         eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
     has_references = eval_prompts is not None and args.reference_column in eval_prompts.column_names
+    if eval_prompts is not None and args.answer_column and args.answer_column not in eval_prompts.column_names:
+        fail(f"--answer_column {args.answer_column!r} is not a column of the evaluation prompts; they have "
+             f"{eval_prompts.column_names}")
     if eval_prompts is not None and rank == 0:
         print(f"evaluation on {len(eval_prompts)} prompts: "
               + ("gold win-rate against the references, " if gold_path and has_references else "")
-              + ("gold score, " if gold_path else "no gold scorer, ") + "proxy reward and KL")
+              + ("gold score, " if gold_path else "no gold scorer, ")
+              + ("accuracy, " if args.answer_column else "") + "proxy reward and KL")
     return Task(tokenizer=tokenizer, eos_ids=eos_token_ids(args.model_name_or_path, tokenizer),
                 reward_tokenizer=reward_tokenizer, reward_fn=reward_fn, train_prompts=train_prompts,
                 eval_prompts=eval_prompts, has_references=has_references,
@@ -609,10 +642,21 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-token log-probs of `tokens` under `logits / (temperature + 1e-7)`.  (batch, len)"""
-    logp = F.log_softmax(logits.float() / (temperature + 1e-7), dim=-1)
-    return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                         top_p: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs of `tokens` (batch, len) under `logits / (temperature + 1e-7)`, truncated to its
+    nucleus when top_p < 1: the most likely tokens whose probabilities sum to top_p (exactly the set HF
+    generate and vLLM sample from), renormalized. The token itself always stays in the set: under the
+    weights that sampled it it is in the nucleus anyway, and under later weights its log-prob stays finite."""
+    logits = logits.float() / (temperature + 1e-7)
+    if top_p < 1.0:
+        ascending, order = logits.sort(dim=-1)
+        outside = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # (batch, len, vocab), sorted order
+        outside[..., -1] = False  # the most likely token always stays
+        outside = outside.scatter(-1, order, outside)  # back to vocabulary order
+        outside.scatter_(-1, tokens.unsqueeze(-1), False)
+        logits = logits.masked_fill(outside, float("-inf"))
+    return torch.gather(F.log_softmax(logits, dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def response_inputs(query_ids, query_mask, responses, lengths) -> tuple[dict, torch.Tensor]:
@@ -628,14 +672,15 @@ def response_inputs(query_ids, query_mask, responses, lengths) -> tuple[dict, to
     return inputs, mask
 
 
-def response_logprobs(model, query_ids, query_mask, responses, lengths, temperature):
-    """Log-probs of each response token given its query; padded positions hold INVALID_LOGPROB.
+def response_logprobs(model, query_ids, query_mask, responses, lengths, temperature, top_p=1.0):
+    """Log-probs of each response token given its query (logprobs_from_logits); padded positions hold
+    INVALID_LOGPROB.
 
     query_ids, query_mask: (batch, query_len) left-padded; responses: (batch, response_len).
     """
     inputs, mask = response_inputs(query_ids, query_mask, responses, lengths)
     response_logits = model(**inputs).logits[:, query_ids.shape[1] - 1:-1]
-    logprobs = logprobs_from_logits(response_logits, responses, temperature)
+    logprobs = logprobs_from_logits(response_logits, responses, temperature, top_p)
     return logprobs.masked_fill(~mask, INVALID_LOGPROB)
 
 
@@ -742,10 +787,31 @@ def function_rewards(task: "Task", args, rollout: "Rollout", prompt_rows, where:
     return torch.tensor(scores, device=rollout.responses.device)
 
 
-def generate(model, query_ids, query_mask, response_length, temperature, eos_ids, pad_token_id):
+FINAL_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+def final_answer(text: str) -> float | None:
+    """The number after the first `####` of `text` (GSM8k's answer format), commas removed; None without one."""
+    match = FINAL_ANSWER.search(text)
+    return float(match.group(1).replace(",", "")) if match else None
+
+
+def same_final_answer(completion: str, solution: str) -> bool:
+    """Whether `completion` has a final answer (`#### N`) and it equals that of `solution`."""
+    return final_answer(completion) is not None and final_answer(completion) == final_answer(solution)
+
+
+def gsm8k_reward(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
+    """`--reward_fn common:gsm8k_reward`, the reward of the paper's math runs: 1 where the completion's final
+    answer (`#### N`) equals that of its solution in the dataset's `answer` column (GSM8k's solutions end
+    with one), else 0; a completion without `#### N` scores 0."""
+    return [float(same_final_answer(c, solution)) for c, solution in zip(completions, answer, strict=True)]
+
+
+def generate(model, query_ids, query_mask, response_length, temperature, eos_ids, pad_token_id, top_p=1.0):
     """Sample `response_length` new tokens with HF generate; rows that stop early are right-padded."""
     output = model.generate(input_ids=query_ids, attention_mask=query_mask, max_new_tokens=response_length,
-                            do_sample=True, temperature=temperature + 1e-7, top_k=0, top_p=1.0,
+                            do_sample=True, temperature=temperature + 1e-7, top_k=0, top_p=top_p,
                             eos_token_id=eos_ids, pad_token_id=pad_token_id)
     responses = output[:, query_ids.shape[1]:]
     return F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
@@ -763,7 +829,8 @@ def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, t
     with torch.no_grad(), full_parameters(policy, part) as model:
         responses = in_chunks(functools.partial(
             generate, model, response_length=args.response_length, temperature=args.temperature,
-            eos_ids=task.eos_ids, pad_token_id=pad), args.local_rollout_forward_batch_size, query_ids, query_mask)
+            eos_ids=task.eos_ids, pad_token_id=pad, top_p=args.top_p), args.local_rollout_forward_batch_size,
+            query_ids, query_mask)
     return query_ids, query_mask, responses
 
 
@@ -791,9 +858,11 @@ def truncate_rollout(query_ids, query_mask, responses, task: Task) -> Rollout:
 
 
 @torch.no_grad()
-def rollout_logprobs(model, rollout: Rollout, args) -> torch.Tensor:
-    """(N, R) log-probs of the rollout's tokens under `model` at the sampling temperature, INVALID_LOGPROB at pads."""
-    return in_chunks(functools.partial(response_logprobs, model, temperature=args.temperature),
+def rollout_logprobs(model, rollout: Rollout, args, top_p: float = 1.0) -> torch.Tensor:
+    """(N, R) log-probs of the rollout's tokens under `model` at the sampling temperature (and `top_p`: the
+    policy's are those of the nucleus it samples from, the reference's of its whole distribution),
+    INVALID_LOGPROB at pads."""
+    return in_chunks(functools.partial(response_logprobs, model, temperature=args.temperature, top_p=top_p),
                      args.local_rollout_forward_batch_size, rollout.query_ids, rollout.query_mask,
                      rollout.responses, rollout.lengths)
 
@@ -907,7 +976,7 @@ def start_vllm(args):
     return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                max_model_len=args.max_prompt_length + args.response_length,
                enforce_eager=not torch.cuda.is_available(), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-               logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+               logprobs_mode="processed_logprobs",  # after temperature and top_p, as the trainer computes them
                # whole prompts per engine step: a prompt split across steps rewinds its seeded generator,
                # which vLLM 0.32 cannot do on a CPU ("CPU Generator does not use offset")
                enable_chunked_prefill=False)
@@ -917,12 +986,12 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids
     """Sample one completion per prompt with a per-row seed (reproducible however vLLM batches).
 
     Returns responses (rows, response_len) right-padded, and the engine's log-probs of the sampled
-    tokens at the sampling temperature (INVALID_LOGPROB at pads).
+    tokens at the sampling temperature and top_p (INVALID_LOGPROB at pads).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=args.temperature, top_k=0, top_p=1.0, max_tokens=args.response_length,
+    params = [SamplingParams(temperature=args.temperature, top_k=0, top_p=args.top_p, max_tokens=args.response_length,
                              stop_token_ids=eos_ids, logprobs=0, seed=seed,  # the sampled token's log-prob only
                              # token ids and plain lists: the least output work in the engine's client
                              detokenize=False, flat_logprobs=True)
@@ -996,7 +1065,8 @@ def sample_batch(llm, sampling_policy, queries: list[list[int]], update: int, ar
     query_ids, query_mask = left_pad(queries[checked], pad_token_id, device)
     checked_responses = responses[checked].to(device)
     _, lengths, _ = truncate_after_eos(checked_responses, eos_ids, pad_token_id)
-    trainer_logprobs = in_chunks(functools.partial(response_logprobs, sampling_policy, temperature=args.temperature),
+    trainer_logprobs = in_chunks(functools.partial(response_logprobs, sampling_policy, temperature=args.temperature,
+                                                   top_p=args.top_p),
                                  args.local_rollout_forward_batch_size, query_ids, query_mask, checked_responses,
                                  lengths)
     mask = response_mask(lengths, args.response_length)
@@ -1212,7 +1282,8 @@ def load_gold_scorer(path: str, dtype, policy_tokenizer):
 @torch.no_grad()
 def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | None = None) -> dict[str, float]:
     """Near-greedy completions of the evaluation prompts: their proxy reward, their gold score and gold
-    win-rate against the references (where there are a gold scorer and references), and KL to the SFT
+    win-rate against the references (where there are a gold scorer and references), their accuracy
+    (with --answer_column: the share whose final answer `#### N` is the solution's), and KL to the SFT
     policy.
 
     Each rank evaluates its own share of the eval prompts; the numbers are averaged over ranks.
@@ -1222,6 +1293,8 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rows = task.eval_prompts.select(range(rank, len(task.eval_prompts), world_size))
     totals = {"proxy_score": 0.0, "kl": 0.0, "num_eos_tokens": 0.0, "response_length": 0.0}
+    if args.answer_column:
+        totals["accuracy"] = 0.0
     if gold_score is not None:
         totals.update(gold_score=0.0, **({"gold_win_rate": 0.0} if task.has_references else {}))
     for start in range(0, len(rows), args.local_rollout_forward_batch_size):
@@ -1232,11 +1305,15 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
                               eos_ids, tokenizer.pad_token_id)
             # KL is estimated on samples at the training temperature: near-greedy samples say little about it
             sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
-                               eos_ids, tokenizer.pad_token_id)
+                               eos_ids, tokenizer.pad_token_id, args.top_p)
             sampled, sampled_lengths, _ = truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
-            logprobs = response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths, args.temperature)
+            logprobs = response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths, args.temperature,
+                                         args.top_p)
         mask = response_mask(sampled_lengths, sampled.shape[1])
         greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
+        if args.answer_column:
+            _, completions = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, True)
+            totals["accuracy"] += sum(map(same_final_answer, completions, batch[args.answer_column]))
         if gold_score is not None:
             queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
             policy_gold = torch.tensor(gold_score(queries, responses))
@@ -1250,7 +1327,8 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
         else:
             proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos, tokenizer,
                                     task.reward_tokenizer)
-        proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)  # the missing-EOS penalty, as in training
+        if args.missing_eos_penalty:  # as in training
+            proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)
         ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
                                          args.temperature)
         totals["proxy_score"] += proxy.sum().item()

@@ -39,7 +39,8 @@ class Args:
     """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
     on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
     dataset_name: str = toy.DATASET
-    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    """prompts: a hub id (owner/name, or owner/name:configuration), a `save_to_disk` directory, a data
+    directory, or a .json/.jsonl/.parquet file"""
     train_split: str = "train"
     """split to train on"""
     eval_split: str = "validation"
@@ -47,6 +48,12 @@ class Args:
     fifth of them) are held out of training for evaluation (with --eval_every 0 too)"""
     prompt_column: str = "query"
     """column holding the prompt text"""
+    prompt_template: str | None = None
+    """a format string over the dataset's columns that makes the prompt, e.g. "Problem: {question} Solution:"
+    (default: the --prompt_column text as it is)"""
+    answer_column: str | None = None
+    """column of solutions ending in `#### N` (GSM8k's format): evaluation reports eval/accuracy, the share of
+    greedy completions with the same final answer"""
     reference_column: str = "reference_response"
     """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
     them (no win-rate when the column is absent)"""
@@ -60,8 +67,13 @@ class Args:
     """new tokens sampled per completion"""
     temperature: float = 0.7
     """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    top_p: float = 1.0
+    """nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p; the policy's
+    log-probs are those of that truncated distribution (the reference's are of its whole distribution)"""
+    missing_eos_penalty: bool = True
+    """give --penalty_reward_value instead of the score to a completion with no stop token"""
     penalty_reward_value: float = -1.0
-    """reward given instead of the score to a completion with no stop token"""
+    """reward given instead of the score to a completion with no stop token (with --missing_eos_penalty)"""
 
     # Algorithm
     num_samples: int = 2
@@ -140,6 +152,16 @@ PRESETS = {
         else f"deepspeed --num_gpus {gpus} online_dpo.py --preset tldr-{size}-{gpus}gpu",
         tldr_online_dpo(size, gpus, per_device))
     for size, per_device in (("410m", 16), ("1b", 8), ("2.8b", 4)) for gpus in (1, 4)
+} | {
+    "gsm8k-rho1b-4gpu": common.Preset(
+        "online DPO, Rho-1B SFT on GSM8k (the paper's math run), synchronous on 4 GPUs: 192 prompts x 8 samples "
+        "per update, 384 updates", "deepspeed --num_gpus 4 online_dpo.py --preset gsm8k-rho1b-4gpu",
+        Args(**common.gsm8k_artefacts(), num_samples=8, temperature=0.7, beta=0.1, learning_rate=5e-6,
+             response_length=512, missing_eos_penalty=False, num_epochs=1, per_device_train_batch_size=8,
+             gradient_accumulation_steps=6, total_episodes=73728, local_rollout_forward_batch_size=16)),
+    "toy-math": common.Preset(
+        "online DPO on the embedded arithmetic task (CPU, minutes)", "python online_dpo.py --preset toy-math",
+        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=4096, eval_every=8)),
 }
 
 
@@ -225,9 +247,10 @@ def main(args: Args):
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
         scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
-        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
+            scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
-        logprobs = common.rollout_logprobs(policy, rollout, args)  # (N, R), for the logged KL and entropy
+        logprobs = common.rollout_logprobs(policy, rollout, args, args.top_p)  # (N, R), for the logged KL and entropy
         ref_seq_logps = common.masked_sum(ref_logprobs, rollout.mask)  # (N,)
 
         # Pairs: best (chosen) vs worst (rejected) of each prompt's k samples.
@@ -246,7 +269,7 @@ def main(args: Args):
                     rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
                     seq_logps = common.masked_sum(common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.temperature), rollout.mask[rows])
+                        rollout.lengths[rows], args.temperature, args.top_p), rollout.mask[rows])
                     policy_chosen, policy_rejected = seq_logps.chunk(2)
                     ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
                     losses = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,

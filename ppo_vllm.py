@@ -45,7 +45,8 @@ class Args:
     """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
     on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
     dataset_name: str = toy.DATASET
-    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    """prompts: a hub id (owner/name, or owner/name:configuration), a `save_to_disk` directory, a data
+    directory, or a .json/.jsonl/.parquet file"""
     train_split: str = "train"
     """split to train on"""
     eval_split: str = "validation"
@@ -53,6 +54,12 @@ class Args:
     fifth of them) are held out of training for evaluation (with --eval_every 0 too)"""
     prompt_column: str = "query"
     """column holding the prompt text"""
+    prompt_template: str | None = None
+    """a format string over the dataset's columns that makes the prompt, e.g. "Problem: {question} Solution:"
+    (default: the --prompt_column text as it is)"""
+    answer_column: str | None = None
+    """column of solutions ending in `#### N` (GSM8k's format): evaluation reports eval/accuracy, the share of
+    greedy completions with the same final answer"""
     reference_column: str = "reference_response"
     """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
     them (no win-rate when the column is absent)"""
@@ -66,8 +73,13 @@ class Args:
     """new tokens sampled per completion"""
     temperature: float = 0.7
     """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    top_p: float = 1.0
+    """nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p; the policy's
+    log-probs are those of that truncated distribution (the reference's are of its whole distribution)"""
+    missing_eos_penalty: bool = True
+    """give --penalty_reward_value instead of the score to a completion with no stop token"""
     penalty_reward_value: float = -1.0
-    """reward given instead of the score to a completion with no stop token"""
+    """reward given instead of the score to a completion with no stop token (with --missing_eos_penalty)"""
 
     # Algorithm
     kl_coef: float = 0.05
@@ -179,6 +191,16 @@ PRESETS = {
         "PPO, Pythia 410m SFT on TL;DR, vLLM on the training GPU (the reference's single-vLLM setting), synchronous",
         "python ppo_vllm.py --preset tldr-410m-1gpu",
         tldr_ppo("410m", async_steps=0, vllm_device="shared", vllm_gpu_memory_utilization=0.3)),
+    "gsm8k-rho1b-1gpu": common.Preset(
+        "PPO, Rho-1B SFT on GSM8k (the paper's math run), vLLM on the training GPU, synchronous: 256 prompts "
+        "per update, 2 epochs, 512 updates", "python ppo_vllm.py --preset gsm8k-rho1b-1gpu",
+        Args(**common.gsm8k_artefacts(), kl_coef=0.05, learning_rate=3e-6, response_length=512,
+             missing_eos_penalty=False, num_epochs=2, per_device_train_batch_size=8, gradient_accumulation_steps=32,
+             total_episodes=131072, local_rollout_forward_batch_size=16, vllm_device="shared", async_steps=0,
+             vllm_gpu_memory_utilization=0.3)),
+    "toy-math": common.Preset(
+        "PPO on the embedded arithmetic task (CPU, minutes)", "python ppo_vllm.py --preset toy-math",
+        Args(**common.toy_math_artefacts(), total_episodes=4096, eval_every=8)),
 }
 
 
@@ -200,14 +222,14 @@ class PolicyAndValue(torch.nn.Module):
         return logits, self.value_model.score(hidden).squeeze(-1).float()
 
 
-def forward_responses(model, query_ids, query_mask, responses, lengths, temperature):
-    """Log-probs (INVALID_LOGPROB at pads), values (0 at pads) and entropies of each response token,
-    from the positions that predicted it.  Each (batch, response_len)."""
+def forward_responses(model, query_ids, query_mask, responses, lengths, temperature, top_p):
+    """Log-probs (common.logprobs_from_logits; INVALID_LOGPROB at pads), values (0 at pads) and entropies
+    (at the temperature) of each response token, from the positions that predicted it.  Each (batch, response_len)."""
     inputs, mask = common.response_inputs(query_ids, query_mask, responses, lengths)
     logits, values = model(**inputs)
     start = query_ids.shape[1] - 1
+    logprobs = common.logprobs_from_logits(logits[:, start:-1], responses, temperature, top_p)
     logits = logits[:, start:-1].float() / (temperature + 1e-7)
-    logprobs = torch.gather(torch.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
     entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
     return logprobs.masked_fill(~mask, common.INVALID_LOGPROB), values[:, start:-1] * mask, entropy
 
@@ -333,12 +355,13 @@ def main(args: Args):
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (B, R)
         scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (B,)
-        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
+            scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
         rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
         with torch.no_grad():  # the values of the sampled tokens
             _, values, _ = common.in_chunks(
-                lambda *chunk: forward_responses(agent, *chunk, args.temperature),
+                lambda *chunk: forward_responses(agent, *chunk, args.temperature, args.top_p),
                 args.local_rollout_forward_batch_size, *rows)  # (B, R)
         # (B, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
         # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
@@ -364,7 +387,7 @@ def main(args: Args):
             for mini_batch in order.split(mini_batch_size):
                 for micro_batch in mini_batch.split(args.per_device_train_batch_size):
                     new_logprobs, new_values, entropy = forward_responses(
-                        agent, *(tensor[micro_batch] for tensor in rows), args.temperature)
+                        agent, *(tensor[micro_batch] for tensor in rows), args.temperature, args.top_p)
                     old_logprobs, micro_mask = logprobs[micro_batch], mask[micro_batch]
                     pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
                                                               micro_mask, args.cliprange)

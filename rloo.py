@@ -38,7 +38,8 @@ class Args:
     """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
     on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
     dataset_name: str = toy.DATASET
-    """prompts: a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    """prompts: a hub id (owner/name, or owner/name:configuration), a `save_to_disk` directory, a data
+    directory, or a .json/.jsonl/.parquet file"""
     train_split: str = "train"
     """split to train on"""
     eval_split: str = "validation"
@@ -46,6 +47,12 @@ class Args:
     fifth of them) are held out of training for evaluation (with --eval_every 0 too)"""
     prompt_column: str = "query"
     """column holding the prompt text"""
+    prompt_template: str | None = None
+    """a format string over the dataset's columns that makes the prompt, e.g. "Problem: {question} Solution:"
+    (default: the --prompt_column text as it is)"""
+    answer_column: str | None = None
+    """column of solutions ending in `#### N` (GSM8k's format): evaluation reports eval/accuracy, the share of
+    greedy completions with the same final answer"""
     reference_column: str = "reference_response"
     """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
     them (no win-rate when the column is absent)"""
@@ -59,8 +66,13 @@ class Args:
     """new tokens sampled per completion"""
     temperature: float = 0.7
     """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    top_p: float = 1.0
+    """nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p; the policy's
+    log-probs are those of that truncated distribution (the reference's are of its whole distribution)"""
+    missing_eos_penalty: bool = True
+    """give --penalty_reward_value instead of the score to a completion with no stop token"""
     penalty_reward_value: float = -1.0
-    """reward given instead of the score to a completion with no stop token"""
+    """reward given instead of the score to a completion with no stop token (with --missing_eos_penalty)"""
 
     # Algorithm
     num_samples: int = 2
@@ -130,6 +142,15 @@ PRESETS = {
         "python rloo.py --preset tldr-410m-1gpu",
         Args(**common.tldr_artefacts("410m"), total_episodes=131072, per_device_train_batch_size=16,
              gradient_accumulation_steps=32, num_epochs=1, local_rollout_forward_batch_size=32)),
+    "gsm8k-rho1b-1gpu": common.Preset(
+        "RLOO (k=8), Rho-1B SFT on GSM8k (the paper's math run), 1 GPU: 64 prompts x 8 samples per update "
+        "(512 completions), 2 epochs, 256 updates", "python rloo.py --preset gsm8k-rho1b-1gpu",
+        Args(**common.gsm8k_artefacts(), num_samples=8, temperature=0.6, top_p=0.9, kl_coef=1e-4,
+             learning_rate=1e-6, response_length=400, num_epochs=2, per_device_train_batch_size=2,
+             gradient_accumulation_steps=32, total_episodes=16384, local_rollout_forward_batch_size=16)),
+    "toy-math": common.Preset(
+        "RLOO on the embedded arithmetic task (CPU, minutes)", "python rloo.py --preset toy-math",
+        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=4096, eval_every=8)),
 }
 
 
@@ -209,9 +230,11 @@ def main(args: Args):
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
         scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
-        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)  # no stop token: penalty
+        if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
+            scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
-        logprobs = common.rollout_logprobs(policy, rollout, args)  # (N, R) under the sampling weights: the old policy
+        # (N, R) under the sampling weights: the old policy
+        logprobs = common.rollout_logprobs(policy, rollout, args, args.top_p)
 
         # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.
         seq_logps = common.masked_sum(logprobs, rollout.mask)  # (N,)
@@ -230,7 +253,7 @@ def main(args: Args):
                     rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
                     new_seq_logps = common.masked_sum(common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.temperature), rollout.mask[rows])
+                        rollout.lengths[rows], args.temperature, args.top_p), rollout.mask[rows])
                     loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, seq_logps[rows], advantages[rows],
                                                                  args.cliprange)
                     policy.backward(loss)

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 from datasets import Dataset, DatasetDict, load_from_disk
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
@@ -38,6 +38,9 @@ TOY_DIR = os.environ.get("ASYNC_RLHF_TOY_DIR") or os.path.expanduser(f"~/.cache/
 SFT_POLICY = os.path.join(TOY_DIR, "sft_policy")
 REWARD_MODEL = os.path.join(TOY_DIR, "reward_model")
 DATASET = os.path.join(TOY_DIR, "dataset")
+MATH_DIR = TOY_DIR + "-math"  # the arithmetic task (build_math)
+MATH_POLICY = os.path.join(MATH_DIR, "sft_policy")
+MATH_DATASET = os.path.join(MATH_DIR, "dataset")
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 RESPONSE_LENGTH = 12  # new tokens per response in evaluation; the SFT policy's rambling can overrun it
@@ -301,6 +304,134 @@ def build(seed: int = 0) -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"toy: built in {time.time() - start:.0f} s")
+
+
+# ---------------------------------------------------------------- the arithmetic task
+# Problems "Q: 37 + 48 = ? A:" with GSM8k-style worked solutions " 7 + 8 = 15 , 3 + 4 + 1 = 8 #### 85".
+# The SFT policy has the skill but a visible fault: in most problems that carry from the units column it
+# forgets the carry, as its SFT data did, so it is right on about a third of them.
+MATH_RESPONSE_LENGTH = 24
+MATH_SFT_STEPS = 2000  # new tokens: a solution is at most 19 with its stop token
+CARRY_SHARE = 0.75  # of the problems, those that carry from the units column
+FORGOTTEN_CARRY_SHARE = 0.6  # of the SFT solutions of carrying problems, those that forget the carry
+DIGITS = [str(d) for d in range(10)]
+MATH_WORDS = [PAD, EOS, UNK, "Q:", "A:", "+", "=", "?", ",", "####", *DIGITS, *(f"~{d}" for d in DIGITS)]
+
+
+def make_problem(rng: random.Random) -> tuple[int, int]:
+    """Two 2-digit numbers; CARRY_SHARE of the problems carry from the units column."""
+    carries = rng.random() < CARRY_SHARE
+    while True:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if (a % 10 + b % 10 >= 10) == carries:
+            return a, b
+
+
+def math_question(a: int, b: int) -> str:
+    return f"Q: {a} + {b} = ? A:"
+
+
+def worked_solution(a: int, b: int, forget_carry: bool = False) -> str:
+    """Column addition, units then tens, ending in GSM8k's `#### N` (wrong when the carry is forgotten)."""
+    units = a % 10 + b % 10
+    carry = 0 if forget_carry else units // 10
+    tens = a // 10 + b // 10 + carry
+    carried = f" + {carry}" if carry else ""
+    return f" {a % 10} + {b % 10} = {units} , {a // 10} + {b // 10}{carried} = {tens} #### {tens * 10 + units % 10}"
+
+
+def make_math_tokenizer() -> PreTrainedTokenizerFast:
+    """Words and single digits; a number is its digits ("85" -> "8", "~5"), decoded back to "85" (not "##" as
+    the continuation prefix: it would glue "####" to the word before it)."""
+    wordpiece = Tokenizer(models.WordPiece({w: i for i, w in enumerate(MATH_WORDS)}, unk_token=UNK,
+                                           continuing_subword_prefix="~"))
+    wordpiece.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wordpiece.decoder = decoders.WordPiece(prefix="~", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=wordpiece, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+                                   padding_side="left", clean_up_tokenization_spaces=False)
+
+
+def math_sft_loss(policy, tokenizer, problems, rng, batch_size=32) -> torch.Tensor:
+    """Next-token loss on the solution tokens of SFT targets with the fault."""
+    batch = rng.sample(problems, batch_size)
+    query_ids = tokenizer([math_question(a, b) for a, b in batch])["input_ids"]
+    targets = [worked_solution(a, b, forget_carry=rng.random() < FORGOTTEN_CARRY_SHARE) + f" {EOS}" for a, b in batch]
+    response_ids = tokenizer(targets)["input_ids"]
+    sequences = [q + r for q, r in zip(query_ids, response_ids)]
+    input_ids, attention_mask, position_ids = left_padded(sequences, tokenizer.pad_token_id)
+    is_response = left_padded([[0] * len(q) + [1] * len(r) for q, r in zip(query_ids, response_ids)], 0)[0]
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    token_losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")
+    return (token_losses * is_response[:, 1:]).sum() / is_response.sum()
+
+
+def measure_math(folder: str) -> dict:
+    """The SFT policy's accuracy on the test problems, from the saved artefacts."""
+    import common
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "sft_policy"))
+    policy = LlamaForCausalLM.from_pretrained(os.path.join(folder, "sft_policy"))
+    test = load_from_disk(os.path.join(folder, "dataset"))["test"]
+    inputs = tokenizer(list(test["question"]), return_tensors="pt", padding=True)
+    accuracy = {}
+    for name, sampling in [("greedy", dict(do_sample=False)), ("sampled", dict(do_sample=True, temperature=0.7))]:
+        with torch.no_grad():
+            output = policy.generate(**inputs, max_new_tokens=MATH_RESPONSE_LENGTH, **sampling)
+        completions = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        accuracy[name] = sum(map(common.same_final_answer, completions, test["answer"])) / len(test)
+    carrying = [a % 10 + b % 10 >= 10 for a, b in zip(test["a"], test["b"])]
+    return {"sft_greedy_accuracy": accuracy["greedy"], "sft_sampled_accuracy": accuracy["sampled"],
+            "carrying_share": sum(carrying) / len(carrying),
+            "policy_parameters": sum(p.numel() for p in policy.parameters()),
+            "example": test["question"][0] + completions[0]}
+
+
+def build_math(seed: int = 0) -> None:
+    """Build the arithmetic task into MATH_DIR unless it is already there (atomic; safe to race)."""
+    if os.path.exists(os.path.join(MATH_DIR, "summary.json")):
+        return
+    start = time.time()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    os.makedirs(os.path.dirname(MATH_DIR), exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=os.path.basename(MATH_DIR) + ".building-", dir=os.path.dirname(MATH_DIR))
+    try:
+        print(f"toy: building the arithmetic task into {MATH_DIR} (seed {seed})")
+        splits = {}
+        for split, size in [("train", 8192), ("test", 512)]:
+            problems = [make_problem(rng) for _ in range(size)]
+            splits[split] = Dataset.from_dict({
+                "question": [math_question(a, b) for a, b in problems],
+                "answer": [worked_solution(a, b).strip() for a, b in problems],
+                "a": [a for a, _ in problems], "b": [b for _, b in problems]})
+        DatasetDict(splits).save_to_disk(os.path.join(folder, "dataset"))
+        train_problems = list(zip(splits["train"]["a"], splits["train"]["b"]))
+
+        tokenizer = make_math_tokenizer()
+        policy = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(MATH_WORDS), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
+            tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id))
+        policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        loss = train(policy, lambda: math_sft_loss(policy, tokenizer, train_problems, rng), steps=MATH_SFT_STEPS,
+                     lr=3e-3)
+        print(f"toy: arithmetic SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
+        policy.save_pretrained(os.path.join(folder, "sft_policy"))
+        tokenizer.save_pretrained(os.path.join(folder, "sft_policy"))
+
+        numbers = measure_math(folder) | {"seed": seed, "build_seconds": round(time.time() - start, 1)}
+        with open(os.path.join(folder, "summary.json"), "w") as f:
+            json.dump(numbers, f, indent=2)
+        try:
+            os.rename(folder, MATH_DIR)
+        except OSError:  # another process finished first: keep its build
+            if not os.path.exists(os.path.join(MATH_DIR, "summary.json")):
+                raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"toy: arithmetic task built in {time.time() - start:.0f} s")
 
 
 def summary() -> dict:

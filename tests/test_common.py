@@ -54,6 +54,54 @@ def test_logprobs_use_temperature():
     assert common.logprobs_from_logits(logits, torch.tensor([[1]]), 0.5).item() == pytest.approx(math.log(0.9), 1e-5)
 
 
+def test_top_p_logprobs_are_those_of_the_renormalized_nucleus():
+    logits = torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]).log().repeat(1, 3, 1)  # probabilities at temperature 1
+    tokens = torch.tensor([[0, 1, 2]])
+    # top_p 0.7: the nucleus is {0.5, 0.3} (0.05 + 0.15 <= 0.3 are cut); a token outside it keeps its own mass
+    expected = [math.log(0.5 / 0.8), math.log(0.3 / 0.8), math.log(0.15 / 0.95)]
+    assert common.logprobs_from_logits(logits, tokens, 1.0, top_p=0.7)[0].tolist() == pytest.approx(expected)
+    assert common.logprobs_from_logits(logits, tokens, 1.0)[0].tolist() == pytest.approx([math.log(p) for p in
+                                                                                          (0.5, 0.3, 0.15)])
+
+
+def test_top_p_logprobs_equal_those_hf_generate_sampled_from():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import toy
+
+    toy.build()
+    policy = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY)
+    tokenizer = AutoTokenizer.from_pretrained(toy.SFT_POLICY)
+    query = tokenizer(["SUBREDDIT: r/pets POST: my dog got a new collar TL;DR:"] * 8, return_tensors="pt")
+    torch.manual_seed(0)
+    output = policy.generate(**query, do_sample=True, temperature=0.7, top_p=0.8, top_k=0, max_new_tokens=6,
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+    tokens = output.sequences[:, query["input_ids"].shape[1]:]  # (8, 6), the scores below after temperature and top_p
+    sampled_from = torch.stack(output.scores, dim=1).log_softmax(-1).gather(2, tokens.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        logits = policy(output.sequences).logits[:, query["input_ids"].shape[1] - 1:-1]
+    ours = common.logprobs_from_logits(logits, tokens, 0.7, top_p=0.8)
+    stopped = (tokens == tokenizer.eos_token_id).cumsum(1) - (tokens == tokenizer.eos_token_id).long() > 0
+    torch.testing.assert_close(ours[~stopped], sampled_from[~stopped], atol=1e-4, rtol=0)
+    assert (ours[~stopped] > common.logprobs_from_logits(logits, tokens, 0.7)[~stopped]).any()  # truncation mattered
+
+
+# ---- the math reward -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("completion", "solution", "reward"), [
+    ("7 + 8 = 15 , 3 + 4 + 1 = 8 #### 85", "... #### 85", 1.0),  # right
+    ("7 + 8 = 15 , 3 + 4 = 7 #### 75", "... #### 85", 0.0),  # wrong
+    ("7 + 8 = 15 , 3 + 4 + 1 = 8 so 85", "... #### 85", 0.0),  # no #### N
+    ("She pays 1,200 dollars. #### 1,200", "Total: 1200 dollars.\n#### 1200", 1.0),  # commas removed
+    ("#### -5", "#### -5", 1.0),  # negative numbers
+    ("#### 5", "#### -5", 0.0),
+    ("#### 12 and then #### 13", "#### 12", 1.0),  # several: the first counts
+    ("#### 13 and then #### 12", "#### 12", 0.0),
+    ("#### 2.50", "#### 2.5", 1.0),
+])
+def test_gsm8k_reward_on_hand_written_completions(completion, solution, reward):
+    assert common.gsm8k_reward(["a question"], [completion], [solution]) == [reward]
+
+
 def test_masked_sum_and_mean_ignore_padding():
     values = torch.tensor([[1.0, 2.0, common.INVALID_LOGPROB], [4.0, common.INVALID_LOGPROB, common.INVALID_LOGPROB]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])

@@ -22,6 +22,8 @@ SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "
            "rloo_vllm.py": rloo_vllm, "ppo_vllm.py": ppo_vllm,
            "bok.py": bok}
 ALL_PRESETS = [(script, name) for script, module in SCRIPTS.items() for name in module.PRESETS]
+TLDR_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("tldr-")]
+GSM8K_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("gsm8k-")]
 
 
 def parse(module, *argv):
@@ -30,14 +32,23 @@ def parse(module, *argv):
 
 
 def test_the_paper_runs_are_all_there():
-    assert sorted(online_dpo.PRESETS) == sorted(f"tldr-{size}-{gpus}gpu" for size in ("410m", "1b", "2.8b")
-                                                for gpus in (1, 4))
-    assert sorted(online_dpo_vllm.PRESETS) == sorted(f"tldr-{size}-async-4gpu" for size in ("410m", "1b", "2.8b"))
-    assert list(ppo.PRESETS) == list(rloo.PRESETS) == list(bok.PRESETS) == ["tldr-410m-1gpu"]
-    assert list(ppo_vllm.PRESETS) == list(rloo_vllm.PRESETS) == ["tldr-410m-async-4gpu", "tldr-410m-1gpu"]
+    assert sorted(online_dpo.PRESETS) == sorted([*(f"tldr-{size}-{gpus}gpu" for size in ("410m", "1b", "2.8b")
+                                                   for gpus in (1, 4)), "gsm8k-rho1b-4gpu", "toy-math"])
+    assert sorted(online_dpo_vllm.PRESETS) == sorted([*(f"tldr-{size}-async-4gpu" for size in ("410m", "1b", "2.8b")),
+                                                      "gsm8k-rho1b-async-4gpu", "toy-math"])
+    assert list(ppo.PRESETS) == list(rloo.PRESETS) == ["tldr-410m-1gpu", "gsm8k-rho1b-1gpu", "toy-math"]
+    assert list(bok.PRESETS) == ["tldr-410m-1gpu", "toy-math"]
+    assert list(ppo_vllm.PRESETS) == list(rloo_vllm.PRESETS) == ["tldr-410m-async-4gpu", "tldr-410m-1gpu",
+                                                                 "gsm8k-rho1b-1gpu", "toy-math"]
 
 
-@pytest.mark.parametrize(("script", "name"), ALL_PRESETS)
+def world_size_of(preset) -> int:
+    """The launch line's training ranks: deepspeed --num_gpus N, or one process."""
+    match = re.search(r"--num_gpus (\d+)", preset.launch)
+    return int(match.group(1)) if match else 1
+
+
+@pytest.mark.parametrize(("script", "name"), TLDR_PRESETS)
 def test_preset_parses_divides_and_names_the_artefacts(script, name):
     preset = SCRIPTS[script].PRESETS[name]
     args = parse(SCRIPTS[script], "--preset", name)
@@ -49,9 +60,7 @@ def test_preset_parses_divides_and_names_the_artefacts(script, name):
     assert args.dataset_name == "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
     assert (args.response_length, args.temperature, args.penalty_reward_value, args.learning_rate, args.bf16) == (
         53, 0.7, -1.0, 3e-6, True)
-    # the launch line's training ranks: deepspeed --num_gpus N, or one process
-    match = re.search(r"--num_gpus (\d+)", preset.launch)
-    world_size = int(match.group(1)) if match else 1
+    world_size = world_size_of(preset)
     assert preset.launch.split()[-3:] == [script, "--preset", name]
     local_batch_size, num_updates = common.batch_sizes(args, world_size)
     assert num_updates == 256
@@ -60,6 +69,48 @@ def test_preset_parses_divides_and_names_the_artefacts(script, name):
         assert world_size == 3 and args.async_steps == 1 and args.vllm_device is None  # the 4th GPU generates
     elif script.endswith("_vllm.py"):  # the reference's single-vLLM runs: the engine on the training GPU
         assert (world_size, args.vllm_device, args.vllm_gpu_memory_utilization) == (1, "shared", 0.3)
+
+
+# The reference's math runs: (samples, temperature, top_p, KL or beta, learning rate, new tokens, epochs,
+# missing-EOS penalty, prompts per update, updates)
+GSM8K = {"online_dpo": (8, 0.7, 1.0, 0.1, 5e-6, 512, 1, False),
+         "rloo": (8, 0.6, 0.9, 1e-4, 1e-6, 400, 2, True, 64, 256),
+         "ppo": (1, 0.7, 1.0, 0.05, 3e-6, 512, 2, False, 256, 512)}
+
+
+@pytest.mark.parametrize(("script", "name"), GSM8K_PRESETS)
+def test_gsm8k_presets_carry_the_reference_settings(script, name):
+    args = parse(SCRIPTS[script], "--preset", name)
+    assert (args.model_name_or_path, args.dataset_name, args.eval_split) == (
+        "realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k:main", "test")
+    assert args.prompt_template.format(question="Q?") == "[MATH_TASK] Problem:\nQ?\n\nSolution:"
+    assert (args.reward_fn, args.answer_column, args.bf16) == ("common:gsm8k_reward", "answer", True)
+    algorithm = script.removesuffix(".py").removesuffix("_vllm")
+    expected = GSM8K[algorithm]
+    samples = 1 if algorithm == "ppo" else args.num_samples
+    coefficient = args.beta if algorithm == "online_dpo" else args.kl_coef
+    assert (samples, args.temperature, args.top_p, coefficient, args.learning_rate, args.response_length,
+            args.num_epochs, args.missing_eos_penalty) == expected[:8]
+    local_batch_size, num_updates = common.batch_sizes(args, world_size_of(SCRIPTS[script].PRESETS[name]))
+    batch_size = local_batch_size * world_size_of(SCRIPTS[script].PRESETS[name])
+    if algorithm == "online_dpo":  # 8 x 6 prompts per device and 73,728 episodes, on 4 or 3 training GPUs
+        assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 6)
+        assert batch_size * num_updates == 73728
+    else:
+        assert (batch_size, num_updates) == expected[8:]
+    if script.endswith("_vllm.py") and algorithm != "online_dpo":  # vLLM on the training GPU
+        assert (args.vllm_device, args.async_steps) == ("shared", 0)
+
+
+def test_toy_math_presets_run_the_arithmetic_task():
+    import toy
+
+    for module in SCRIPTS.values():
+        args = parse(module, "--preset", "toy-math")
+        assert (args.model_name_or_path, args.dataset_name, args.reward_fn) == (
+            toy.MATH_POLICY, toy.MATH_DATASET, "common:gsm8k_reward")
+        assert not args.missing_eos_penalty and args.answer_column == "answer"
+        common.batch_sizes(args, 1)
 
 
 def test_flags_override_a_preset():
