@@ -142,7 +142,7 @@ PRESETS = {
              gradient_accumulation_steps=32, local_rollout_forward_batch_size=32)),
     "toy-math": common.Preset(
         "best-of-4 on the embedded arithmetic task (CPU, minutes)", "python bok.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=4096, eval_every=8)),
+        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
 }
 
 

@@ -161,7 +161,7 @@ PRESETS = {
              gradient_accumulation_steps=6, total_episodes=73728, local_rollout_forward_batch_size=16)),
     "toy-math": common.Preset(
         "online DPO on the embedded arithmetic task (CPU, minutes)", "python online_dpo.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=4096, eval_every=8)),
+        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
 }
 
 

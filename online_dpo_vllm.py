@@ -194,7 +194,7 @@ PRESETS = {
     "toy-math": common.Preset(
         "asynchronous online DPO on the embedded arithmetic task (CPU, minutes)",
         "python online_dpo_vllm.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=4096, eval_every=8)),
+        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
 }
 
 

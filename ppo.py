@@ -161,7 +161,7 @@ PRESETS = {
              total_episodes=131072, local_rollout_forward_batch_size=16)),
     "toy-math": common.Preset(
         "PPO on the embedded arithmetic task (CPU, minutes)", "python ppo.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), total_episodes=4096, eval_every=8)),
+        Args(**common.toy_math_artefacts(), total_episodes=2048, eval_every=4)),
 }
 
 

@@ -200,7 +200,7 @@ PRESETS = {
              vllm_gpu_memory_utilization=0.3)),
     "toy-math": common.Preset(
         "PPO on the embedded arithmetic task (CPU, minutes)", "python ppo_vllm.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), total_episodes=4096, eval_every=8)),
+        Args(**common.toy_math_artefacts(), total_episodes=2048, eval_every=4)),
 }
 
 

@@ -150,7 +150,7 @@ PRESETS = {
              gradient_accumulation_steps=32, total_episodes=16384, local_rollout_forward_batch_size=16)),
     "toy-math": common.Preset(
         "RLOO on the embedded arithmetic task (CPU, minutes)", "python rloo.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=4096, eval_every=8)),
+        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
 }
 
 

@@ -190,7 +190,7 @@ PRESETS = {
              vllm_device="shared", async_steps=0, vllm_gpu_memory_utilization=0.3)),
     "toy-math": common.Preset(
         "RLOO on the embedded arithmetic task (CPU, minutes)", "python rloo_vllm.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=4096, eval_every=8)),
+        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
 }
 
 

@@ -308,12 +308,20 @@ def build(seed: int = 0) -> None:
 
 # ---------------------------------------------------------------- the arithmetic task
 # Problems "Q: 37 + 48 = ? A:" with GSM8k-style worked solutions " 7 + 8 = 15 , 3 + 4 + 1 = 8 #### 85".
-# The SFT policy has the skill but a visible fault: in most problems that carry from the units column it
-# forgets the carry, as its SFT data did, so it is right on about a third of them.
+# The SFT policy has the skill but a visible fault: in problems that carry from the units column it often
+# forgets the carry, as its SFT data did (most often when the units sum to 10-14), so near-greedy it is
+# right on about a third of the problems, and sampling finds the right answer often enough for RL.
+# (reasoning-gym's procedural generators were considered: 11 pinned dependencies for ~100 puzzle families,
+# and no worked solutions to train the SFT policy on; two-number addition is a few lines.)
 MATH_RESPONSE_LENGTH = 24
 MATH_SFT_STEPS = 2000  # new tokens: a solution is at most 19 with its stop token
-CARRY_SHARE = 0.75  # of the problems, those that carry from the units column
-FORGOTTEN_CARRY_SHARE = 0.6  # of the SFT solutions of carrying problems, those that forget the carry
+CARRY_SHARE = 0.85  # of the problems, those that carry from the units column
+
+
+def forgets_carry_probability(units_sum: int) -> float:
+    """How often the SFT solutions forget a carry: mostly for small carries, so that greedy decoding is
+    wrong there and right for units summing to 15-18."""
+    return 0.7 if units_sum < 15 else 0.2
 DIGITS = [str(d) for d in range(10)]
 MATH_WORDS = [PAD, EOS, UNK, "Q:", "A:", "+", "=", "?", ",", "####", *DIGITS, *(f"~{d}" for d in DIGITS)]
 
@@ -340,6 +348,19 @@ def worked_solution(a: int, b: int, forget_carry: bool = False) -> str:
     return f" {a % 10} + {b % 10} = {units} , {a // 10} + {b // 10}{carried} = {tens} #### {tens * 10 + units % 10}"
 
 
+def math_splits(rng: random.Random) -> DatasetDict:
+    """8192 train and 512 test problems: the prompt ("question"), the worked solution ("answer", GSM8k's
+    column names) and the two numbers."""
+    splits = {}
+    for split, size in [("train", 8192), ("test", 512)]:
+        problems = [make_problem(rng) for _ in range(size)]
+        splits[split] = Dataset.from_dict({
+            "question": [math_question(a, b) for a, b in problems],
+            "answer": [worked_solution(a, b).strip() for a, b in problems],
+            "a": [a for a, _ in problems], "b": [b for _, b in problems]})
+    return DatasetDict(splits)
+
+
 def make_math_tokenizer() -> PreTrainedTokenizerFast:
     """Words and single digits; a number is its digits ("85" -> "8", "~5"), decoded back to "85" (not "##" as
     the continuation prefix: it would glue "####" to the word before it)."""
@@ -355,7 +376,8 @@ def math_sft_loss(policy, tokenizer, problems, rng, batch_size=32) -> torch.Tens
     """Next-token loss on the solution tokens of SFT targets with the fault."""
     batch = rng.sample(problems, batch_size)
     query_ids = tokenizer([math_question(a, b) for a, b in batch])["input_ids"]
-    targets = [worked_solution(a, b, forget_carry=rng.random() < FORGOTTEN_CARRY_SHARE) + f" {EOS}" for a, b in batch]
+    targets = [worked_solution(a, b, forget_carry=rng.random() < forgets_carry_probability(a % 10 + b % 10))
+               + f" {EOS}" for a, b in batch]
     response_ids = tokenizer(targets)["input_ids"]
     sequences = [q + r for q, r in zip(query_ids, response_ids)]
     input_ids, attention_mask, position_ids = left_padded(sequences, tokenizer.pad_token_id)
@@ -398,14 +420,8 @@ def build_math(seed: int = 0) -> None:
     folder = tempfile.mkdtemp(prefix=os.path.basename(MATH_DIR) + ".building-", dir=os.path.dirname(MATH_DIR))
     try:
         print(f"toy: building the arithmetic task into {MATH_DIR} (seed {seed})")
-        splits = {}
-        for split, size in [("train", 8192), ("test", 512)]:
-            problems = [make_problem(rng) for _ in range(size)]
-            splits[split] = Dataset.from_dict({
-                "question": [math_question(a, b) for a, b in problems],
-                "answer": [worked_solution(a, b).strip() for a, b in problems],
-                "a": [a for a, _ in problems], "b": [b for _, b in problems]})
-        DatasetDict(splits).save_to_disk(os.path.join(folder, "dataset"))
+        splits = math_splits(rng)
+        splits.save_to_disk(os.path.join(folder, "dataset"))
         train_problems = list(zip(splits["train"]["a"], splits["train"]["b"]))
 
         tokenizer = make_math_tokenizer()

@@ -12,7 +12,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The slowest files first: with --dist loadfile a free worker takes the next file, so longest-first
 # makes both workers finish at about the same time.
 SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_two_ranks.py", "test_own_inputs_vllm.py", "test_rloo_bok.py",
-                 "test_ppo.py", "test_reliability.py", "test_online_dpo.py", "test_own_inputs.py", "test_bench.py"]
+                 "test_ppo.py", "test_reliability.py", "test_online_dpo.py", "test_own_inputs.py", "test_bench.py",
+                 "test_math.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -284,7 +284,8 @@ def test_reward_function_specs_resolve_or_fail_on_one_line():
 
 # ---- data ---------------------------------------------------------------------------------------
 def data_args(path, **overrides):
-    return SimpleNamespace(**{"dataset_name": str(path), "prompt_column": "query", "chat_template": False,
+    return SimpleNamespace(**{"dataset_name": str(path), "prompt_column": "query", "prompt_template": None,
+                              "chat_template": False,
                               "max_prompt_length": 4, "model_name_or_path": "tiny", **overrides})
 
 

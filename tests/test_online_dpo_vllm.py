@@ -25,6 +25,15 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync(tmp_path):
     assert "greedy completions equal after weight sync" in result.stdout
 
 
+def test_with_top_p_the_trainers_log_probs_are_the_engines(tmp_path):
+    # the engine's log-probs are those of its nucleus (processed_logprobs): the trainer's must cut the same one
+    out = tmp_path / "run"
+    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--top_p", "0.9", "--output_dir", out,
+               script="online_dpo_vllm.py")
+    diffs = [m["async/logprob_diff"] for m in read_metrics(out) if "async/logprob_diff" in m]
+    assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
+
+
 def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_runs):
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1"]
