@@ -35,7 +35,7 @@ def check_greedy_after_weight_sync(snapshot_dir, policy_path, dataset, prompt_co
     tokenizer = common.load_tokenizer(policy_path)
     eos_ids = common.eos_token_ids(policy_path, tokenizer)
     prompts = common.load_prompts(SimpleNamespace(dataset_name=dataset, prompt_column=prompt_column,
-                                                  chat_template=False, max_prompt_length=64),
+                                                  prompt_template=None, chat_template=False, max_prompt_length=64),
                                   tokenizer, split)["input_ids"][:32]
     engine = common.prepare_deepspeed(policy, args, torch.optim.AdamW(policy.parameters(), lr=1e-2))
     query_ids, query_mask = common.left_pad(prompts, tokenizer.pad_token_id, engine.device)
