@@ -107,7 +107,16 @@ def init_distributed():
     if torch.cuda.is_available():  # before any CUDA work, so that each rank's tensors and NCCL use its own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed()
+    atexit.unregister(end_distributed)  # once, however many runs one process makes (the tests do)
+    atexit.register(end_distributed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def end_distributed():
+    """At exit: a rank that exits with its process group alive can be aborted by torch ("terminate called
+    without an active exception", exit code 250)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def local_device() -> torch.device:
