@@ -253,7 +253,7 @@ def build(seed: int = 0) -> None:
     if os.path.exists(os.path.join(TOY_DIR, "summary.json")):
         return
     start = time.time()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(2)  # always 2: the weights depend on the thread count (OMP_NUM_THREADS=1 in the tests)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     os.makedirs(os.path.dirname(TOY_DIR), exist_ok=True)
@@ -413,7 +413,7 @@ def build_math(seed: int = 0) -> None:
     if os.path.exists(os.path.join(MATH_DIR, "summary.json")):
         return
     start = time.time()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(2)  # always 2: the weights depend on the thread count (OMP_NUM_THREADS=1 in the tests)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     os.makedirs(os.path.dirname(MATH_DIR), exist_ok=True)
