@@ -216,21 +216,25 @@ def main(args: Args):
         if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
             scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
-        logprobs = common.rollout_logprobs(policy, rollout, args, args.top_p)  # (N, R), for the logged KL and entropy
         best_rows = best_of_k(scores, k)  # (B,)
+        orders = [torch.randperm(local_batch_size) for _ in range(args.num_epochs)]  # (B,) prompts, shuffled
+        # The policy's log-probs under the sampling weights, for the logged KL and entropy: the first
+        # optimizer step's forward computes them for its best completions; one forward here for the rest.
+        logprobs = common.logprobs_not_trained_first(policy, rollout, args, best_rows[orders[0][:mini_batch_size]])
         t2 = time.time()
 
         # Learn: num_epochs passes over the best completions, each num_mini_batches optimizer steps,
         # each accumulated over gradient_accumulation_steps micro-batches of per_device_train_batch_size.
         losses = []
-        for _ in range(args.num_epochs):
-            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
-            for mini_batch in order.split(mini_batch_size):
+        for epoch, order in enumerate(orders):
+            for step, mini_batch in enumerate(order.split(mini_batch_size)):
                 for prompt_ids in mini_batch.split(args.per_device_train_batch_size):
                     rows = best_rows[prompt_ids]
                     new_logprobs = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.temperature, args.top_p)
+                        rollout.lengths[rows], args.temperature, args.top_p)  # (prompts, R)
+                    if epoch == step == 0:  # still the sampling weights
+                        logprobs[rows] = new_logprobs.detach()
                     loss = nll_loss(new_logprobs, rollout.mask[rows])
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch

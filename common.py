@@ -9,7 +9,7 @@ In the order a reader meets it (ALGORITHMS.md has the formulas):
 - Rollout details: truncation after the stop token, temperature-scaled log-probs at the positions that
   predicted each token, the reward at the last real token, HF sampling, the Rollout of a batch, the
   reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
-- vLLM: the engine's placement, process and sampling, weight snapshots, and AsyncGenerator, the
+- vLLM: the engine's placement, process and sampling, the weight channel, and AsyncGenerator, the
   trainer's handle on the generator process of the asynchronous scripts.
 - Evaluation: gold win-rate and KL of near-greedy completions.
 - Checkpoints and resume, the saved policy, and logging (metrics.jsonl, wandb, curves.png).
@@ -29,7 +29,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -175,16 +174,24 @@ def prepare_deepspeed(model, args, optimizer=None, lr_scheduler=None):
 
 
 @contextlib.contextmanager
+def gathered(engine, parameters: list):
+    """ZeRO-3: the partitioned `parameters` of the engine's model whole on every rank inside; without
+    ZeRO-3 they already are."""
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(parameters):
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
 def full_parameters(engine, part: str | None = None):
     """The engine's model (or its attribute `part`, e.g. PPO's "policy") with ZeRO-3 partitioned
     parameters gathered: one gather for a whole generation, not one per step."""
     model = engine.module if part is None else getattr(engine.module, part)
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            yield model
-    else:
+    with gathered(engine, list(model.parameters())):
         yield model
 
 
@@ -877,6 +884,22 @@ def rollout_logprobs(model, rollout: Rollout, args, top_p: float = 1.0) -> torch
 
 
 @torch.no_grad()
+def logprobs_not_trained_first(policy, rollout: Rollout, args, trained_first: torch.Tensor) -> torch.Tensor:
+    """(N, R) the policy's log-probs (as rollout_logprobs, under the sampling weights) of the rows outside
+    `trained_first`, the rows of the first optimizer step, whose training forward computes them under the
+    same weights and fills them in; INVALID_LOGPROB in those rows until then."""
+    logprobs = torch.full(rollout.responses.shape, INVALID_LOGPROB, device=rollout.responses.device)
+    others = torch.ones(len(rollout.responses), dtype=torch.bool, device=rollout.responses.device)
+    others[trained_first] = False
+    if others.any():
+        logprobs[others] = in_chunks(
+            functools.partial(response_logprobs, policy, temperature=args.temperature, top_p=args.top_p),
+            args.local_rollout_forward_batch_size, rollout.query_ids[others], rollout.query_mask[others],
+            rollout.responses[others], rollout.lengths[others])
+    return logprobs
+
+
+@torch.no_grad()
 def rollout_rewards(reward_model, rollout: Rollout, prompt_rows, task: Task, args, update: int) -> torch.Tensor:
     """(N,) the reward of each prompt + truncated completion, before the missing-EOS penalty: the reward
     model's score (a decoder classifier's read at the last real token), or --reward_fn's value.
@@ -1016,29 +1039,113 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids
     return responses, logprobs
 
 
-def publish_weights(engine, folder: str, part: str | None = None):
-    """Snapshot the trained weights as safetensors in `folder` (tmpfs), written atomically.
-
-    The engine later reads this snapshot, never the tensors the optimizer is mutating.
-    Every rank must call this (ZeRO-3 gathers); rank 0 writes. `part`: the policy's attribute name
-    when the engine trains more than the policy (PPO).
-    """
-    from safetensors.torch import save_file
-
-    with full_parameters(engine, part) as model:
-        if torch.distributed.get_rank() == 0:
-            partial = folder + ".partial"
-            os.makedirs(partial, exist_ok=True)
-            # clone: tied embeddings share storage, which safetensors refuses
-            save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
-                      os.path.join(partial, "model.safetensors"))
-            os.rename(partial, folder)
+WEIGHT_BUCKET_BYTES = 256 * 2**20  # one send: the most a ZeRO-3 rank gathers at once, and the size of a message
 
 
-def load_vllm_weights(llm, folder: str):
-    """Load a published snapshot into the engine. The worker's `reload_weights` re-runs the CPU
-    backend's weight repacking, which per-parameter `load_weights` skips (it breaks on CPU)."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+def weight_buckets(sizes: list[int], element_bytes: int) -> list[range]:
+    """Consecutive parameter indices grouped into buckets of at most WEIGHT_BUCKET_BYTES (a larger
+    parameter alone): sender and receiver agree on them from the parameter sizes alone."""
+    buckets, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and (total + size) * element_bytes > WEIGHT_BUCKET_BYTES:
+            buckets.append(range(start, index))
+            start, total = index, 0
+        total += size
+    return [*buckets, range(start, len(sizes))]
+
+
+def uses_nccl(args) -> bool:
+    """Weights travel over NCCL between two GPUs, over gloo otherwise: on a CPU, and when the engine
+    shares the trainer's GPU (NCCL cannot connect a GPU with itself)."""
+    return torch.cuda.is_available() and args.vllm_device != "shared"
+
+
+def weight_channel(args, store, rank: int):
+    """The process group of two that carries the weights: trainer rank 0 (rank 0, whose TCP store
+    `store` is) and the generator process (rank 1). Its operations fail after --generator_timeout."""
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=args.generator_timeout)
+    if uses_nccl(args):
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+    return torch.distributed.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
+    """Rank 0's `flat` into rank 1's (the same size and dtype), waited for at most `timeout` seconds."""
+    from datetime import timedelta
+
+    channel.broadcast([flat], torch.distributed.BroadcastOptions()).wait(timedelta(seconds=timeout))
+
+
+def load_engine_weights(llm, model):
+    """The engine takes the weights of `model` (the policy's HF model in this process) from memory.
+    The worker's `reload_weights` re-runs the CPU backend's weight repacking, which per-parameter
+    `load_weights` skips (it breaks on CPU); the state dict names tied weights twice, as a checkpoint does."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
+
+
+class WeightReceiver:
+    """The generator process's end of the weight channel: a thread receives each version the trainer
+    sends, while the engine samples, into buffers of its own (one set per version not yet loaded:
+    K at most); `load` puts one into the sampling policy, then into the engine."""
+
+    def __init__(self, args, port: int, sampling_policy, published):
+        import threading
+
+        self.args, self.sampling_policy = args, sampling_policy
+        self.parameters = [p for _, p in sampling_policy.named_parameters()]  # the trainer sends in this order
+        self.buckets = weight_buckets([p.numel() for p in self.parameters], self.parameters[0].element_size())
+        self.received, self.error, self.condition = {}, None, threading.Condition()
+        threading.Thread(target=self._receive, args=(port, published), daemon=True, name="weight receiver").start()
+
+    def _receive(self, port: int, published):
+        try:
+            from datetime import timedelta
+
+            # the trainer connects once it has seen the engine start, maybe after its first evaluation
+            store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(days=1))
+            channel = weight_channel(self.args, store, rank=1)
+            device = "cuda" if uses_nccl(self.args) else "cpu"
+            dtype = self.parameters[0].dtype
+            while True:
+                version = published.get()  # announced just before its buckets
+                flats = []
+                for bucket in self.buckets:
+                    flat = torch.empty(sum(self.parameters[i].numel() for i in bucket), dtype=dtype, device=device)
+                    broadcast_bucket(channel, flat, self.args.generator_timeout)
+                    flats.append(flat)
+                with self.condition:
+                    self.received[version] = flats
+                    self.condition.notify_all()
+        except BaseException as error:
+            with self.condition:
+                self.error = error
+                self.condition.notify_all()
+
+    def wait_for(self, version: int) -> bool:
+        """Wait until `version` has arrived; False when the trainer is gone."""
+        with self.condition:
+            while version not in self.received:
+                if self.error is not None:
+                    raise RuntimeError(f"receiving the weights of update {version} failed: {self.error}")
+                if not multiprocessing.parent_process().is_alive():
+                    return False
+                self.condition.wait(timeout=0.1)
+        return True
+
+    @torch.no_grad()
+    def load(self, version: int, llm):
+        """Load the arrived `version` into the sampling policy, then into the engine, and free its buffers."""
+        with self.condition:
+            flats = self.received.pop(version)
+        for bucket, flat in zip(self.buckets, flats):
+            sizes = [self.parameters[i].numel() for i in bucket]
+            for index, values in zip(bucket, flat.split(sizes)):
+                self.parameters[index].copy_(values.view_as(self.parameters[index]))
+        load_engine_weights(llm, self.sampling_policy)
 
 
 def check_async_args(args):
@@ -1085,23 +1192,22 @@ def sample_batch(llm, sampling_policy, queries: list[list[int]], update: int, ar
 
 
 def generate_ahead(args, prompts, sampler, updates: range, first_version: int, num_samples: int, eos_ids,
-                   pad_token_id, snapshots: str, published, batches, requests):
+                   pad_token_id, weight_port: int, published, batches, requests):
     """The generator process (rank 0's), which holds the vLLM engine: batch t is sampled with exactly the
     weights after update t-1-K (K = --async_steps), or `first_version`, the weights the run started
     from, if that is later.
 
-    The trainer announces each published weight version on the queue `published`; ENGINE_STARTED, then
-    the batches (or the error that stopped this process, as text) go to the queue `batches`. With
-    `requests` (an engine sharing the trainer's device), batch t is sampled only once the trainer has
-    asked for it there, so that the two take turns. It ends after the last batch, when the
-    trainer kills it, or once the trainer is gone.
+    The trainer announces each weight version on the queue `published` and sends it over the weight
+    channel (WeightReceiver, port `weight_port`); ENGINE_STARTED, then the batches (or the error that
+    stopped this process, as text) go to the queue `batches`. With `requests` (an engine sharing the
+    trainer's device), batch t is sampled only once the trainer has asked for it there, so that the two
+    take turns. It ends after the last batch, when the trainer kills it, or once the trainer is gone.
     """
 
     try:
         import threading
 
         import tqdm
-        from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
         # the engine's progress bars without tqdm's multiprocessing lock, which the resource tracker would
@@ -1119,41 +1225,58 @@ def generate_ahead(args, prompts, sampler, updates: range, first_version: int, n
         # that class can then only be made before the engine (as above), and must opt out of it
         for module in sampling_policy.modules():
             module.do_not_compile = True
+        receiver = WeightReceiver(args, weight_port, sampling_policy, published)
         batches.put(ENGINE_STARTED)
-        loaded = latest = 0  # the engine starts with the SFT weights, version 0
+        loaded = 0  # the engine starts with the SFT weights, version 0
         requested = 0
         for update in updates:
             version = max(update - 1 - args.async_steps, first_version)
-            while latest < version or (requests is not None and requested < update):
-                if not multiprocessing.parent_process().is_alive():  # no trainer: free the engine's device
+            if version != loaded and not receiver.wait_for(version):
+                return  # no trainer: free the engine's device
+            while requests is not None and requested < update:
+                if not multiprocessing.parent_process().is_alive():
                     return
                 with contextlib.suppress(queue.Empty):
-                    if latest < version:
-                        latest = published.get(timeout=0.1)
-                    else:
-                        requested = requests.get(timeout=0.1)
+                    requested = requests.get(timeout=0.1)
             t0 = time.time()
             if version != loaded:
-                folder = os.path.join(snapshots, f"version-{version}")
-                load_vllm_weights(llm, folder)
-                sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
-                for old in range(loaded, version):  # nothing will sample with older weights again
-                    shutil.rmtree(os.path.join(snapshots, f"version-{old}"), ignore_errors=True)
-                loaded = version
+                receiver.load(version, llm)
             weight_load = time.time() - t0
             indices = sampler.next_indices()
             queries = [prompts[i] for i in indices for _ in range(num_samples)]
-            batches.put({**sample_batch(llm, sampling_policy, queries, update, args, eos_ids, pad_token_id),
-                         "prompt_indices": indices, "version": version, "time/weight_load": weight_load})
+            batch = sample_batch(llm, sampling_policy, queries, update, args, eos_ids, pad_token_id)
+            if version != loaded:  # the proof that the engine took the new weights
+                check_engine_took_weights(batch["async/logprob_diff"], version, args)
+                loaded = version
+            batches.put({**batch, "prompt_indices": indices, "version": version, "time/weight_load": weight_load})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         batches.put(f"{type(error).__name__}: {error}")
+
+
+def max_logprob_diff(args) -> float:
+    """--max_logprob_diff, or its default for the dtype."""
+    if args.max_logprob_diff is not None:
+        return args.max_logprob_diff
+    return 0.1 if args.bf16 else 1e-3
+
+
+def check_engine_took_weights(logprob_diff: float, version: int, args):
+    """vLLM has had bugs where a reload kept serving the old weights: the first batch after each load
+    must have the trainer's log-probs (async/logprob_diff, from the sampling policy, which holds the
+    weights just sent) within --max_logprob_diff."""
+    if logprob_diff > max_logprob_diff(args):
+        raise RuntimeError(
+            f"after loading the weights of update {version}, the engine's log-probs differ from the trainer's "
+            f"by {logprob_diff:.3g} per token (async/logprob_diff), more than --max_logprob_diff "
+            f"{max_logprob_diff(args):g}: the engine did not take the new weights")
 
 
 class AsyncGenerator:
     """The trainer's side of the generator process (generate_ahead, placed by start_generator).
 
     Every rank makes one and makes each call; only rank 0 talks to the process and hands each rank
-    its share. Weights reach the engine as snapshots on tmpfs, announced by version number. Batches an
+    its share. Weights reach the engine in memory, over a process group of rank 0 and the process (gloo
+    or NCCL), announced by version number. Batches an
     interrupted run had sampled ahead (`state.pending_batches`) come first; the process carries on
     drawing prompts from `sampler` (whole global batches) after them. The process is stopped when the
     trainer exits, however it exits.
@@ -1166,11 +1289,14 @@ class AsyncGenerator:
         self.prompts_per_rank = sampler.global_batch_size // world_size
         self.sampled_ahead = collections.deque(state.pending_batches)
         sampler.position = state.data_position + len(self.sampled_ahead)
-        self.snapshots = self.published = self.batches = self.requests = self.process = None
+        self.published = self.batches = self.requests = self.process = self.channel = None
         self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
         if self.rank == 0:
-            self.snapshots = tempfile.mkdtemp(prefix="async-rlhf-weights-",
-                                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            from datetime import timedelta
+
+            # the weight channel's rendezvous, on a free port; the channel itself once the engine has started
+            self.store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                                                    timeout=timedelta(seconds=args.generator_timeout))
             context = multiprocessing.get_context("spawn")
             self.published, self.batches = context.Queue(), context.Queue()
             if args.vllm_device == "shared":  # one device for both: the engine samples when the trainer waits
@@ -1179,7 +1305,7 @@ class AsyncGenerator:
             # generate_ahead is looked up now, so that tests can put a faulty one in its place
             self.process = start_generator(args, world_size, generate_ahead, (
                 args, task.train_prompts["input_ids"], sampler, range(first_update, num_updates + 1), state.update,
-                num_samples, task.eos_ids, task.tokenizer.pad_token_id, self.snapshots, self.published,
+                num_samples, task.eos_ids, task.tokenizer.pad_token_id, self.store.port, self.published,
                 self.batches, self.requests))
             atexit.register(self.stop)  # however the trainer exits
             STOP_BEFORE_FAILING.append(self.stop)
@@ -1219,6 +1345,7 @@ class AsyncGenerator:
         if self.rank == 0:
             timeout = self.args.engine_start_timeout
             self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
+            self.channel = weight_channel(self.args, self.store, rank=0)  # the process waits for it by now
 
     def batch_for(self, update: int) -> dict:
         """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
@@ -1237,11 +1364,29 @@ class AsyncGenerator:
         return received[0]
 
     def publish_weights(self, engine, version: int, part: str | None = None):
-        """Snapshot the policy's weights after update `version` for the engine, and announce them (every
-        rank calls it). `part`: the policy's attribute name when the engine trains more than the policy."""
-        publish_weights(engine, os.path.join(self.snapshots or "", f"version-{version}"), part)
+        """Send the policy's weights after update `version` to the engine, announced by version number,
+        bucket by bucket (every rank calls it: under ZeRO-3 a rank gathers one bucket at a time). `part`:
+        the policy's attribute name when the engine trains more than the policy."""
+        if version > self.num_updates - 1 - self.args.async_steps:
+            return  # no batch samples with these weights (and the process may have ended)
+        model = engine.module if part is None else getattr(engine.module, part)
+        parameters = [p for _, p in model.named_parameters()]  # the order the receiver expects
         if self.rank == 0:
             self.published.put(version)
+        sizes = [getattr(p, "ds_numel", p.numel()) for p in parameters]  # ZeRO-3 shards: their whole size
+        for bucket in weight_buckets(sizes, parameters[0].element_size()):
+            with gathered(engine, [parameters[i] for i in bucket]):
+                if self.rank == 0:
+                    flat = torch.cat([parameters[i].detach().reshape(-1) for i in bucket])
+                    self._send(flat.to("cuda" if uses_nccl(self.args) else "cpu"), version)
+
+    def _send(self, flat: torch.Tensor, version: int):
+        try:
+            broadcast_bucket(self.channel, flat, self.args.generator_timeout)
+        except RuntimeError as error:  # the process's own error, when it sent one, says more
+            self._receive(2.0, f"sending the weights of update {version} to the vLLM engine failed within "
+                               f"--generator_timeout {self.args.generator_timeout:g} s ({error})")
+            fail(f"sending the weights of update {version} to the vLLM engine failed ({error})")
 
     def sample_ahead(self, update: int) -> list[dict]:
         """The batches for the updates after `update` that the process samples with weights older than
@@ -1253,11 +1398,10 @@ class AsyncGenerator:
 
     def stop(self):
         """Stop the process (SIGKILL: it ignores the preemption signals, and holds nothing that needs
-        saving) and delete the weight snapshots."""
+        saving)."""
         if self.process is not None:
             self.process.kill()  # nothing happens if it has ended by itself, after the run's last batch
             self.process.join()
-            shutil.rmtree(self.snapshots, ignore_errors=True)
             self.process = None
 
 

@@ -250,11 +250,16 @@ def main(args: Args):
         if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
             scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
-        logprobs = common.rollout_logprobs(policy, rollout, args, args.top_p)  # (N, R), for the logged KL and entropy
         ref_seq_logps = common.masked_sum(ref_logprobs, rollout.mask)  # (N,)
 
         # Pairs: best (chosen) vs worst (rejected) of each prompt's k samples.
         chosen_rows, rejected_rows, valid = best_and_worst(scores, k)  # (B,) each
+        orders = [torch.randperm(local_batch_size) for _ in range(args.num_epochs)]  # (B,) prompts, shuffled
+        # The policy's log-probs under the sampling weights, for the logged KL and entropy: the first
+        # optimizer step's forward computes them for its pairs; one forward here for every other row.
+        first_pairs = orders[0][:mini_batch_size]
+        logprobs = common.logprobs_not_trained_first(
+            policy, rollout, args, torch.cat([chosen_rows[first_pairs], rejected_rows[first_pairs]]))  # (N, R)
         t2 = time.time()
 
         # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
@@ -262,14 +267,16 @@ def main(args: Args):
         # micro-batches of per_device_train_batch_size pairs.
         stats = {name: [] for name in ("loss", "chosen_rewards", "rejected_rewards", "chosen_logps",
                                        "rejected_logps", "valid")}
-        for _ in range(args.num_epochs):
-            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
-            for mini_batch in order.split(mini_batch_size):
+        for epoch, order in enumerate(orders):
+            for step, mini_batch in enumerate(order.split(mini_batch_size)):
                 for pairs in mini_batch.split(args.per_device_train_batch_size):
                     rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
-                    seq_logps = common.masked_sum(common.response_logprobs(
+                    token_logprobs = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.temperature, args.top_p), rollout.mask[rows])
+                        rollout.lengths[rows], args.temperature, args.top_p)  # (2 * pairs, R)
+                    if epoch == step == 0:  # still the sampling weights
+                        logprobs[rows] = token_logprobs.detach()
+                    seq_logps = common.masked_sum(token_logprobs, rollout.mask[rows])
                     policy_chosen, policy_rejected = seq_logps.chunk(2)
                     ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
                     losses = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,

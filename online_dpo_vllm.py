@@ -152,6 +152,10 @@ class Args:
     logprob_check_rows: int = 16
     """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
     their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
+    max_logprob_diff: float | None = None
+    """the most async/logprob_diff (per token) the first batch after each weight load may show, or the
+    engine did not take the new weights and the run stops; default 1e-3, 0.1 with --bf16 (vLLM's and the
+    trainer's bf16 kernels differ more)"""
     engine_start_timeout: float = 1800.0
     """seconds the trainer waits for the vLLM engine to start (it loads the model and warms up) before it
     stops with an error"""
@@ -269,11 +273,11 @@ def main(args: Args):
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them.
     generator = common.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
-    if state.update > 0:
-        generator.publish_weights(policy, state.update)
     if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
     generator.wait_for_engine()
+    if state.update > 0:  # the engine samples from the checkpoint's weights
+        generator.publish_weights(policy, state.update)
     k, pad = args.num_samples, task.tokenizer.pad_token_id
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
@@ -328,7 +332,7 @@ def main(args: Args):
                     stats["valid"].append(pair_mask)
         t3 = time.time()
 
-        # Weight sync: a snapshot of the new weights for the engine, announced by version number.
+        # Weight sync: the new weights to the engine, in memory, announced by version number.
         generator.publish_weights(policy, update)
         t4 = time.time()
 
@@ -358,7 +362,7 @@ def main(args: Args):
             "async/logprob_diff": batch["async/logprob_diff"],
             "time/generate": batch["time/generate"],
             "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
-            "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # publish here + load into the engine
+            "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # send here + load into the engine
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)

@@ -159,6 +159,10 @@ class Args:
     logprob_check_rows: int = 16
     """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
     their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
+    max_logprob_diff: float | None = None
+    """the most async/logprob_diff (per token) the first batch after each weight load may show, or the
+    engine did not take the new weights and the run stops; default 1e-3, 0.1 with --bf16 (vLLM's and the
+    trainer's bf16 kernels differ more)"""
     engine_start_timeout: float = 1800.0
     """seconds the trainer waits for the vLLM engine to start (it loads the model and warms up) before it
     stops with an error"""
@@ -335,11 +339,11 @@ def main(args: Args):
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them.
     generator = common.AsyncGenerator(args, task, sampler, state, num_updates, 1)
-    if state.update > 0:
-        generator.publish_weights(agent, state.update, part="policy")
     if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
     generator.wait_for_engine()
+    if state.update > 0:  # the engine samples from the checkpoint's weights
+        generator.publish_weights(agent, state.update, part="policy")
     pad = task.tokenizer.pad_token_id
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
@@ -405,7 +409,7 @@ def main(args: Args):
                     stats["ratio"].append(ratio.detach()[micro_mask.bool()])
         t3 = time.time()
 
-        # Weight sync: a snapshot of the new policy weights for the engine, announced by version number.
+        # Weight sync: the new policy weights to the engine, in memory, announced by version number.
         generator.publish_weights(agent, update, part="policy")
         t4 = time.time()
 
@@ -434,7 +438,7 @@ def main(args: Args):
             "async/logprob_diff": batch["async/logprob_diff"],
             "time/generate": batch["time/generate"],
             "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
-            "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # publish here + load into the engine
+            "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # send here + load into the engine
             "lr": agent.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)

@@ -8,9 +8,7 @@ on one rank and compares its losses with the real generator process's.
 
 import importlib
 import os
-import shutil
 import sys
-import tempfile
 from unittest import mock
 
 import torch
@@ -25,7 +23,7 @@ class InlineGenerator:
     def __init__(self, args, task, sampler, state, num_updates, num_samples):
         assert args.async_steps == 0 and state.update == 0 and torch.distributed.get_world_size() == 1
         self.args, self.task, self.sampler, self.num_samples = args, task, sampler, num_samples
-        self.snapshots, self.version = tempfile.mkdtemp(), 0
+        self.published, self.version = {}, 0  # weights by version, copies in memory
         # the trainer's threads as start_generator leaves them (the thread count changes float sums)
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores if args.vllm_device == "shared" else cores - args.vllm_cpu_threads)
@@ -42,13 +40,10 @@ class InlineGenerator:
         self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.args.model_name_or_path).eval()
 
     def batch_for(self, update: int) -> dict:
-        from safetensors.torch import load_file
-
         if self.version != update - 1:
             self.version = update - 1
-            folder = os.path.join(self.snapshots, f"version-{self.version}")
-            common.load_vllm_weights(self.llm, folder)
-            self.sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+            self.sampling_policy.load_state_dict(self.published.pop(self.version))
+            common.load_engine_weights(self.llm, self.sampling_policy)
         prompts = self.task.train_prompts["input_ids"]
         indices = self.sampler.next_indices()
         queries = [prompts[i] for i in indices for _ in range(self.num_samples)]
@@ -58,13 +53,14 @@ class InlineGenerator:
                 "responses": torch.from_numpy(batch["responses"]), "logprobs": torch.from_numpy(batch["logprobs"])}
 
     def publish_weights(self, engine, version: int, part: str | None = None):
-        common.publish_weights(engine, os.path.join(self.snapshots, f"version-{version}"), part)
+        with common.full_parameters(engine, part) as model:
+            self.published[version] = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
     def sample_ahead(self, update: int) -> list:
         return []  # K=0: nothing is sampled ahead
 
     def stop(self):
-        shutil.rmtree(self.snapshots, ignore_errors=True)
+        """Nothing runs beside the trainer."""
 
 
 if __name__ == "__main__":

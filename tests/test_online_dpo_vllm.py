@@ -18,9 +18,9 @@ import toy
 SCRIPT = "online_dpo_vllm.py"
 
 
-def test_engine_greedy_equals_hf_greedy_after_weight_sync(tmp_path):
+def test_engine_greedy_equals_hf_greedy_after_weight_sync():
     toy.build()
-    result = run_script(tmp_path, toy.SFT_POLICY, toy.DATASET, "query", "validation",
+    result = run_script(toy.SFT_POLICY, toy.DATASET, "query", "validation",
                         script="tests/weight_sync_check.py", env=ENGINE_ENVIRONMENT, timeout=600)
     assert "greedy completions equal after weight sync" in result.stdout
 

@@ -2,10 +2,9 @@
 batching: run by test_engine_greedy_equals_hf_greedy_after_weight_sync in the engine's environment,
 for a policy and prompts of a dataset split (with its prompt column).
 
-    PYTHONPATH=. python tests/weight_sync_check.py SNAPSHOT_DIR POLICY DATASET PROMPT_COLUMN SPLIT
+    PYTHONPATH=. python tests/weight_sync_check.py POLICY DATASET PROMPT_COLUMN SPLIT
 """
 
-import os
 import sys
 from types import SimpleNamespace
 
@@ -22,8 +21,9 @@ ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=
 ENGINE_ENVIRONMENT = common.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1)[0]
 
 
-def check_greedy_after_weight_sync(snapshot_dir, policy_path, dataset, prompt_column, split):
-    """Train the policy a few steps, push the weights, compare vLLM greedy with HF greedy."""
+def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
+    """Train the policy a few steps, load its weights into the engine from memory, compare vLLM greedy
+    with HF greedy."""
     from transformers import AutoModelForCausalLM
 
     args = SimpleNamespace(**{**ENGINE_ARGS, "model_name_or_path": policy_path})
@@ -64,8 +64,7 @@ def check_greedy_after_weight_sync(snapshot_dir, policy_path, dataset, prompt_co
         engine.step()
     after = hf_greedy()
     assert after != before, "the training steps did not change the policy's greedy completions"
-    common.publish_weights(engine, os.path.join(snapshot_dir, "version-1"))
-    common.load_vllm_weights(llm, os.path.join(snapshot_dir, "version-1"))
+    common.load_engine_weights(llm, engine.module)
     assert vllm_greedy() == after
     # seeded sampling: a row's completion depends on its prompt and seed alone, however vLLM batches
     # it, also in a batch of more prompt tokens than one engine step takes (4096 on a CPU)

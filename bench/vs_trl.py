@@ -1,0 +1,240 @@
+"""Seconds per optimizer step of the kit's online_dpo.py against TRL's OnlineDPOTrainer, on the same work.
+
+Both train the toy task's SFT policy (also the frozen reference) against its reward model, on CPU in
+fp32, one optimizer step per batch of 8 prompts x 2 completions x at most 32 new tokens, with the same
+temperature, beta and learning rate, no evaluation and no checkpoints. Three arms, interleaved
+(kit, TRL tuned, TRL default, kit, ...) so that load on the machine hits them alike:
+
+- kit: `online_dpo.py` (its seconds per update from the `time` field of its metrics.jsonl);
+- TRL tuned: OnlineDPOTrainer with gradient checkpointing off;
+- TRL default: OnlineDPOTrainer as its config comes, gradient checkpointing on (OnlineDPOConfig's default,
+  inherited from TRL's base config), which also makes it generate without a KV cache (use_cache=False).
+
+Each run is its own process; the first --warmup steps of each are not timed. The table gives, per arm, the
+median over runs of each run's median seconds per step, the ratios TRL / kit (> 1: the kit is faster), the
+mean per-step breakdown (generate; score = reference forward and reward model, plus, in the kit, a no-grad
+policy forward for the logged KL; train = the rest of the step: policy forward, backward, optimizer step),
+and the work done per step: completions and how many stopped (same policy, so the same length
+distribution), and TRL's generated tokens and decoding steps. The learning rate is small so that neither
+policy drifts in the run: the completions, and so the work, stay those of the SFT policy on both sides.
+
+TRL is a benchmark-only dependency (requirements-bench.txt); the kit never imports it. Both sides run
+with this interpreter:
+
+    pip install -r requirements-bench.txt     # TRL and accelerate; keeps the pinned torch and transformers
+    python bench/vs_trl.py                    # 3 repeats x 30 steps per arm, about 6 minutes on 2 quiet cores
+    python bench/vs_trl.py --quick            # a smoke test: 1 repeat x 4 steps (not a result)
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARMS = ("kit", "TRL tuned", "TRL default")
+# local models and data only; TRL's experimental-API notice is noise in every run
+ENVIRONMENT = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+
+
+@dataclass
+class Args:
+    repeats: int = 3
+    """runs of each arm, interleaved"""
+    steps: int = 30
+    """optimizer steps per run"""
+    warmup: int = 3
+    """first steps of each run left out of the timings (at least 1: a step is timed from the end of the one before)"""
+    prompts_per_step: int = 8
+    """prompts per optimizer step, 2 completions each (TRL's per_device_train_batch_size counts prompts)"""
+    response_length: int = 32
+    """most new tokens per completion (both stop generating when every completion has stopped)"""
+    temperature: float = 0.7
+    """sampling temperature"""
+    beta: float = 0.1
+    """DPO's beta"""
+    learning_rate: float = 1e-6
+    """small, so that the policy, and with it the length of its completions, stays the SFT policy's"""
+    threads: int | None = None
+    """torch threads of every run (OMP_NUM_THREADS); default torch's own, one per core. On a busy machine 1
+    avoids OpenMP threads spin-waiting for a descheduled sibling, which can make a step 10x slower"""
+    quick: bool = False
+    """smoke test: 1 repeat x 4 steps, 1 warm-up step; results go to --output or runs/, never to bench/results"""
+    output: str | None = None
+    """results JSON (default bench/results/vs_trl.json, or runs/bench-vs-trl-quick.json with --quick)"""
+
+
+def step_summary(steps: list[dict], warmup: int) -> dict:
+    """A run's median seconds per step and mean per-step breakdown over the steps after `warmup`.
+    steps: one dict per step, "time" the wall-clock time at its end, plus the breakdown."""
+    timed = steps[warmup:]
+    seconds = [b["time"] - a["time"] for a, b in zip(steps[warmup - 1:], timed)]
+    parts = {name: statistics.mean(step[name] for step in timed) for name in timed[0] if name != "time"}
+    return {"seconds_per_step": statistics.median(seconds), "seconds": seconds, **parts}
+
+
+def run_kit(args: Args, folder: str) -> list[dict]:
+    output_dir = os.path.join(folder, "kit")
+    command = [sys.executable, os.path.join(ROOT, "online_dpo.py"),
+               "--total_episodes", str(args.steps * args.prompts_per_step),
+               "--per_device_train_batch_size", str(args.prompts_per_step), "--gradient_accumulation_steps", "1",
+               "--num_samples", "2", "--response_length", str(args.response_length),
+               "--temperature", str(args.temperature), "--beta", str(args.beta),
+               "--learning_rate", str(args.learning_rate), "--eval_every", "0", "--output_dir", output_dir]
+    subprocess_or_exit(command, args)
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    return [{"time": m["time"], "generate": m["time/generate"], "score": m["time/score"], "train": m["time/train"],
+             "completions": 2 * args.prompts_per_step, "stopped": m["val/num_eos_tokens"]} for m in metrics]
+
+
+def run_trl(args: Args, folder: str, gradient_checkpointing: bool) -> list[dict]:
+    result_path = os.path.join(folder, f"trl-gc{int(gradient_checkpointing)}.json")
+    config = {**asdict(args), "gradient_checkpointing": gradient_checkpointing, "output_dir": folder}
+    subprocess_or_exit([sys.executable, os.path.abspath(__file__), "--trl-worker", json.dumps(config), result_path],
+                       args)
+    with open(result_path) as f:
+        return json.load(f)
+
+
+def subprocess_or_exit(command: list[str], args: Args):
+    environment = ENVIRONMENT | ({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=environment)
+    if result.returncode:
+        sys.exit(f"this run failed (exit {result.returncode}): {' '.join(command[1:3])}\n{result.stderr[-3000:]}")
+
+
+def trl_worker(config: dict, result_path: str):
+    """One TRL run (this file with --trl-worker): writes, per optimizer step, the wall-clock time at its end
+    and what the step did (seconds in generation and scoring, completions, tokens)."""
+    import torch
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    sys.path.insert(0, ROOT)
+    import toy
+
+    # TRL scores prompt + decoded completion as one string, and the word-level toy tokenizer decodes a
+    # completion without a leading space: the trailing space keeps "TL;DR:" apart from the first word
+    # (the prompt tokenizes the same with it)
+    prompts = load_from_disk(toy.DATASET)["train"].select_columns(["query"])
+    prompts = prompts.map(lambda row: {"prompt": row["query"] + " "}, remove_columns=["query"])
+    policy = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY, dtype=torch.float32)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(toy.REWARD_MODEL, num_labels=1,
+                                                                      dtype=torch.float32)
+    training_config = OnlineDPOConfig(
+        output_dir=config["output_dir"], max_steps=config["steps"], seed=1,
+        per_device_train_batch_size=config["prompts_per_step"], gradient_accumulation_steps=1,
+        max_new_tokens=config["response_length"], temperature=config["temperature"], beta=config["beta"],
+        learning_rate=config["learning_rate"], gradient_checkpointing=config["gradient_checkpointing"],
+        use_vllm=False, use_cpu=True, bf16=False,  # bf16 defaults to True in TRL: autocast, even on CPU
+        report_to="none", logging_strategy="no", eval_strategy="no", save_strategy="no", disable_tqdm=True)
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.steps, self.parts, self.begin = [], defaultdict(float), 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            end = time.time()
+            train = end - self.begin - self.parts["generate"] - self.parts["score"]
+            self.steps.append({"time": end, **self.parts, "train": train})
+            self.parts = defaultdict(float)
+
+    clock = StepClock()
+    trainer = OnlineDPOTrainer(model=policy, ref_model=reference, reward_funcs=reward_model, args=training_config,
+                               train_dataset=prompts, processing_class=AutoTokenizer.from_pretrained(toy.SFT_POLICY),
+                               reward_processing_classes=AutoTokenizer.from_pretrained(toy.REWARD_MODEL),
+                               callbacks=[clock])
+    generate, forward, rewards = trainer._generate, trainer._forward, trainer._calculate_rewards_from_functions
+    eos_ids = torch.tensor(trainer.eos_token_ids)
+
+    def timed_generate(*call, **keywords):
+        start = time.time()
+        output = generate(*call, **keywords)
+        clock.parts["generate"] += time.time() - start
+        completion_ids, completion_mask = output[2], output[3]
+        clock.parts["completions"] += len(completion_ids)
+        clock.parts["stopped"] += torch.isin(completion_ids, eos_ids).any(dim=1).sum().item()
+        clock.parts["tokens"] += completion_mask.sum().item()
+        clock.parts["decoding_steps"] += completion_ids.shape[1]
+        return output
+
+    def timed_forward(*call, **keywords):
+        start = time.time()
+        output = forward(*call, **keywords)
+        if not torch.is_grad_enabled():  # the reference's forward; the policy's is part of training
+            clock.parts["score"] += time.time() - start
+        return output
+
+    def timed_rewards(prompts, *call, **keywords):
+        start = time.time()
+        output = rewards(prompts, *call, **keywords)
+        clock.parts["score"] += time.time() - start
+        clock.parts["scored"] += len(prompts)
+        return output
+
+    trainer._generate, trainer._forward = timed_generate, timed_forward
+    trainer._calculate_rewards_from_functions = timed_rewards
+    trainer.train()
+    with open(result_path, "w") as f:
+        json.dump(clock.steps, f)
+
+
+def main(args: Args):
+    if args.quick:
+        args.repeats, args.steps, args.warmup = 1, 4, 1
+    if not 1 <= args.warmup < args.steps:
+        sys.exit(f"error: --warmup {args.warmup} must be at least 1 and below --steps {args.steps}")
+    output = args.output or os.path.join(ROOT, "runs" if args.quick else "bench/results",
+                                         "bench-vs-trl-quick.json" if args.quick else "vs_trl.json")
+    runs = {arm: [] for arm in ARMS}
+    for repeat in range(1, args.repeats + 1):
+        for arm in ARMS:
+            print(f"repeat {repeat}/{args.repeats}: {arm}, {args.steps} steps", flush=True)
+            with tempfile.TemporaryDirectory() as folder:
+                steps = (run_kit(args, folder) if arm == "kit" else
+                         run_trl(args, folder, gradient_checkpointing=arm == "TRL default"))
+            runs[arm].append(step_summary(steps, args.warmup))
+
+    # per arm: the median over runs of each number of the runs
+    table = {arm: {name: statistics.median(run[name] for run in arm_runs) for name in arm_runs[0]
+                   if name != "seconds"} for arm, arm_runs in runs.items()}
+    kit = table["kit"]["seconds_per_step"]
+    ratios = {f"{arm} / kit": table[arm]["seconds_per_step"] / kit for arm in ARMS[1:]}
+    print(f"\n{args.prompts_per_step} prompts x 2 completions x at most {args.response_length} tokens per step, "
+          f"{args.repeats} runs x {args.steps} steps per arm ({args.warmup} warm-up), CPU fp32; medians over runs")
+    print(f"{'arm':12} {'s/step':>7} {'generate':>9} {'score':>7} {'train':>7} {'completions':>12} {'stopped':>8}"
+          f" {'scored':>7} {'tokens':>7} {'decode steps':>13}")
+    for arm, row in table.items():
+        extra = (f" {row['scored']:7.1f} {row['tokens']:7.1f} {row['decoding_steps']:13.1f}" if "tokens" in row
+                 else f" {'-':>7} {'-':>7} {'-':>13}")
+        print(f"{arm:12} {row['seconds_per_step']:7.3f} {row['generate']:9.3f} {row['score']:7.3f} {row['train']:7.3f}"
+              f" {row['completions']:12.1f} {row['stopped']:8.1f}{extra}")
+    print("score: reference forward + reward model (kit: + a no-grad policy forward for the logged KL); "
+          "train: the rest of the step")
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}x seconds per step (> 1: the kit is faster)")
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    with open(output, "w") as f:
+        json.dump({"args": asdict(args), "table": table, "ratios": ratios, "runs": runs}, f, indent=1)
+    print(f"results in {output}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--trl-worker"]:  # a TRL run, started by run_trl
+        trl_worker(json.loads(sys.argv[2]), sys.argv[3])
+    else:
+        main(tyro.cli(Args))
