@@ -1383,10 +1383,11 @@ class AsyncGenerator:
     def _send(self, flat: torch.Tensor, version: int):
         try:
             broadcast_bucket(self.channel, flat, self.args.generator_timeout)
-        except RuntimeError as error:  # the process's own error, when it sent one, says more
-            self._receive(2.0, f"sending the weights of update {version} to the vLLM engine failed within "
-                               f"--generator_timeout {self.args.generator_timeout:g} s ({error})")
-            fail(f"sending the weights of update {version} to the vLLM engine failed ({error})")
+        except RuntimeError:  # the process's own error, when it sent one, says more than the channel's
+            message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
+                       f"--generator_timeout {self.args.generator_timeout:g} s")
+            self._receive(2.0, message)
+            fail(message)
 
     def sample_ahead(self, update: int) -> list[dict]:
         """The batches for the updates after `update` that the process samples with weights older than

@@ -311,7 +311,9 @@ def main(args: Args):
             scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
         rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
-        with torch.no_grad():  # log-probs under the sampling weights, and the values of the sampled tokens
+        # log-probs under the sampling weights and the values of the sampled tokens; not the training
+        # forward's: the advantages need them (KL penalty, GAE) for every row before the first one trains
+        with torch.no_grad():
             logprobs, values, _ = common.in_chunks(
                 lambda *chunk: forward_responses(agent, *chunk, args.temperature, args.top_p),
                 args.local_rollout_forward_batch_size, *rows)  # (B, R) each

@@ -233,7 +233,8 @@ def main(args: Args):
         if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
             scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
-        # (N, R) under the sampling weights: the old policy
+        # (N, R) under the sampling weights: the old policy. Not the training forward's: the advantages
+        # need them (the KL penalty) for every row before the first one trains
         logprobs = common.rollout_logprobs(policy, rollout, args, args.top_p)
 
         # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.

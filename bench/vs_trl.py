@@ -13,17 +13,19 @@ temperature, beta and learning rate, no evaluation and no checkpoints. Three arm
 Each run is its own process; the first --warmup steps of each are not timed. The table gives, per arm, the
 median over runs of each run's median seconds per step, the ratios TRL / kit (> 1: the kit is faster), the
 mean per-step breakdown (generate; score = reference forward and reward model, plus, in the kit, a no-grad
-policy forward for the logged KL; train = the rest of the step: policy forward, backward, optimizer step),
-and the work done per step: completions and how many stopped (same policy, so the same length
-distribution), and TRL's generated tokens and decoding steps. The learning rate is small so that neither
+policy forward of the samples its optimizer step leaves out, those of prompts whose two samples tie, for the
+logged KL; train = the rest of the step: policy forward, backward, optimizer step), and the work done per
+step: completions and how many stopped (same policy, so the same length distribution), and TRL's generated
+tokens and decoding steps. The learning rate is small so that neither
 policy drifts in the run: the completions, and so the work, stay those of the SFT policy on both sides.
 
 TRL is a benchmark-only dependency (requirements-bench.txt); the kit never imports it. Both sides run
 with this interpreter:
 
     pip install -r requirements-bench.txt     # TRL and accelerate; keeps the pinned torch and transformers
-    python bench/vs_trl.py                    # 3 repeats x 30 steps per arm, about 6 minutes on 2 quiet cores
-    python bench/vs_trl.py --quick            # a smoke test: 1 repeat x 4 steps (not a result)
+    python bench/vs_trl.py                    # 5 repeats x 30 steps per arm, about 7 minutes on 2 cores
+    python bench/vs_trl.py --quick            # a smoke test, under 2 minutes: 1 repeat x 4 steps (not a result)
+    python bench/vs_trl.py --threads 1        # on a busy machine (see --threads)
 """
 
 import json
@@ -46,7 +48,7 @@ ENVIRONMENT = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": 
 
 @dataclass
 class Args:
-    repeats: int = 3
+    repeats: int = 5
     """runs of each arm, interleaved"""
     steps: int = 30
     """optimizer steps per run"""
@@ -63,8 +65,8 @@ class Args:
     learning_rate: float = 1e-6
     """small, so that the policy, and with it the length of its completions, stays the SFT policy's"""
     threads: int | None = None
-    """torch threads of every run (OMP_NUM_THREADS); default torch's own, one per core. On a busy machine 1
-    avoids OpenMP threads spin-waiting for a descheduled sibling, which can make a step 10x slower"""
+    """torch threads of every run (OMP_NUM_THREADS); default torch's own, one per core. Use 1 on a busy
+    machine, where OpenMP threads spin-waiting for a descheduled sibling can make a step 10x slower"""
     quick: bool = False
     """smoke test: 1 repeat x 4 steps, 1 warm-up step; results go to --output or runs/, never to bench/results"""
     output: str | None = None
@@ -91,8 +93,9 @@ def run_kit(args: Args, folder: str) -> list[dict]:
     subprocess_or_exit(command, args)
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
+    samples = 2 * args.prompts_per_step  # by construction: sampled, and each scored once, every update
     return [{"time": m["time"], "generate": m["time/generate"], "score": m["time/score"], "train": m["time/train"],
-             "completions": 2 * args.prompts_per_step, "stopped": m["val/num_eos_tokens"]} for m in metrics]
+             "completions": samples, "stopped": m["val/num_eos_tokens"], "scored": samples} for m in metrics]
 
 
 def run_trl(args: Args, folder: str, gradient_checkpointing: bool) -> list[dict]:
@@ -126,8 +129,8 @@ def trl_worker(config: dict, result_path: str):
     # TRL scores prompt + decoded completion as one string, and the word-level toy tokenizer decodes a
     # completion without a leading space: the trailing space keeps "TL;DR:" apart from the first word
     # (the prompt tokenizes the same with it)
-    prompts = load_from_disk(toy.DATASET)["train"].select_columns(["query"])
-    prompts = prompts.map(lambda row: {"prompt": row["query"] + " "}, remove_columns=["query"])
+    dataset = load_from_disk(toy.DATASET)["train"].select_columns(["query"])
+    dataset = dataset.map(lambda row: {"prompt": row["query"] + " "}, remove_columns=["query"])
     policy = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY, dtype=torch.float32)
     reward_model = AutoModelForSequenceClassification.from_pretrained(toy.REWARD_MODEL, num_labels=1,
@@ -155,7 +158,7 @@ def trl_worker(config: dict, result_path: str):
 
     clock = StepClock()
     trainer = OnlineDPOTrainer(model=policy, ref_model=reference, reward_funcs=reward_model, args=training_config,
-                               train_dataset=prompts, processing_class=AutoTokenizer.from_pretrained(toy.SFT_POLICY),
+                               train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(toy.SFT_POLICY),
                                reward_processing_classes=AutoTokenizer.from_pretrained(toy.REWARD_MODEL),
                                callbacks=[clock])
     generate, forward, rewards = trainer._generate, trainer._forward, trainer._calculate_rewards_from_functions
@@ -215,16 +218,16 @@ def main(args: Args):
     kit = table["kit"]["seconds_per_step"]
     ratios = {f"{arm} / kit": table[arm]["seconds_per_step"] / kit for arm in ARMS[1:]}
     print(f"\n{args.prompts_per_step} prompts x 2 completions x at most {args.response_length} tokens per step, "
-          f"{args.repeats} runs x {args.steps} steps per arm ({args.warmup} warm-up), CPU fp32; medians over runs")
+          f"{args.repeats} runs x {args.steps} steps per arm ({args.warmup} warm-up), CPU fp32, "
+          f"{args.threads or 'default'} torch threads; medians over runs")
     print(f"{'arm':12} {'s/step':>7} {'generate':>9} {'score':>7} {'train':>7} {'completions':>12} {'stopped':>8}"
           f" {'scored':>7} {'tokens':>7} {'decode steps':>13}")
     for arm, row in table.items():
-        extra = (f" {row['scored']:7.1f} {row['tokens']:7.1f} {row['decoding_steps']:13.1f}" if "tokens" in row
-                 else f" {'-':>7} {'-':>7} {'-':>13}")
+        tokens = f" {row['tokens']:7.1f} {row['decoding_steps']:13.1f}" if "tokens" in row else f" {'-':>7} {'-':>13}"
         print(f"{arm:12} {row['seconds_per_step']:7.3f} {row['generate']:9.3f} {row['score']:7.3f} {row['train']:7.3f}"
-              f" {row['completions']:12.1f} {row['stopped']:8.1f}{extra}")
-    print("score: reference forward + reward model (kit: + a no-grad policy forward for the logged KL); "
-          "train: the rest of the step")
+              f" {row['completions']:12.1f} {row['stopped']:8.1f} {row['scored']:7.1f}{tokens}")
+    print("score: reference forward + reward model (kit: + a no-grad policy forward of tied prompts' samples, "
+          "for the logged KL); train: the rest of the step")
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x seconds per step (> 1: the kit is faster)")
     os.makedirs(os.path.dirname(output), exist_ok=True)

@@ -42,3 +42,16 @@ def hanging_generate_ahead(*args):
     """Hangs at batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)."""
     common.vllm_generate = with_vllm_generate_fault(lambda: time.sleep(3600), at_call=3)
     common.generate_ahead(*args)
+
+
+def stale_engine_generate_ahead(*args):
+    """Receives every weight version but never loads one into the engine: it keeps sampling with the
+    starting weights, as vLLM bugs have done."""
+    common.load_engine_weights = lambda llm, model: None
+    common.generate_ahead(*args)
+
+
+def hanging_receiver_generate_ahead(*args):
+    """Its weight receiver hangs at the first version the trainer sends."""
+    common.broadcast_bucket = lambda channel, flat, timeout: time.sleep(3600)
+    common.generate_ahead(*args)

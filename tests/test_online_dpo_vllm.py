@@ -88,3 +88,27 @@ def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [c.name() for c in alive]
     assert len(read_metrics(out)) < 100  # stopped, not finished
+
+
+def test_an_engine_that_keeps_its_old_weights_stops_the_run(tmp_path):
+    result = run_script("online_dpo_vllm", "stale_engine_generate_ahead", *QUICK, "--total_episodes", "96",
+                        "--output_dir", tmp_path / "run", script=FAULTY, check=False, timeout=600)
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: generation failed: RuntimeError: after loading the weights of update 1, "
+                                "the engine's log-probs differ from the trainer's by "), last_line
+    assert last_line.endswith("more than --max_logprob_diff 0.001: the engine did not take the new weights")
+    assert not (tmp_path / "run" / "policy").exists()
+
+
+def test_a_weight_send_that_hangs_stops_the_run_within_the_timeout(tmp_path):
+    start = time.time()
+    result = run_script("online_dpo_vllm", "hanging_receiver_generate_ahead", *QUICK, "--total_episodes", "96",
+                        "--generator_timeout", "10", "--output_dir", tmp_path / "run", script=FAULTY, check=False,
+                        timeout=600)
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line in ("error: no batch from the generator within --generator_timeout 10 s",
+                         "error: sending the weights of update 1 to the vLLM engine failed or took longer than "
+                         "--generator_timeout 10 s"), last_line
+    assert time.time() - start < 300
