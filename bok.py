@@ -160,7 +160,8 @@ def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
-# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (the batch's longest
+# response, at most --response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     if args.num_samples < 2:

@@ -853,7 +853,7 @@ def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, t
 @dataclass
 class Rollout:
     """A batch of sampled completions after truncation: N rows (prompts x samples per prompt, each
-    prompt's samples adjacent), P prompt tokens, R response tokens."""
+    prompt's samples adjacent), P prompt tokens, R response tokens (the batch's longest response)."""
 
     query_ids: torch.Tensor  # (N, P), left-padded
     query_mask: torch.Tensor  # (N, P)
@@ -868,9 +868,10 @@ class Rollout:
 
 
 def truncate_rollout(query_ids, query_mask, responses, task: Task) -> Rollout:
-    """Pad every response token after the first stop token (any of the task's EOS ids)."""
+    """Pad every response token after the first stop token (any of the task's EOS ids), and drop the
+    columns that are padding in every row: no forward pass runs over them."""
     responses, lengths, contains_eos = truncate_after_eos(responses, task.eos_ids, task.tokenizer.pad_token_id)
-    return Rollout(query_ids, query_mask, responses, lengths, contains_eos)
+    return Rollout(query_ids, query_mask, responses[:, :max(1, lengths.max().item())], lengths, contains_eos)
 
 
 @torch.no_grad()

@@ -196,7 +196,8 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 
 
 # Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
-# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (the batch's longest
+# response, at most --response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)

@@ -234,7 +234,8 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 
 
 # Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
-# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (the batch's longest
+# response, at most --response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)
@@ -296,7 +297,8 @@ def main(args: Args):
         if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
             scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
-        logprobs = batch["logprobs"].to(policy.device)  # (N, R) the engine's, under the weights that sampled them
+        # (N, R) the engine's, under the weights that sampled them
+        logprobs = batch["logprobs"][:, :rollout.responses.shape[1]].to(policy.device)
         ref_seq_logps = common.masked_sum(ref_logprobs, rollout.mask)  # (N,)
 
         # Pairs: best (chosen) vs worst (rejected) of each prompt's k samples.

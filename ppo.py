@@ -253,7 +253,7 @@ def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
 
 
 # Shapes: B prompts per update on this rank (local_batch_size), one sample each, P prompt tokens
-# (left-padded), R response tokens (--response_length).
+# (left-padded), R response tokens (the batch's longest, at most --response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = common.batch_sizes(args, world_size)

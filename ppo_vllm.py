@@ -296,7 +296,7 @@ def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
 
 
 # Shapes: B prompts per update on this rank (local_batch_size), one sample each, P prompt tokens
-# (left-padded), R response tokens (--response_length).
+# (left-padded), R response tokens (the batch's longest, at most --response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     common.check_async_args(args)
@@ -369,7 +369,7 @@ def main(args: Args):
                 args.local_rollout_forward_batch_size, *rows)  # (B, R)
         # (B, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
         # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
-        logprobs = batch["logprobs"].to(agent.device)
+        logprobs = batch["logprobs"][:, :rollout.responses.shape[1]].to(agent.device)
 
         # Advantages: per-token KL penalty plus the score at the last real token, then GAE.
         mask = rollout.mask.float()  # (B, R)

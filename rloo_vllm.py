@@ -224,7 +224,8 @@ def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: fl
 
 
 # Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
-# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (--response_length).
+# rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (the batch's longest
+# response, at most --response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)
@@ -288,7 +289,7 @@ def main(args: Args):
         common.check_rewards(scores, update)
         # (N, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
         # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
-        logprobs = batch["logprobs"].to(policy.device)
+        logprobs = batch["logprobs"][:, :rollout.responses.shape[1]].to(policy.device)
 
         # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.
         seq_logps = common.masked_sum(logprobs, rollout.mask)  # (N,)

@@ -37,6 +37,14 @@ def test_truncation_honours_every_eos_id():
     assert lengths.tolist() == [2, 3]
 
 
+def test_a_rollout_drops_the_columns_that_are_padding_in_every_row():
+    task = SimpleNamespace(eos_ids=[EOS], tokenizer=SimpleNamespace(pad_token_id=PAD))
+    responses = torch.tensor([[5, EOS, 6, 6, 6], [5, 6, EOS, 5, 5], [EOS, PAD, PAD, PAD, PAD]])
+    rollout = common.truncate_rollout(torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2), responses, task)
+    assert rollout.responses.tolist() == [[5, EOS, PAD], [5, 6, EOS], [EOS, PAD, PAD]]
+    assert rollout.mask.tolist() == [[True, True, False], [True] * 3, [True, False, False]]
+
+
 def test_truncation_with_eos_equal_to_pad():
     # generate pads finished rows with the pad id, which here is also the stop token
     responses = torch.tensor([[5, 6, 0, 0], [5, 6, 5, 6]])

@@ -74,6 +74,19 @@ def test_logs_every_metric_to_jsonl_and_wandb_offline(runs):
     assert_trained_policy_saved(runs[0])
 
 
+@pytest.mark.parametrize("script", ["online_dpo.py", "bok.py"])
+def test_logged_log_probs_mix_the_first_steps_forward_and_a_no_grad_one(tmp_path, script):
+    # 4 samples a prompt and 2 mini-batches: the logged KL and entropy take some rows' log-probs from the
+    # first optimizer step's forward and the rest from a no-grad forward; under the starting weights
+    # both are the reference's, so the KL of update 1 is 0 unless a row was missed or came after the step
+    run_script(*QUICK, "--total_episodes", "16", "--num_samples", "4", "--num_mini_batches", "2",
+               "--gradient_accumulation_steps", "1", "--eval_every", "0", "--output_dir", tmp_path / "run",
+               script=script)
+    [update] = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert update["objective/kl"] == pytest.approx(0, abs=1e-5)
+    assert 0.1 < update["objective/entropy"] < 10
+
+
 def test_short_run_beats_the_sft_policy(tmp_path):
     # DPO at lr 1e-4 needs about 10 updates to learn to stop (the 5 of the shared run give +9 points)
     run_script("--total_episodes", "640", "--eval_every", "1000", "--output_dir", tmp_path / "run")
