@@ -15,8 +15,8 @@ import toy
 
 ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=1, vllm_gpu_memory_utilization=0.9,
                    model_name_or_path=toy.SFT_POLICY, bf16=False, seed=0, max_prompt_length=64, response_length=12,
-                   temperature=0.7, per_device_train_batch_size=8, gradient_accumulation_steps=1, zero_stage=2,
-                   max_grad_norm=1.0)
+                   temperature=0.7, top_p=1.0, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                   zero_stage=2, max_grad_norm=1.0)
 # the generator process's environment on a CPU: the engine in-process, on the last core
 ENGINE_ENVIRONMENT = common.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1)[0]
 
