@@ -11,6 +11,7 @@ Hugging Face formats; the training scripts load it with `from_pretrained` / `loa
 Usage: `python toy.py` builds (if needed) and prints the summary.
 """
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -248,15 +249,29 @@ def measure(folder: str, seed: int) -> dict:
     }
 
 
-def build(seed: int = 0) -> None:
-    """Build the toy world into TOY_DIR unless it is already there (atomic; safe to race)."""
-    if os.path.exists(os.path.join(TOY_DIR, "summary.json")):
+def built_once(folder: str, make, seed: int):
+    """`make(seed)` builds into `folder` unless it is already there; processes that race wait for the
+    one that builds (a lock file beside the folder), and the build itself is atomic."""
+    if os.path.exists(os.path.join(folder, "summary.json")):
         return
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(folder, "summary.json")):  # nobody built it while this one waited
+            make(seed)
+
+
+def build(seed: int = 0) -> None:
+    """Build the toy world into TOY_DIR unless it is already there."""
+    built_once(TOY_DIR, make_toy, seed)
+
+
+def make_toy(seed: int) -> None:
+    """The toy world: dataset, tokenizer, SFT policy, reward model (see the module docstring)."""
     start = time.time()
     torch.set_num_threads(2)  # always 2: the weights depend on the thread count (OMP_NUM_THREADS=1 in the tests)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    os.makedirs(os.path.dirname(TOY_DIR), exist_ok=True)
     folder = tempfile.mkdtemp(prefix=os.path.basename(TOY_DIR) + ".building-", dir=os.path.dirname(TOY_DIR))
     try:
         print(f"toy: building into {TOY_DIR} (seed {seed})")
@@ -409,14 +424,16 @@ def measure_math(folder: str) -> dict:
 
 
 def build_math(seed: int = 0) -> None:
-    """Build the arithmetic task into MATH_DIR unless it is already there (atomic; safe to race)."""
-    if os.path.exists(os.path.join(MATH_DIR, "summary.json")):
-        return
+    """Build the arithmetic task into MATH_DIR unless it is already there."""
+    built_once(MATH_DIR, make_math, seed)
+
+
+def make_math(seed: int) -> None:
+    """The arithmetic task: problems with gold answers, its tokenizer, the SFT policy."""
     start = time.time()
     torch.set_num_threads(2)  # always 2: the weights depend on the thread count (OMP_NUM_THREADS=1 in the tests)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    os.makedirs(os.path.dirname(MATH_DIR), exist_ok=True)
     folder = tempfile.mkdtemp(prefix=os.path.basename(MATH_DIR) + ".building-", dir=os.path.dirname(MATH_DIR))
     try:
         print(f"toy: building the arithmetic task into {MATH_DIR} (seed {seed})")

@@ -10,10 +10,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The slowest files first: with --dist loadfile a free worker takes the next file, so longest-first
-# makes both workers finish at about the same time.
-SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_two_ranks.py", "test_own_inputs_vllm.py", "test_rloo_bok.py",
-                 "test_ppo.py", "test_reliability.py", "test_online_dpo.py", "test_own_inputs.py", "test_bench.py",
-                 "test_math.py"]
+# makes both workers finish at about the same time. test_math.py second: one worker builds the arithmetic
+# task while the other builds the TL;DR toy.
+SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_math.py", "test_two_ranks.py", "test_own_inputs_vllm.py",
+                 "test_rloo_bok.py", "test_ppo.py", "test_reliability.py", "test_online_dpo.py", "test_own_inputs.py",
+                 "test_bench.py"]
 
 
 def pytest_collection_modifyitems(items):
