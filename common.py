@@ -1143,9 +1143,12 @@ class WeightReceiver:
         with self.condition:
             flats = self.received.pop(version)
         for bucket, flat in zip(self.buckets, flats):
-            sizes = [self.parameters[i].numel() for i in bucket]
-            for index, values in zip(bucket, flat.split(sizes)):
-                self.parameters[index].copy_(values.view_as(self.parameters[index]))
+            for index, values in zip(bucket, flat.split([self.parameters[i].numel() for i in bucket])):
+                parameter, values = self.parameters[index], values.view_as(self.parameters[index])
+                if values.device == parameter.device:
+                    parameter.data = values  # the received buffer becomes the weight: no copy
+                else:  # gloo carries CPU tensors to an engine on the trainer's GPU
+                    parameter.copy_(values)
         load_engine_weights(llm, self.sampling_policy)
 
 

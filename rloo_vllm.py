@@ -344,7 +344,9 @@ def main(args: Args):
             "async/logprob_diff": batch["async/logprob_diff"],
             "time/generate": batch["time/generate"],
             "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
-            "time/weight_sync": t4 - t3 + batch["time/weight_load"],  # send here + load into the engine
+            "time/weight_send": t4 - t3,  # the trainer waits for it
+            "time/weight_load": batch["time/weight_load"],  # the generator, before the batch
+            "time/weight_sync": t4 - t3 + batch["time/weight_load"],
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)

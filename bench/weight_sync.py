@@ -4,8 +4,9 @@ Builds Llama policies of four sizes locally (the toy's tokenizer, random weights
 toy; the largest has the 135M parameters of SmolLM2-135M's layers, 38 of them, with the toy's small
 vocabulary in place of a 49k-token embedding), runs online_dpo_vllm.py (K=1, the toy's batch: 64
 prompts x 2 samples x 12 tokens) for a few updates with each, and prints, per size, the seconds per
-update and `time/weight_sync` (the trainer sending the weights plus the engine loading them), median
-over the updates after warm-up, and their ratio.
+update and `time/weight_sync` (the trainer sending the weights, `time/weight_send`, plus the generator
+loading them into the engine, `time/weight_load`), medians over the updates after warm-up, and the
+share of the update.
 
     python bench/weight_sync.py                                # this checkout, about 10 minutes on 2 CPU cores
     python bench/weight_sync.py --before /path/to/other/kit    # and another checkout of the kit, interleaved
@@ -75,7 +76,8 @@ def parameter_count(path: str) -> int:
 
 
 def run(kit: str, policy: str, updates: int, folder: str) -> dict:
-    """One run of `kit`'s online_dpo_vllm.py: medians of seconds per update and of time/weight_sync."""
+    """One run of `kit`'s online_dpo_vllm.py: medians of seconds per update and of the weight sync's times
+    (send and load apart where the checkout logs them)."""
     output_dir = tempfile.mkdtemp(dir=folder)
     command = [sys.executable, os.path.join(kit, "online_dpo_vllm.py"), "--model_name_or_path", policy,
                "--total_episodes", str(64 * updates), "--eval_every", "0", "--output_dir", output_dir]
@@ -86,8 +88,10 @@ def run(kit: str, policy: str, updates: int, folder: str) -> dict:
         train = [m for m in map(json.loads, f) if "time/weight_sync" in m]
     seconds = [b["time"] - a["time"] for a, b in zip(train, train[1:])][1:]  # updates 3 onwards
     # the last update sends nothing: no batch samples with its weights
-    sync = [m["time/weight_sync"] for m in train[2:-1]]
-    return {"seconds_per_update": statistics.median(seconds), "weight_sync": statistics.median(sync)}
+    synced = train[2:-1]
+    return {"seconds_per_update": statistics.median(seconds),
+            **{part: statistics.median(m[f"time/{part}"] for m in synced)
+               for part in ("weight_sync", "weight_send", "weight_load") if f"time/{part}" in synced[0]}}
 
 
 def main(args: Args):
@@ -102,15 +106,20 @@ def main(args: Args):
                     results[size][kit].append(run(path, policy, args.updates, folder))
                     print(size, kit, results[size][kit][-1], flush=True)
     table = []
-    print(f"\n{'policy':>8} {'params':>8} {'checkout':>9} {'s/update':>9} {'weight sync s':>14} {'share':>7}")
+    print(f"\n{'policy':>8} {'params':>8} {'checkout':>9} {'s/update':>9} {'weight sync s':>14} {'send':>6}"
+          f" {'load':>6} {'share':>7}")
     for size in args.sizes:
         parameters = parameter_count(policy_path(size))
         for kit in kits:
             seconds = statistics.median(r["seconds_per_update"] for r in results[size][kit])
             sync = statistics.median(r["weight_sync"] for r in results[size][kit])
+            parts = {part: statistics.median(r[part] for r in results[size][kit])
+                     for part in ("weight_send", "weight_load") if part in results[size][kit][0]}
             table.append({"policy": size, "parameters": parameters, "checkout": kit, "seconds_per_update": seconds,
-                          "weight_sync": sync, "share": sync / seconds})
-            print(f"{size:>8} {parameters / 1e6:7.1f}M {kit:>9} {seconds:9.3f} {sync:14.3f} {sync / seconds:7.1%}")
+                          "weight_sync": sync, **parts, "share": sync / seconds})
+            send, load = (f"{parts[p]:6.3f}" if p in parts else f"{'-':>6}" for p in ("weight_send", "weight_load"))
+            print(f"{size:>8} {parameters / 1e6:7.1f}M {kit:>9} {seconds:9.3f} {sync:14.3f} {send} {load}"
+                  f" {sync / seconds:7.1%}")
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "results", "weight_sync.json"), "w") as f:
         json.dump({"updates": args.updates, "repeats": args.repeats, "before": args.before, "table": table}, f,
