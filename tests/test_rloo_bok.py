@@ -41,6 +41,18 @@ def test_sequence_level_clipped_loss():
     assert clipfrac.item() == pytest.approx(2 / 3) and ratio.tolist() == pytest.approx([1.5, 0.5, 0.5])
 
 
+def test_decoupled_sequence_level_loss():
+    old = torch.tensor([-3.0, -3.0, -3.0])
+    new = (old + torch.log(torch.tensor([1.5, 0.5, 0.5]))).requires_grad_()  # stale: the sampling weights' were old
+    advantages = torch.tensor([2.0, 1.0, -1.0])
+    loss, clipfrac, ratio = rloo.sequence_policy_loss(new, old, advantages, cliprange=0.2, decoupled_weight_cap=1.2)
+    # weights min(pi_proximal / pi_sampling, 1.2) = 1.2, 0.5, 0.5 times -A (the ratio to the proximal weights is 1)
+    assert loss.item() == pytest.approx((-2.4 - 0.5 + 0.5) / 3)
+    assert clipfrac.item() == 0 and ratio.tolist() == pytest.approx([1.0, 1.0, 1.0])
+    loss.backward()
+    assert new.grad.tolist() == pytest.approx([-2.4 / 3, -0.5 / 3, 0.5 / 3])
+
+
 def test_best_of_k_selection_with_ties():
     scores = torch.tensor([0.1, 0.9, 0.5,   # a clear best: row 1
                            0.7, 0.2, 0.7,   # a tie for best: the first of them, row 3
