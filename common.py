@@ -1162,6 +1162,8 @@ def check_async_args(args):
     for name in ("engine_start_timeout", "generator_timeout"):
         if getattr(args, name) <= 0:
             fail(f"--{name} must be positive (seconds), got {getattr(args, name)}")
+    if args.max_logprob_diff is not None and args.max_logprob_diff <= 0:
+        fail(f"--max_logprob_diff must be positive, got {args.max_logprob_diff}")
     if args.logprob_check_rows < 1:
         fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), got {args.logprob_check_rows}")
 

@@ -5,12 +5,14 @@ import math
 import pytest
 import torch
 from scripts import (
+    QUICK,
     SYNC_INTERRUPTIONS,
     TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     read_metrics,
+    run_script,
     uninterrupted_and_resumed_runs,
 )
 
@@ -100,3 +102,14 @@ def test_short_run_beats_the_sft_policy(runs):
 
 def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):
     assert_same_weights_and_metrics(*runs[1:], ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+def test_the_decoupled_objective_takes_its_ratio_against_the_proximal_weights(tmp_path, script):
+    # 2 mini-batches x 4 epochs: 7 of the 8 optimizer steps train on samples from earlier weights, yet
+    # against the weights of their own step the ratio is 1 and never clipped
+    run_script(*QUICK, "--total_episodes", "16", "--num_mini_batches", "2", "--gradient_accumulation_steps", "1",
+               "--decoupled_weight_cap", "2", "--eval_every", "0", "--output_dir", tmp_path / "run", script=script)
+    [update] = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert update["val/ratio"] == pytest.approx(1.0) and update["val/ratio_var"] == pytest.approx(0, abs=1e-10)
+    assert update["policy/clipfrac_avg"] == 0
