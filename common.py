@@ -217,6 +217,9 @@ def batch_sizes(args, world_size: int) -> tuple[int, int]:
         fail(f"--eval_every must be 0 (no evaluation) or positive, got {args.eval_every}")
     if not 0 < args.top_p <= 1:
         fail(f"--top_p must be in (0, 1] (1: no nucleus truncation), got {args.top_p}")
+    if getattr(args, "decoupled_weight_cap", None) is not None and args.decoupled_weight_cap <= 0:  # RLOO, PPO
+        fail(f"--decoupled_weight_cap must be positive (or left out: the standard objective), "
+             f"got {args.decoupled_weight_cap}")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * world_size
     if args.total_episodes % batch_size:
@@ -1159,6 +1162,8 @@ def check_async_args(args):
     for name in ("engine_start_timeout", "generator_timeout"):
         if getattr(args, name) <= 0:
             fail(f"--{name} must be positive (seconds), got {getattr(args, name)}")
+    if args.max_logprob_diff is not None and args.max_logprob_diff <= 0:
+        fail(f"--max_logprob_diff must be positive, got {args.max_logprob_diff}")
     if args.logprob_check_rows < 1:
         fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), got {args.logprob_check_rows}")
 

@@ -92,6 +92,10 @@ class Args:
     """lambda of GAE"""
     cliprange: float = 0.2
     """clip range of the per-token policy ratio"""
+    decoupled_weight_cap: float | None = None
+    """off (default): the ratio is taken against the weights that sampled the batch. A number: the decoupled
+    objective (AReaL's decoupled PPO): the ratio is taken against the proximal weights, those just before
+    the current optimizer step, and each term is weighted by min(pi_proximal / pi_sampling, this cap)"""
     cliprange_value: float = 0.2
     """clip range of the value prediction around the rollout's value"""
     vf_coef: float = 0.1
@@ -275,12 +279,24 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return advantages, advantages + values
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float):
-    """Clipped surrogate on per-token ratios, averaged over real tokens. Returns (loss, clipfrac, ratio)."""
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float,
+                decoupled_weight_cap: float | None = None):
+    """Clipped surrogate on per-token ratios, averaged over real tokens; old: the sampling weights'
+    log-probs. Returns (loss, clipfrac, ratio).
+
+    Decoupled (a `decoupled_weight_cap`): the ratio is taken against the proximal weights, those just
+    before this optimizer step, which are the weights this forward ran under (new_logprobs detached, so
+    the ratio is 1 in value and only its gradient counts), and each token's term is weighted by
+    min(pi_proximal / pi_sampling, cap): stale tokens still move the policy, by a bounded weight."""
+    weights = 1.0
+    if decoupled_weight_cap is not None:
+        proximal = new_logprobs.detach()
+        weights = torch.clamp(torch.exp(proximal - old_logprobs), max=decoupled_weight_cap)
+        old_logprobs = proximal
     ratio = torch.exp(new_logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    loss = (torch.max(unclipped, clipped) * mask).sum() / mask.sum()
+    loss = (weights * torch.max(unclipped, clipped) * mask).sum() / mask.sum()
     clipfrac = ((clipped > unclipped).float() * mask).sum() / mask.sum()
     return loss, clipfrac, ratio
 
@@ -394,7 +410,7 @@ def main(args: Args):
                         agent, *(tensor[micro_batch] for tensor in rows), args.temperature, args.top_p)
                     old_logprobs, micro_mask = logprobs[micro_batch], mask[micro_batch]
                     pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
-                                                              micro_mask, args.cliprange)
+                                                              micro_mask, args.cliprange, args.decoupled_weight_cap)
                     vf_loss, vf_clipfrac = value_loss(new_values, values[micro_batch], returns[micro_batch],
                                                       micro_mask, args.cliprange_value)
                     agent.backward(pg_loss + args.vf_coef * vf_loss)

@@ -81,6 +81,10 @@ class Args:
     """weight of the sequence KL in the reward: reward = score - kl_coef * sum_t (logp - ref_logp)"""
     cliprange: float = 0.2
     """clip range of the sequence-level policy ratio"""
+    decoupled_weight_cap: float | None = None
+    """off (default): the ratio is taken against the weights that sampled the batch. A number: the decoupled
+    objective (AReaL's decoupled PPO): the ratio is taken against the proximal weights, those just before
+    the current optimizer step, and each term is weighted by min(pi_proximal / pi_sampling, this cap)"""
 
     # Optimisation
     total_episodes: int = 4480
@@ -169,13 +173,24 @@ def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return (per_prompt - baselines).flatten()
 
 
-def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float):
+def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float,
+                         decoupled_weight_cap: float | None = None):
     """Clipped surrogate on the sequence-level ratio exp(sum new_logp - sum old_logp), averaged over
-    sequences. All inputs (batch,). Returns (loss, clipfrac, ratio)."""
+    sequences. All inputs (batch,); old: the sampling weights'. Returns (loss, clipfrac, ratio).
+
+    Decoupled (a `decoupled_weight_cap`): the ratio is taken against the proximal weights, those just
+    before this optimizer step, which are the weights this forward ran under (new_seq_logps detached,
+    so the ratio is 1 in value and only its gradient counts), and each sequence's term is weighted by
+    min(pi_proximal / pi_sampling, cap): stale samples still move the policy, by a bounded weight."""
+    weights = 1.0
+    if decoupled_weight_cap is not None:
+        proximal = new_seq_logps.detach()
+        weights = torch.clamp(torch.exp(proximal - old_seq_logps), max=decoupled_weight_cap)
+        old_seq_logps = proximal
     ratio = torch.exp(new_seq_logps - old_seq_logps)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    return torch.max(unclipped, clipped).mean(), (clipped > unclipped).float().mean(), ratio
+    return (weights * torch.max(unclipped, clipped)).mean(), (clipped > unclipped).float().mean(), ratio
 
 
 # Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
@@ -257,7 +272,7 @@ def main(args: Args):
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
                         rollout.lengths[rows], args.temperature, args.top_p), rollout.mask[rows])
                     loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, seq_logps[rows], advantages[rows],
-                                                                 args.cliprange)
+                                                                 args.cliprange, args.decoupled_weight_cap)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["loss"].append(loss.item())

@@ -65,8 +65,11 @@ def bad_input_cases(script, folder):
         cases.append((["--num_samples", "1"], "--num_samples must be at least 2"))
     if script in HAS_LOSS_TYPE:
         cases.append((["--loss_type", "hinge"], "invalid choice 'hinge' for argument '--loss_type'"))
+    if script.startswith(("rloo", "ppo")):
+        cases.append((["--decoupled_weight_cap", "0"], "--decoupled_weight_cap must be positive"))
     if script.endswith("_vllm.py"):
         cases.append((["--logprob_check_rows", "0"], "--logprob_check_rows must be at least 1"))
+        cases.append((["--max_logprob_diff", "-1"], "--max_logprob_diff must be positive, got -1.0"))
         cases.append((["--generator_timeout", "0"], "--generator_timeout must be positive (seconds), got 0.0"))
     return cases
 

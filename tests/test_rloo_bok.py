@@ -5,12 +5,14 @@ import math
 import pytest
 import torch
 from scripts import (
+    QUICK,
     SYNC_INTERRUPTIONS,
     TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     read_metrics,
+    run_script,
     uninterrupted_and_resumed_runs,
 )
 
@@ -39,6 +41,18 @@ def test_sequence_level_clipped_loss():
     # max(-A r, -A clip(r)): max(-3, -2.4) = -2.4; max(-0.5, -0.8) = -0.5; max(0.5, 0.8) = 0.8
     assert loss.item() == pytest.approx((-2.4 - 0.5 + 0.8) / 3)
     assert clipfrac.item() == pytest.approx(2 / 3) and ratio.tolist() == pytest.approx([1.5, 0.5, 0.5])
+
+
+def test_decoupled_sequence_level_loss():
+    old = torch.tensor([-3.0, -3.0, -3.0])
+    new = (old + torch.log(torch.tensor([1.5, 0.5, 0.5]))).requires_grad_()  # stale: the sampling weights' were old
+    advantages = torch.tensor([2.0, 1.0, -1.0])
+    loss, clipfrac, ratio = rloo.sequence_policy_loss(new, old, advantages, cliprange=0.2, decoupled_weight_cap=1.2)
+    # weights min(pi_proximal / pi_sampling, 1.2) = 1.2, 0.5, 0.5 times -A (the ratio to the proximal weights is 1)
+    assert loss.item() == pytest.approx((-2.4 - 0.5 + 0.5) / 3)
+    assert clipfrac.item() == 0 and ratio.tolist() == pytest.approx([1.0, 1.0, 1.0])
+    loss.backward()
+    assert new.grad.tolist() == pytest.approx([-2.4 / 3, -0.5 / 3, 0.5 / 3])
 
 
 def test_best_of_k_selection_with_ties():
@@ -88,3 +102,14 @@ def test_short_run_beats_the_sft_policy(runs):
 
 def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):
     assert_same_weights_and_metrics(*runs[1:], ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+def test_the_decoupled_objective_takes_its_ratio_against_the_proximal_weights(tmp_path, script):
+    # 2 mini-batches x 4 epochs: 7 of the 8 optimizer steps train on samples from earlier weights, yet
+    # against the weights of their own step the ratio is 1 and never clipped
+    run_script(*QUICK, "--total_episodes", "16", "--num_mini_batches", "2", "--gradient_accumulation_steps", "1",
+               "--decoupled_weight_cap", "2", "--eval_every", "0", "--output_dir", tmp_path / "run", script=script)
+    [update] = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert update["val/ratio"] == pytest.approx(1.0) and update["val/ratio_var"] == pytest.approx(0, abs=1e-10)
+    assert update["policy/clipfrac_avg"] == 0
