@@ -8,10 +8,13 @@ on one rank and compares its losses with the real generator process's.
 
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 from unittest import mock
 
 import torch
+from safetensors.torch import load_file, save_file
 
 import common
 
@@ -23,7 +26,7 @@ class InlineGenerator:
     def __init__(self, args, task, sampler, state, num_updates, num_samples):
         assert args.async_steps == 0 and state.update == 0 and torch.distributed.get_world_size() == 1
         self.args, self.task, self.sampler, self.num_samples = args, task, sampler, num_samples
-        self.published, self.version = {}, 0  # weights by version, copies in memory
+        self.published, self.version = tempfile.mkdtemp(), 0  # weights by version, as safetensors folders
         # the trainer's threads as start_generator leaves them (the thread count changes float sums)
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores if args.vllm_device == "shared" else cores - args.vllm_cpu_threads)
@@ -40,10 +43,11 @@ class InlineGenerator:
         self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.args.model_name_or_path).eval()
 
     def batch_for(self, update: int) -> dict:
-        if self.version != update - 1:
+        if self.version != update - 1:  # through a folder: this engine runs in processes of its own
             self.version = update - 1
-            self.sampling_policy.load_state_dict(self.published.pop(self.version))
-            common.load_engine_weights(self.llm, self.sampling_policy)
+            folder = os.path.join(self.published, f"version-{self.version}")
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            self.sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
         prompts = self.task.train_prompts["input_ids"]
         indices = self.sampler.next_indices()
         queries = [prompts[i] for i in indices for _ in range(self.num_samples)]
@@ -54,13 +58,17 @@ class InlineGenerator:
 
     def publish_weights(self, engine, version: int, part: str | None = None):
         with common.full_parameters(engine, part) as model:
-            self.published[version] = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+            folder = os.path.join(self.published, f"version-{version}")
+            os.makedirs(folder)
+            # clone: tied embeddings share storage, which safetensors refuses
+            save_file({name: tensor.detach().clone() for name, tensor in model.state_dict().items()},
+                      os.path.join(folder, "model.safetensors"))
 
     def sample_ahead(self, update: int) -> list:
         return []  # K=0: nothing is sampled ahead
 
     def stop(self):
-        """Nothing runs beside the trainer."""
+        shutil.rmtree(self.published, ignore_errors=True)
 
 
 if __name__ == "__main__":
