@@ -1285,10 +1285,9 @@ class AsyncGenerator:
 
     Every rank makes one and makes each call; only rank 0 talks to the process and hands each rank
     its share. Weights reach the engine in memory, over a process group of rank 0 and the process (gloo
-    or NCCL), announced by version number. Batches an
-    interrupted run had sampled ahead (`state.pending_batches`) come first; the process carries on
-    drawing prompts from `sampler` (whole global batches) after them. The process is stopped when the
-    trainer exits, however it exits.
+    or NCCL), announced by version number. Batches an interrupted run had sampled ahead
+    (`state.pending_batches`) come first; the process carries on drawing prompts from `sampler` (whole
+    global batches) after them. The process is stopped when the trainer exits, however it exits.
     """
 
     def __init__(self, args, task: Task, sampler: PromptSampler, state: "OnlineTrainerState", num_updates: int,
