@@ -249,76 +249,77 @@ def measure(folder: str, seed: int) -> dict:
     }
 
 
-def built_once(folder: str, make, seed: int):
-    """`make(seed)` builds into `folder` unless it is already there; processes that race wait for the
-    one that builds (a lock file beside the folder), and the build itself is atomic."""
+def built_once(folder: str, make, seed: int, name: str):
+    """`make(building, seed, rng, start)` builds `name` into a scratch folder beside `folder`, seeded, and
+    returns the numbers it measured; they go to summary.json and the folder becomes `folder` in one
+    rename. Nothing happens when `folder` is already there; processes that race wait for the one that
+    builds (a lock file beside the folder)."""
     if os.path.exists(os.path.join(folder, "summary.json")):
         return
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     with open(folder + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(os.path.join(folder, "summary.json")):  # nobody built it while this one waited
-            make(seed)
+        if os.path.exists(os.path.join(folder, "summary.json")):  # built while this one waited
+            return
+        start = time.time()
+        torch.set_num_threads(2)  # always 2: the weights depend on the thread count (OMP_NUM_THREADS=1 in tests)
+        torch.manual_seed(seed)
+        rng = random.Random(seed)
+        building = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".building-", dir=os.path.dirname(folder))
+        try:
+            print(f"toy: building {name} into {folder} (seed {seed})")
+            numbers = make(building, seed, rng, start) | {"seed": seed,
+                                                         "build_seconds": round(time.time() - start, 1)}
+            with open(os.path.join(building, "summary.json"), "w") as f:
+                json.dump(numbers, f, indent=2)
+            os.rename(building, folder)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        print(f"toy: {name} built in {time.time() - start:.0f} s")
 
 
 def build(seed: int = 0) -> None:
     """Build the toy world into TOY_DIR unless it is already there."""
-    built_once(TOY_DIR, make_toy, seed)
+    built_once(TOY_DIR, make_toy, seed, "the toy world")
 
 
-def make_toy(seed: int) -> None:
-    """The toy world: dataset, tokenizer, SFT policy, reward model (see the module docstring)."""
-    start = time.time()
-    torch.set_num_threads(2)  # always 2: the weights depend on the thread count (OMP_NUM_THREADS=1 in the tests)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    folder = tempfile.mkdtemp(prefix=os.path.basename(TOY_DIR) + ".building-", dir=os.path.dirname(TOY_DIR))
-    try:
-        print(f"toy: building into {TOY_DIR} (seed {seed})")
-        splits = {}
-        for split, size in [("train", 8192), ("validation", 512)]:
-            queries = [make_query(rng) for _ in range(size)]
-            references = [noisy_reference(q, rng) for q in queries]
-            splits[split] = Dataset.from_dict({
-                "query": queries,
-                "reference_response": references,
-                "query_reference_response": [q + r for q, r in zip(queries, references)],
-            })
-        DatasetDict(splits).save_to_disk(os.path.join(folder, "dataset"))
-        train_queries = list(splits["train"]["query"])
+def make_toy(folder: str, seed: int, rng: random.Random, start: float) -> dict:
+    """The toy world into `folder`: dataset, tokenizer, SFT policy, reward model (see the module
+    docstring); returns the numbers measured on it."""
+    splits = {}
+    for split, size in [("train", 8192), ("validation", 512)]:
+        queries = [make_query(rng) for _ in range(size)]
+        references = [noisy_reference(q, rng) for q in queries]
+        splits[split] = Dataset.from_dict({
+            "query": queries,
+            "reference_response": references,
+            "query_reference_response": [q + r for q, r in zip(queries, references)],
+        })
+    DatasetDict(splits).save_to_disk(os.path.join(folder, "dataset"))
+    train_queries = list(splits["train"]["query"])
 
-        tokenizer = make_tokenizer()
-        # Heads of size 32: vLLM's CPU backend rejects 16.
-        shape = dict(vocab_size=len(WORDS), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
-                     tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                     eos_token_id=tokenizer.eos_token_id)
-        policy = LlamaForCausalLM(LlamaConfig(**shape))
-        policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        loss = train(policy, lambda: sft_loss(policy, tokenizer, train_queries, rng), steps=1200, lr=3e-3)
-        print(f"toy: SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
+    tokenizer = make_tokenizer()
+    # Heads of size 32: vLLM's CPU backend rejects 16.
+    shape = dict(vocab_size=len(WORDS), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
+                 tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                 eos_token_id=tokenizer.eos_token_id)
+    policy = LlamaForCausalLM(LlamaConfig(**shape))
+    policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    loss = train(policy, lambda: sft_loss(policy, tokenizer, train_queries, rng), steps=1200, lr=3e-3)
+    print(f"toy: SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
 
-        # The reward model starts from the SFT backbone, with a fresh one-output score head.
-        reward_model = LlamaForSequenceClassification(LlamaConfig(**shape, num_labels=1))
-        reward_model.model.load_state_dict(policy.model.state_dict())
-        loss = train(reward_model, lambda: -F.logsigmoid(chosen_minus_rejected(
-            reward_model, tokenizer, *gold_labelled_pairs(train_queries, rng, 32))).mean(), steps=100, lr=1e-3)
-        print(f"toy: reward model trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
-        for model, name in [(policy, "sft_policy"), (reward_model, "reward_model")]:
-            model.save_pretrained(os.path.join(folder, name))
-            tokenizer.save_pretrained(os.path.join(folder, name))
+    # The reward model starts from the SFT backbone, with a fresh one-output score head.
+    reward_model = LlamaForSequenceClassification(LlamaConfig(**shape, num_labels=1))
+    reward_model.model.load_state_dict(policy.model.state_dict())
+    loss = train(reward_model, lambda: -F.logsigmoid(chosen_minus_rejected(
+        reward_model, tokenizer, *gold_labelled_pairs(train_queries, rng, 32))).mean(), steps=100, lr=1e-3)
+    print(f"toy: reward model trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
+    for model, name in [(policy, "sft_policy"), (reward_model, "reward_model")]:
+        model.save_pretrained(os.path.join(folder, name))
+        tokenizer.save_pretrained(os.path.join(folder, name))
 
-        numbers = measure(folder, seed) | {"seed": seed, "build_seconds": round(time.time() - start, 1)}
-        with open(os.path.join(folder, "summary.json"), "w") as f:
-            json.dump(numbers, f, indent=2)
-        try:
-            os.rename(folder, TOY_DIR)
-        except OSError:  # another process finished first: keep its build
-            if not os.path.exists(os.path.join(TOY_DIR, "summary.json")):
-                raise
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    print(f"toy: built in {time.time() - start:.0f} s")
+    return measure(folder, seed)
 
 
 # ---------------------------------------------------------------- the arithmetic task
@@ -425,46 +426,30 @@ def measure_math(folder: str) -> dict:
 
 def build_math(seed: int = 0) -> None:
     """Build the arithmetic task into MATH_DIR unless it is already there."""
-    built_once(MATH_DIR, make_math, seed)
+    built_once(MATH_DIR, make_math, seed, "the arithmetic task")
 
 
-def make_math(seed: int) -> None:
-    """The arithmetic task: problems with gold answers, its tokenizer, the SFT policy."""
-    start = time.time()
-    torch.set_num_threads(2)  # always 2: the weights depend on the thread count (OMP_NUM_THREADS=1 in the tests)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    folder = tempfile.mkdtemp(prefix=os.path.basename(MATH_DIR) + ".building-", dir=os.path.dirname(MATH_DIR))
-    try:
-        print(f"toy: building the arithmetic task into {MATH_DIR} (seed {seed})")
-        splits = math_splits(rng)
-        splits.save_to_disk(os.path.join(folder, "dataset"))
-        train_problems = list(zip(splits["train"]["a"], splits["train"]["b"]))
+def make_math(folder: str, seed: int, rng: random.Random, start: float) -> dict:
+    """The arithmetic task into `folder`: problems with gold answers, its tokenizer, the SFT policy;
+    returns the numbers measured on it."""
+    splits = math_splits(rng)
+    splits.save_to_disk(os.path.join(folder, "dataset"))
+    train_problems = list(zip(splits["train"]["a"], splits["train"]["b"]))
 
-        tokenizer = make_math_tokenizer()
-        policy = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(MATH_WORDS), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
-            tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id))
-        policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        loss = train(policy, lambda: math_sft_loss(policy, tokenizer, train_problems, rng), steps=MATH_SFT_STEPS,
-                     lr=3e-3)
-        print(f"toy: arithmetic SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
-        policy.save_pretrained(os.path.join(folder, "sft_policy"))
-        tokenizer.save_pretrained(os.path.join(folder, "sft_policy"))
+    tokenizer = make_math_tokenizer()
+    policy = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(MATH_WORDS), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id))
+    policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    loss = train(policy, lambda: math_sft_loss(policy, tokenizer, train_problems, rng), steps=MATH_SFT_STEPS,
+                 lr=3e-3)
+    print(f"toy: arithmetic SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
+    policy.save_pretrained(os.path.join(folder, "sft_policy"))
+    tokenizer.save_pretrained(os.path.join(folder, "sft_policy"))
 
-        numbers = measure_math(folder) | {"seed": seed, "build_seconds": round(time.time() - start, 1)}
-        with open(os.path.join(folder, "summary.json"), "w") as f:
-            json.dump(numbers, f, indent=2)
-        try:
-            os.rename(folder, MATH_DIR)
-        except OSError:  # another process finished first: keep its build
-            if not os.path.exists(os.path.join(MATH_DIR, "summary.json")):
-                raise
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    print(f"toy: arithmetic task built in {time.time() - start:.0f} s")
+    return measure_math(folder)
 
 
 def summary() -> dict:
