@@ -540,7 +540,7 @@ def load_task(args, rank: int, dtype) -> Task:
     """
     import toy
 
-    for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math)):
+    for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math), (toy.LARGE_DIR, toy.build_large)):
         if folder in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
             if rank == 0:
                 build()

@@ -8,7 +8,9 @@ References are noisy, so even a perfect summary beats them only about 2 times in
 
 Everything is built once, deterministically, in about two minutes on 2 CPU cores, and saved in
 Hugging Face formats; the training scripts load it with `from_pretrained` / `load_from_disk`.
-Usage: `python toy.py` builds (if needed) and prints the summary.
+Usage: `python toy.py` builds (if needed) and prints the summary; `python toy.py large` does the same for
+a 7.7x larger SFT policy of the same world (LARGE_SFT_POLICY; same dataset and reward model), built on
+demand, for questions about scale.
 """
 
 import fcntl
@@ -18,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 
@@ -42,8 +45,15 @@ DATASET = os.path.join(TOY_DIR, "dataset")
 MATH_DIR = TOY_DIR + "-math"  # the arithmetic task (build_math)
 MATH_POLICY = os.path.join(MATH_DIR, "sft_policy")
 MATH_DATASET = os.path.join(MATH_DIR, "dataset")
+LARGE_DIR = TOY_DIR + "-large"  # the same world with a larger SFT policy (build_large)
+LARGE_SFT_POLICY = os.path.join(LARGE_DIR, "sft_policy")
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# Policy shapes. Heads of size 32: vLLM's CPU backend rejects 16. The reward model always has the small shape.
+SMALL_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4)  # 0.45M parameters
+LARGE_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=8)  # 3.45M parameters, 7.7x
 RESPONSE_LENGTH = 12  # new tokens per response in evaluation; the SFT policy's rambling can overrun it
 TOPICS = {
     "cooking": "pasta garlic onion oven butter sauce rice chicken soup bread cheese pepper",
@@ -223,12 +233,12 @@ def win_rate(queries, responses, references) -> float:
     return sum(wins) / len(wins)
 
 
-def measure(folder: str, seed: int) -> dict:
+def measure(policy_folder: str, reward_model_folder: str, dataset_folder: str, seed: int) -> dict:
     """The headline numbers, computed from the saved artefacts through the ordinary loading paths."""
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "sft_policy"))
-    policy = LlamaForCausalLM.from_pretrained(os.path.join(folder, "sft_policy"))
-    reward_model = LlamaForSequenceClassification.from_pretrained(os.path.join(folder, "reward_model"))
-    validation = load_from_disk(os.path.join(folder, "dataset"))["validation"]
+    tokenizer = AutoTokenizer.from_pretrained(policy_folder)
+    policy = LlamaForCausalLM.from_pretrained(policy_folder)
+    reward_model = LlamaForSequenceClassification.from_pretrained(reward_model_folder)
+    validation = load_from_disk(dataset_folder)["validation"]
     queries, references = list(validation["query"]), list(validation["reference_response"])
     sft = greedy_responses(policy, tokenizer, queries)
     sft_cut_before_rambling = [as_response(list(itertools.takewhile(lambda w: w not in RAMBLE, r.split())) + [EOS])
@@ -299,18 +309,11 @@ def make_toy(folder: str, seed: int, rng: random.Random, start: float) -> dict:
     train_queries = list(splits["train"]["query"])
 
     tokenizer = make_tokenizer()
-    # Heads of size 32: vLLM's CPU backend rejects 16.
-    shape = dict(vocab_size=len(WORDS), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
-                 tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                 eos_token_id=tokenizer.eos_token_id)
-    policy = LlamaForCausalLM(LlamaConfig(**shape))
-    policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    loss = train(policy, lambda: sft_loss(policy, tokenizer, train_queries, rng), steps=1200, lr=3e-3)
+    policy, loss = sft_policy(SMALL_SHAPE, tokenizer, train_queries, rng, lr=3e-3)
     print(f"toy: SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
 
     # The reward model starts from the SFT backbone, with a fresh one-output score head.
-    reward_model = LlamaForSequenceClassification(LlamaConfig(**shape, num_labels=1))
+    reward_model = LlamaForSequenceClassification(model_config(SMALL_SHAPE, tokenizer, num_labels=1))
     reward_model.model.load_state_dict(policy.model.state_dict())
     loss = train(reward_model, lambda: -F.logsigmoid(chosen_minus_rejected(
         reward_model, tokenizer, *gold_labelled_pairs(train_queries, rng, 32))).mean(), steps=100, lr=1e-3)
@@ -319,7 +322,38 @@ def make_toy(folder: str, seed: int, rng: random.Random, start: float) -> dict:
         model.save_pretrained(os.path.join(folder, name))
         tokenizer.save_pretrained(os.path.join(folder, name))
 
-    return measure(folder, seed)
+    return measure(*(os.path.join(folder, name) for name in ("sft_policy", "reward_model", "dataset")), seed)
+
+
+def model_config(shape: dict, tokenizer, **extra) -> LlamaConfig:
+    return LlamaConfig(vocab_size=len(WORDS), **shape, head_dim=32, max_position_embeddings=128,
+                       tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                       eos_token_id=tokenizer.eos_token_id, **extra)
+
+
+def sft_policy(shape: dict, tokenizer, train_queries, rng, lr: float) -> tuple[LlamaForCausalLM, float]:
+    """A policy of `shape` trained on the rambling SFT targets; returns it and its last batch's loss."""
+    policy = LlamaForCausalLM(model_config(shape, tokenizer))
+    policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return policy, train(policy, lambda: sft_loss(policy, tokenizer, train_queries, rng), steps=1200, lr=lr)
+
+
+def build_large(seed: int = 0) -> None:
+    """Build the larger SFT policy into LARGE_DIR unless it is already there (the toy world first)."""
+    build()
+    built_once(LARGE_DIR, make_large, seed, "the larger SFT policy")
+
+
+def make_large(folder: str, seed: int, rng: random.Random, start: float) -> dict:
+    """The same world's SFT policy at LARGE_SHAPE, trained on the same targets; the toy world's dataset and
+    reward model stay where they are, so only the policy's size differs between the two."""
+    train_queries = list(load_from_disk(DATASET)["train"]["query"])
+    tokenizer = AutoTokenizer.from_pretrained(SFT_POLICY)
+    policy, loss = sft_policy(LARGE_SHAPE, tokenizer, train_queries, rng, lr=1e-3)
+    print(f"toy: larger SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
+    policy.save_pretrained(os.path.join(folder, "sft_policy"))
+    tokenizer.save_pretrained(os.path.join(folder, "sft_policy"))
+    return measure(os.path.join(folder, "sft_policy"), REWARD_MODEL, DATASET, seed)
 
 
 # ---------------------------------------------------------------- the arithmetic task
@@ -452,10 +486,11 @@ def make_math(folder: str, seed: int, rng: random.Random, start: float) -> dict:
     return measure_math(folder)
 
 
-def summary() -> dict:
-    """Build if needed, then print and return the numbers measured at build time."""
-    build()
-    with open(os.path.join(TOY_DIR, "summary.json")) as f:
+def summary(size: str = "small") -> dict:
+    """Build if needed, then print and return the numbers measured at build time (`size` "large": those of
+    the larger SFT policy)."""
+    (build_large if size == "large" else build)()
+    with open(os.path.join(LARGE_DIR if size == "large" else TOY_DIR, "summary.json")) as f:
         numbers = json.load(f)
     for name, value in numbers.items():
         print(f"{name:>32}: {value:.3f}" if isinstance(value, float) else f"{name:>32}: {value}")
@@ -463,4 +498,6 @@ def summary() -> dict:
 
 
 if __name__ == "__main__":
-    summary()
+    if sys.argv[1:] not in ([], ["small"], ["large"]):
+        raise SystemExit(f"usage: python toy.py [small|large] (the SFT policy's size), got {' '.join(sys.argv[1:])}")
+    summary(*sys.argv[1:])
