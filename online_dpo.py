@@ -241,7 +241,7 @@ def main(args: Args):
         # Rollout: k samples per prompt, then the details in order: truncate after the first stop
         # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
-        prompt_rows = task.train_prompts.select(sampler.next_indices())  # with their dataset columns
+        prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
         # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
         query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task)
         t1 = time.time()

@@ -287,7 +287,7 @@ def main(args: Args):
         # with older weights; then the details as in the synchronous twin.
         t0 = time.time()
         batch = generator.batch_for(update)
-        prompt_rows = task.train_prompts.select(batch["prompt_indices"])  # with their dataset columns
+        prompt_rows = task.train_prompts[batch["prompt_indices"]]  # {column: values}
         query_ids, query_mask = common.left_pad(batch["queries"], pad, policy.device)  # (N, P)
         responses = batch["responses"].to(policy.device)  # (N, R)
         t1 = time.time()

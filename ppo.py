@@ -315,7 +315,7 @@ def main(args: Args):
         # Rollout: one sample per prompt, then the details in order: truncate after the first stop
         # token, reference log-probs, the reward at the last real token, the missing-EOS penalty.
         t0 = time.time()
-        prompt_rows = task.train_prompts.select(sampler.next_indices())  # with their dataset columns
+        prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
         # query_ids, query_mask: (B, P), left-padded; responses: (B, R)
         query_ids, query_mask, responses = common.sample_responses(agent, prompt_rows["input_ids"], 1, args,
                                                                    task, part="policy")

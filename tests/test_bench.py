@@ -12,15 +12,24 @@ def final_evaluation(run_dir) -> dict:
 
 def test_off_policy_quick(tmp_path):
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy.py")
-    table = json.loads((tmp_path / "results.json").read_text())["table"]
-    assert sorted(table) == ["bok.py", "online_dpo.py", "ppo.py", "rloo.py"]
-    for script, row in table.items():
-        assert sorted(row["win_rate"]) == ["1", "4"]
-        finals = {n: final_evaluation(tmp_path / f"{script.removesuffix('.py')}-mb{n}-seed1") for n in ("1", "4")}
-        assert all(row["win_rate"][n] == [finals[n]["eval/gold_win_rate"]] for n in finals), (script, row)
-        assert row["drop"] == row["win_rate"]["1"][0] - row["win_rate"]["4"][0]  # one seed
-    assert "smallest drop from 1 to 4 mini-batches" in result.stdout
-    assert len(list(tmp_path.glob("*-mb4-seed1/policy"))) == 4
+    results = json.loads((tmp_path / "results.json").read_text())
+    table = results["table"]["small"]
+    assert sorted(table) == ["bok", "online_dpo", "ppo", "ppo_decoupled", "rloo", "rloo_decoupled"]
+    for arm, row in table.items():
+        runs = {n: read_metrics(tmp_path / f"small-{arm}-mb{n}-seed1") for n in ("1", "2")}
+        for n, metrics in runs.items():
+            evaluations = {m["episode"]: m for m in metrics if "eval/gold_win_rate" in m}
+            assert sorted(evaluations) == [0, 16, 32], (arm, n)  # 4 steps of 8 prompts: start, half-way, end
+            assert row["half_win_rate"][n] == [evaluations[16]["eval/gold_win_rate"], 0.0], (arm, row)
+            assert row["win_rate"][n] == [evaluations[32]["eval/gold_win_rate"], 0.0], (arm, row)
+            assert row["kl"][n] == [evaluations[32]["eval/kl"], 0.0], (arm, row)
+        assert row["drop"] == [row["win_rate"]["1"][0] - row["win_rate"]["2"][0], 0.0]  # one seed
+        updates = [m for m in runs["2"] if "loss/policy_avg" in m]
+        assert len(updates) == 2  # N = 2: two generations, each trained on in two steps
+        if arm.endswith("decoupled"):  # the decoupled objective's ratio is 1 at every step
+            assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in updates), arm
+    assert "drop N=1->2" in result.stdout
+    assert (tmp_path / "results.png").stat().st_size > 10_000
 
 
 def test_sync_vs_async_quick(tmp_path):

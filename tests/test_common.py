@@ -94,6 +94,18 @@ def test_top_p_logprobs_equal_those_hf_generate_sampled_from():
     assert (ours[~stopped] > common.logprobs_from_logits(logits, tokens, 0.7)[~stopped]).any()  # truncation mattered
 
 
+def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
+    """`python toy.py large` trains LARGE_SHAPE (3 minutes, so not built here): its config and size."""
+    from transformers import LlamaForCausalLM
+
+    import toy
+
+    sizes = {name: sum(p.numel() for p in LlamaForCausalLM(toy.model_config(shape, toy.make_tokenizer())).parameters())
+             for name, shape in (("small", toy.SMALL_SHAPE), ("large", toy.LARGE_SHAPE))}
+    assert sizes == {"small": 448_128, "large": 3_453_184}  # the small one is the built toy's (summary.json)
+    assert toy.LARGE_SFT_POLICY.startswith(toy.TOY_DIR)  # rebuilt, like the toy, when toy.py changes
+
+
 # ---- the math reward -------------------------------------------------------------------------------
 @pytest.mark.parametrize(("completion", "solution", "reward"), [
     ("7 + 8 = 15 , 3 + 4 + 1 = 8 #### 85", "... #### 85", 1.0),  # right
@@ -245,7 +257,7 @@ def test_reward_function_gets_prompts_completions_and_the_other_columns_per_samp
         return [float(a in c) for c, a in zip(completions, answer)]
 
     rows = datasets.Dataset.from_dict({"prompt": ["the cat", "the dog"], "answer": ["mat", "sat"],
-                                       "source": ["a", "b"], "input_ids": [[3, 4], [3, 5]]})
+                                       "source": ["a", "b"], "input_ids": [[3, 4], [3, 5]]})[[0, 1]]  # as sampled
     query_ids, query_mask = common.left_pad([[3, 4], [3, 4], [3, 5], [3, 5]], PAD, "cpu")
     mat, sat = tokenizer.convert_tokens_to_ids(["mat", "sat"])
     rollout = common.Rollout(query_ids, query_mask, torch.tensor([[mat, EOS], [sat, EOS], [mat, EOS], [sat, PAD]]),
@@ -271,7 +283,7 @@ def test_a_failing_reward_function_stops_naming_the_update(name, message):
     task = SimpleNamespace(tokenizer=word_tokenizer(), reward_fn=common.load_reward_function(spec))
     rollout = common.Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
                              torch.tensor([[5], [6]]), torch.tensor([1, 1]), torch.tensor([False, False]))
-    rows = datasets.Dataset.from_dict({"prompt": ["p", "q"], "input_ids": [[1], [1]]})
+    rows = datasets.Dataset.from_dict({"prompt": ["p", "q"], "input_ids": [[1], [1]]})[[0, 1]]
     with pytest.raises(SystemExit) as stop:
         common.function_rewards(task, SimpleNamespace(prompt_column="prompt", reward_fn=spec), rollout, rows,
                                 "update 3")
