@@ -132,7 +132,8 @@ class Args:
 
     # Distributed
     zero_stage: Literal[2, 3] = 2
-    """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models)"""
+    """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models;
+    2 on a single rank runs as stage 0: nothing to partition)"""
     bf16: bool = False
     """train and generate in bfloat16 (GPU runs)"""
     local_rank: int = -1

@@ -106,6 +106,42 @@ def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
     assert toy.LARGE_SFT_POLICY.startswith(toy.TOY_DIR)  # rebuilt, like the toy, when toy.py changes
 
 
+def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, monkeypatch):
+    """ZeRO-2 on a single rank runs as stage 0 without the gradient all-reduce; its step is exactly
+    clip_grad_norm_ + AdamW."""
+    import socket
+
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    deepspeed.init_distributed("gloo")
+    try:
+        args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1, zero_stage=2,
+                               bf16=False, max_grad_norm=0.01)  # small enough that the clipping acts
+        ours, plain = (AutoModelForCausalLM.from_pretrained(tiny_dir / "policy") for _ in range(2))
+        engine = common.prepare_deepspeed(ours, args, torch.optim.AdamW(ours.parameters(), lr=1e-2))
+        assert engine.zero_optimization_stage() == 0 and not engine.enable_backward_allreduce
+        optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        input_ids = torch.tensor([[2, 3, 4, 5], [5, 4, 3, 2], [3, 3, 4, 4], [2, 5, 2, 5]])
+        for _ in range(2):
+            engine.backward(engine(input_ids=input_ids, labels=input_ids).loss)
+            engine.step()
+            plain(input_ids=input_ids, labels=input_ids).loss.backward()
+            assert torch.nn.utils.clip_grad_norm_(plain.parameters(), args.max_grad_norm) > 10 * args.max_grad_norm
+            optimizer.step()
+            optimizer.zero_grad()
+        for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(a, b, msg=name)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 # ---- the math reward -------------------------------------------------------------------------------
 @pytest.mark.parametrize(("completion", "solution", "reward"), [
     ("7 + 8 = 15 , 3 + 4 + 1 = 8 #### 85", "... #### 85", 1.0),  # right
