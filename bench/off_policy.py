@@ -10,11 +10,11 @@ paper's TL;DR runs, so every arm takes the same steps), and PPO and RLOO with th
 paper. Two sizes: the toy's 0.45M-parameter SFT policy and the 7.7x larger one (`python toy.py large`),
 with the same reward model and prompts.
 
-Prints, per size, final gold win-rate and KL per arm and N (mean ± standard deviation over seeds)
-and each arm's drop in win-rate from N = 1 to the largest N; writes results.json and a figure
-(win-rate and KL against N, and the win-rate-vs-KL frontier) to --output_dir, and for a full run also
-to bench/results/off_policy.{json,png}. A run whose final evaluation is on disk is not run again, so an
-interrupted sweep goes on where it stopped when given the same --output_dir.
+Prints, per size, gold win-rate half-way and at the end, and final KL, per arm and N (mean ± standard
+deviation over seeds), and each arm's drop in final win-rate from N = 1 to the largest N; writes
+results.json and a figure (win-rate and KL against N, and the win-rate-vs-KL frontier) to --output_dir,
+and for a full run also to bench/results/off_policy.{json,png}. A finished run (its `done` marker) is
+not run again, so an interrupted sweep goes on where it stopped when given the same --output_dir.
 
     python bench/off_policy.py             # about 2 hours on 2 CPU cores (small: ~35 min, large: ~85 min)
     python bench/off_policy.py --quick     # about a minute: a smoke test, not a result
@@ -43,7 +43,7 @@ class Args:
     sizes: tuple[Literal["small", "large"], ...] = ("small", "large")
     """SFT policy sizes: the toy's (0.45M parameters) and toy.py's larger one (3.45M)"""
     mini_batches: tuple[int, ...] = (1, 4, 16, 32)
-    """the values of N (mini-batches per generated batch); each must divide --optimizer_steps"""
+    """the values of N (mini-batches per generated batch); each must divide half of --optimizer_steps"""
     optimizer_steps: int = 64
     """optimizer steps per run: twice the largest N, so even N = 32 generates twice (evaluated half-way,
     before its second generation, and at the end)"""
@@ -58,20 +58,20 @@ class Args:
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per arm, N and size"""
     eval_num_prompts: int = 256
-    """validation prompts of each run's final evaluation"""
+    """validation prompts of each evaluation"""
     quick: bool = False
     """smoke test: small size, N in {1, 2}, 1 seed, 4 steps of 8 prompts, 32 evaluation prompts"""
     output_dir: str | None = None
     """where the runs, results.json and the figure go (default runs/bench-off-policy-<time>)"""
 
 
-ARMS = {  # arm: (script, extra arguments)
-    "online_dpo": ("online_dpo", {}),
-    "ppo": ("ppo", {}),
-    "rloo": ("rloo", {}),
-    "bok": ("bok", {}),
-    "ppo_decoupled": ("ppo", {"decoupled_weight_cap": None}),
-    "rloo_decoupled": ("rloo", {"decoupled_weight_cap": None}),
+ARMS = {  # arm: (script, whether it takes --decoupled_weight_cap)
+    "online_dpo": ("online_dpo", False),
+    "ppo": ("ppo", False),
+    "rloo": ("rloo", False),
+    "bok": ("bok", False),
+    "ppo_decoupled": ("ppo", True),
+    "rloo_decoupled": ("rloo", True),
 }
 
 
@@ -83,8 +83,8 @@ def train(arm: str, size: str, mini_batches: int, seed: int, args: Args) -> dict
     output_dir = os.path.join(args.output_dir, name)
     metrics = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(os.path.join(output_dir, "done")):
-        script, extra = ARMS[arm]
-        extra = {key: args.decoupled_weight_cap for key in extra}
+        script, decoupled = ARMS[arm]
+        extra = {"decoupled_weight_cap": args.decoupled_weight_cap} if decoupled else {}
         module = importlib.import_module(script)
         policy = toy.LARGE_SFT_POLICY if size == "large" else toy.SFT_POLICY
         run_args = module.Args(seed=seed, output_dir=output_dir, model_name_or_path=policy,
