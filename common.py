@@ -1208,6 +1208,10 @@ def sample_batch(llm, sampling_policy, queries: list[list[int]], update: int, ar
             "time/generate": t1 - t0, "time/logprob_check": time.time() - t1, "async/logprob_diff": logprob_diff}
 
 
+ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
+               "--resume continues from it")
+
+
 def generate_ahead(args, prompts, sampler, updates: range, first_version: int, num_samples: int, eos_ids,
                    pad_token_id, weight_port: int, published, batches, requests):
     """The generator process (rank 0's), which holds the vLLM engine: batch t is sampled with exactly the
@@ -1336,8 +1340,7 @@ class AsyncGenerator:
                 item = self.batches.get(timeout=0.5)
             except queue.Empty:
                 if not alive:
-                    fail("the vLLM engine process died (killed, or out of memory); the last complete checkpoint "
-                         "is kept, --resume continues from it")
+                    fail(ENGINE_DIED)
                 if time.time() > deadline:
                     fail(timeout_error)
                 continue
@@ -1399,11 +1402,15 @@ class AsyncGenerator:
     def _send(self, flat: torch.Tensor, version: int):
         try:
             broadcast_bucket(self.channel, flat, self.args.generator_timeout)
-        except RuntimeError:  # the process's own error, when it sent one, says more than the channel's
-            message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
-                       f"--generator_timeout {self.args.generator_timeout:g} s")
-            self._receive(2.0, message)
-            fail(message)
+        except RuntimeError:  # the process's own error, or its death, says more than the channel's
+            self.process.join(timeout=2.0)  # one that failed or died has ended by now
+            with contextlib.suppress(queue.Empty):  # what it sent before it ended
+                while not isinstance(item := self.batches.get(timeout=0.1), str):
+                    pass
+                fail(f"generation failed: {item}")
+            fail(ENGINE_DIED if not self.process.is_alive() else
+                 f"sending the weights of update {version} to the vLLM engine failed or took longer than "
+                 f"--generator_timeout {self.args.generator_timeout:g} s")
 
     def sample_ahead(self, update: int) -> list[dict]:
         """The batches for the updates after `update` that the process samples with weights older than

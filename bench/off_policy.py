@@ -16,7 +16,7 @@ results.json and a figure (win-rate and KL against N, and the win-rate-vs-KL fro
 and for a full run also to bench/results/off_policy.{json,png}. A finished run (its `done` marker) is
 not run again, so an interrupted sweep goes on where it stopped when given the same --output_dir.
 
-    python bench/off_policy.py             # about 2 hours on 2 CPU cores (small: ~35 min, large: ~85 min)
+    python bench/off_policy.py             # about an hour on 2 CPU cores (OMP_NUM_THREADS=1 on a busy machine)
     python bench/off_policy.py --quick     # about a minute: a smoke test, not a result
 """
 
