@@ -90,17 +90,21 @@ def exit_preempted(update: int, logger: "MetricsLogger"):
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
 # ----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A free local port, so that parallel single-process runs do not collide."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed():
     """Start torch.distributed through DeepSpeed (a plain `python script.py` becomes a 1-rank world), and
     catch the preemption signals."""
     for preemption_signal in PREEMPTION_SIGNALS:
         signal.signal(preemption_signal, record_preemption)
     if "RANK" not in os.environ:  # not under the deepspeed launcher
-        with socket.socket() as s:  # a free port, so parallel single-process runs do not collide
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     import deepspeed
 
     if torch.cuda.is_available():  # before any CUDA work, so that each rank's tensors and NCCL use its own GPU

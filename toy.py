@@ -472,8 +472,7 @@ def make_math(folder: str, seed: int, rng: random.Random, start: float) -> dict:
 
     tokenizer = make_math_tokenizer()
     policy = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(MATH_WORDS), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
+        vocab_size=len(MATH_WORDS), **SMALL_SHAPE, head_dim=32, max_position_embeddings=64,
         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id))
     policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

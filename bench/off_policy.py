@@ -156,7 +156,7 @@ def figure(table: dict, results: dict, args: Args, path: str) -> None:
     colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for (size, arms), row_axes in zip(table.items(), axes):
         for arm, row in arms.items():
-            decoupled = arm.endswith("decoupled")
+            decoupled = ARMS[arm][1]
             for axis, (name, _) in zip(row_axes, panels):
                 means, stds = zip(*row[name].values())
                 axis.errorbar(args.mini_batches, means, yerr=stds, color=colors[arm], marker="o", capsize=3,

@@ -109,16 +109,11 @@ def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
 def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, monkeypatch):
     """ZeRO-2 on a single rank runs as stage 0 without the gradient all-reduce; its step is exactly
     clip_grad_norm_ + AdamW."""
-    import socket
-
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(port)).items():
+                            MASTER_PORT=str(common.free_port())).items():
         monkeypatch.setenv(name, value)
     deepspeed.init_distributed("gloo")
     try:
