@@ -76,7 +76,11 @@ def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "online_dpo_vllm.py", *QUICK, "--total_episodes", "6400", "--eval_every", "1000",
                "--output_dir", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # a terminal's Ctrl-C reaches a foreground job, whose SIGINT is never ignored; pytest itself may run in a
+    # background job of a non-interactive shell, which ignores SIGINT in all it starts (Python then raises no
+    # KeyboardInterrupt), so the run gets the foreground's default back
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
         assert process.poll() is None, process.stderr.read()[-3000:]
         time.sleep(0.1)
