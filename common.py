@@ -1407,14 +1407,10 @@ class AsyncGenerator:
         try:
             broadcast_bucket(self.channel, flat, self.args.generator_timeout)
         except RuntimeError:  # the process's own error, or its death, says more than the channel's
-            self.process.join(timeout=2.0)  # one that failed or died has ended by now
-            with contextlib.suppress(queue.Empty):  # what it sent before it ended
-                while not isinstance(item := self.batches.get(timeout=0.1), str):
-                    pass
-                fail(f"generation failed: {item}")
-            fail(ENGINE_DIED if not self.process.is_alive() else
-                 f"sending the weights of update {version} to the vLLM engine failed or took longer than "
-                 f"--generator_timeout {self.args.generator_timeout:g} s")
+            message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
+                       f"--generator_timeout {self.args.generator_timeout:g} s")
+            while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this
+                self._receive(2.0, message)
 
     def sample_ahead(self, update: int) -> list[dict]:
         """The batches for the updates after `update` that the process samples with weights older than
