@@ -1,28 +1,25 @@
-"""What two or more of the kit's scripts need identically; the algorithms and their loops live in the scripts.
+"""What two or more of the kit's scripts do identically; the algorithms and their loops live in the scripts.
 
 In the order a reader meets it (ALGORITHMS.md has the formulas):
-- Distributed setup: ranks through DeepSpeed, seeds, dropout off, DeepSpeed engines, ZeRO-3 gathers,
-  metric averaging over ranks, the batch arithmetic.
-- Command line and the paper's presets: tyro with `--preset`, the TL;DR artefacts.
-- Models and data: tokenizers and stop tokens, reward models and functions, PPO's value model, prompt
-  datasets, the Task a run loads, left padding, the resumable PromptSampler.
-- Rollout details: truncation after the stop token, temperature-scaled log-probs at the positions that
-  predicted each token, the reward at the last real token, HF sampling, the Rollout of a batch, the
-  reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
-- vLLM: the engine's placement, process and sampling, the weight channel, and AsyncGenerator, the
-  trainer's handle on the generator process of the asynchronous scripts.
-- Evaluation: gold win-rate and KL of near-greedy completions.
+- Preemption and distributed setup: ranks through DeepSpeed, seeds, dropout off, DeepSpeed engines,
+  ZeRO-3 gathers, metric averaging over ranks, the batch arithmetic.
+- Command line and the paper's presets: tyro with `--preset`, the TL;DR and GSM8k artefacts.
+- The Task a run loads (data.py loads it) and its output directory.
+- Rollout details: left padding, truncation after the stop token, temperature-scaled log-probs at the
+  positions that predicted each token, the reward at the last real token, HF sampling, the Rollout of a
+  batch, the reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
+- Evaluation: gold win-rate, accuracy and KL of near-greedy completions.
 - Checkpoints and resume, the saved policy, and logging (metrics.jsonl, wandb, curves.png).
+
+Elsewhere: data.py loads models, rewards and prompts; vllm_generator.py is the vLLM engine of the
+asynchronous scripts (the synchronous ones never import it); math_reward.py is the GSM8k reward.
 """
 
 import atexit
-import collections
 import contextlib
 import functools
 import json
-import multiprocessing
 import os
-import queue
 import random
 import re
 import shutil
@@ -35,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+import math_reward
 
 INVALID_LOGPROB = 1.0  # sentinel written at padded positions; masked out of every sum and mean
 
@@ -265,7 +264,7 @@ def gsm8k_artefacts() -> dict:
     reward model and no gold model (evaluation reports accuracy on the test split)."""
     return dict(model_name_or_path="realtreetune/rho-1b-sft-GSM8K", dataset_name="openai/gsm8k:main",
                 prompt_column="question", prompt_template="[MATH_TASK] Problem:\n{question}\n\nSolution:",
-                answer_column="answer", eval_split="test", eval_num_prompts=1319, reward_fn="common:gsm8k_reward",
+                answer_column="answer", eval_split="test", eval_num_prompts=1319, reward_fn="math_reward:gsm8k_reward",
                 max_prompt_length=512, bf16=True, eval_every=32, save_every=64)
 
 
@@ -275,7 +274,7 @@ def toy_math_artefacts() -> dict:
     import toy
 
     return dict(model_name_or_path=toy.MATH_POLICY, dataset_name=toy.MATH_DATASET, prompt_column="question",
-                answer_column="answer", eval_split="test", eval_num_prompts=256, reward_fn="common:gsm8k_reward",
+                answer_column="answer", eval_split="test", eval_num_prompts=256, reward_fn="math_reward:gsm8k_reward",
                 missing_eos_penalty=False, response_length=toy.MATH_RESPONSE_LENGTH, max_prompt_length=16)
 
 
@@ -284,7 +283,6 @@ def cli(args_class, presets: dict[str, Preset]):
     configuration; every other flag still overrides its values."""
     import argparse
     import io
-    import re
 
     import tyro
 
@@ -306,56 +304,8 @@ def cli(args_class, presets: dict[str, Preset]):
 
 
 # ----------------------------------------------------------------------------------------------
-# Models and data
+# What a run loads (data.py loads it) and where it writes
 # ----------------------------------------------------------------------------------------------
-def load_tokenizer(path: str, policy: bool = True):
-    """A tokenizer with a pad token. The policy's is left-padded and needs a stop token; a reward
-    model's keeps the padding side it was saved with, and needs no stop token."""
-    from transformers import AutoTokenizer
-
-    if not os.path.exists(path) and path.count("/") != 1:
-        fail(f"model path {path!r} does not exist (give a local directory or an owner/name hub id)")
-    tokenizer = AutoTokenizer.from_pretrained(path, **({"padding_side": "left"} if policy else {}))
-    if tokenizer.pad_token_id is None:
-        fail(f"tokenizer of {path!r} has no pad token; save it with one "
-             "(e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and resize the model)")
-    if policy and tokenizer.eos_token_id is None:
-        fail(f"tokenizer of {path!r} has no eos token; the policy's stop token is needed for truncation")
-    return tokenizer
-
-
-def eos_token_ids(path: str, tokenizer) -> list[int]:
-    """Every stop token the tokenizer or the model's generation config declares."""
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id}
-    with contextlib.suppress(OSError):
-        declared = GenerationConfig.from_pretrained(path).eos_token_id
-        ids.update(declared if isinstance(declared, list) else [declared] if declared is not None else [])
-    return sorted(ids)
-
-
-def check_reward_model(path: str):
-    """Fail early (before any output exists) when `path` is not a one-label sequence classifier."""
-    from transformers import AutoConfig
-
-    if not os.path.exists(path) and path.count("/") != 1:
-        fail(f"reward model {path!r} does not exist (give a local directory or an owner/name hub id)")
-    num_labels = AutoConfig.from_pretrained(path).num_labels
-    if num_labels != 1:
-        fail(f"reward model {path!r} has {num_labels} labels; a reward model has exactly 1")
-
-
-def load_reward_model(path: str, dtype):
-    """A one-label AutoModelForSequenceClassification, dropout off (a reward, gold or value model)."""
-    from transformers import AutoModelForSequenceClassification
-
-    check_reward_model(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
-    disable_dropout(model)
-    return model
-
-
 def is_decoder_classifier(model) -> bool:
     """Decoder classifiers (Llama, Qwen2, Mistral, GPT-NeoX, GPT-2, ...) apply a `score` head at every
     position and are read at the last real token; encoder classifiers (BERT, RoBERTa, DeBERTa) pool
@@ -363,167 +313,10 @@ def is_decoder_classifier(model) -> bool:
     return isinstance(getattr(model, "score", None), torch.nn.Module)
 
 
-def load_reward_function(spec: str):
-    """The function named by --reward_fn, `path/to/file.py:name` or `module:name`; fails (one line)
-    when it does not resolve."""
-    import importlib
-    import importlib.util
-
-    location, _, name = spec.rpartition(":")
-    if not location or not name:
-        fail(f"--reward_fn {spec!r} must be path/to/file.py:function or module:function")
-    if location.endswith(".py"):
-        if not os.path.isfile(location):
-            fail(f"--reward_fn {spec!r}: no file {location!r}")
-        module_spec = importlib.util.spec_from_file_location(os.path.basename(location)[:-3], location)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as error:
-            fail(f"--reward_fn {spec!r}: importing {location!r} raised {type(error).__name__}: {error}")
-    else:
-        try:
-            module = importlib.import_module(location)
-        except ImportError as error:
-            fail(f"--reward_fn {spec!r}: cannot import module {location!r} ({error})")
-    function = getattr(module, name, None)
-    if not callable(function):
-        fail(f"--reward_fn {spec!r}: {location!r} has no function {name!r}")
-    return function
-
-
-def value_model_path(args) -> str:
-    """Where PPO's value model starts: --value_model_path, else the reward model, else (--reward_fn) the policy."""
-    return args.value_model_path or (args.model_name_or_path if args.reward_fn else args.reward_model_path)
-
-
-def check_value_model(args, task: "Task"):
-    """Fail before any output when the value model cannot give a value at every policy token: it must
-    share the policy's vocabulary and be a decoder (a `score` head at every position), with one label
-    if it is a classifier already."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    path = value_model_path(args)
-    if not os.path.exists(path) and path.count("/") != 1:
-        fail(f"value model {path!r} does not exist (give a local directory or an owner/name hub id)")
-    config = AutoConfig.from_pretrained(path)
-    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels != 1:
-        fail(f"value model {path!r} has {config.num_labels} labels; a value model has exactly 1")
-    if not same_vocabulary(task.tokenizer, load_tokenizer(path, policy=False)):
-        fail(f"the value model {path!r} must share the policy's vocabulary; give --value_model_path with the "
-             f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
-    with torch.device("meta"):  # the architecture alone, no weights
-        model = AutoModelForSequenceClassification.from_config(config)
-    if not is_decoder_classifier(model):
-        fail(f"the value model {path!r} is an encoder classifier, with no value per token; give a decoder "
-             "as --value_model_path (the policy itself, with a fresh head, will do)")
-
-
-def load_value_model(args, dtype):
-    """The value model with one label: the reward model's head as it is, or a fresh scalar head on a
-    causal LM such as the policy."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(value_model_path(args), num_labels=1, dtype=dtype)
-    disable_dropout(model)
-    return model
-
-
-def same_vocabulary(tokenizer_a, tokenizer_b) -> bool:
-    return tokenizer_a.get_vocab() == tokenizer_b.get_vocab()
-
-
-def load_split(name_or_path: str, split: str):
-    """A split from a hub dataset, a `save_to_disk` directory, a data directory, or one json/jsonl/parquet file."""
-    import datasets
-
-    if os.path.isfile(name_or_path):
-        builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(os.path.splitext(name_or_path)[1])
-        if builder is None:
-            fail(f"dataset file {name_or_path!r} is not .json, .jsonl or .parquet")
-        if split != "train":
-            fail(f"dataset file {name_or_path!r} has one split, 'train', not {split!r}; "
-                 "give a directory with one file per split (train.jsonl, validation.jsonl)")
-        try:
-            return datasets.load_dataset(builder, data_files=name_or_path, split="train")
-        except (datasets.exceptions.DatasetGenerationError, StopIteration):  # how datasets reports 0 rows
-            fail(f"dataset {name_or_path!r} split {split!r} is empty or unreadable")
-    if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
-        with open(os.path.join(name_or_path, "dataset_dict.json")) as f:
-            splits = json.load(f)["splits"]
-        if split not in splits:
-            fail(f"dataset {name_or_path!r} has no split {split!r}; it has {sorted(splits)}")
-        try:
-            return datasets.load_from_disk(os.path.join(name_or_path, split))
-        except IndexError:  # how datasets reports a split saved with no rows
-            fail(f"dataset {name_or_path!r} split {split!r} is empty")
-    name, _, config = name_or_path.partition(":")  # owner/name:configuration, as openai/gsm8k:main
-    if not os.path.exists(name_or_path) and name.count("/") != 1:
-        fail(f"dataset {name_or_path!r} does not exist (give a directory, a .json/.jsonl/.parquet file, "
-             "or an owner/name hub id, with :configuration if it has several)")
-    try:
-        return datasets.load_dataset(name, config or None, split=split)
-    except ValueError as error:  # datasets says which splits exist
-        fail(f"dataset {name_or_path!r}: {str(error).splitlines()[0]}")
-
-
-def split_names(name_or_path: str) -> list[str]:
-    """The splits of a dataset (a single file has one, "train")."""
-    import datasets
-
-    if os.path.isfile(name_or_path):
-        return ["train"]
-    if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
-        with open(os.path.join(name_or_path, "dataset_dict.json")) as f:
-            return json.load(f)["splits"]
-    name, _, config = name_or_path.partition(":")
-    try:
-        return datasets.get_dataset_split_names(name, config or None)
-    except Exception:  # whatever datasets raises: load_split then says what is wrong
-        return []
-
-
-def load_prompts(args, tokenizer, split: str):
-    """Tokenized prompts of one split ("input_ids"), with every column of the dataset; prompts longer
-    than `max_prompt_length` are dropped."""
-    dataset = load_split(args.dataset_name, split)
-    import string
-
-    template_columns = [field for _, field, _, _ in string.Formatter().parse(args.prompt_template or "") if field]
-    for column in [args.prompt_column, *template_columns]:
-        if column not in dataset.column_names:
-            fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
-                 f"it has {dataset.column_names}")
-    if len(dataset) == 0:
-        fail(f"dataset {args.dataset_name!r} split {split!r} is empty")
-    if args.chat_template and tokenizer.chat_template is None:
-        fail(f"--chat_template was given but the tokenizer of {args.model_name_or_path!r} has no chat template")
-
-    def tokenize(row):
-        prompt = args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
-        if args.chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                add_generation_prompt=True, tokenize=True, return_dict=False)
-        else:
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return {"input_ids": ids}
-
-    # In memory: datasets' on-disk cache would add new files next to the dataset on every run (the
-    # closures' fingerprints differ between runs), piling up without bound.
-    dataset = dataset.map(tokenize, desc=f"tokenizing {split}", keep_in_memory=True)
-    kept = dataset.filter(lambda row: 0 < len(row["input_ids"]) <= args.max_prompt_length, keep_in_memory=True)
-    if len(kept) < len(dataset):
-        print(f"{split}: dropped {len(dataset) - len(kept)} of {len(dataset)} prompts longer than "
-              f"max_prompt_length={args.max_prompt_length} tokens")
-    if len(kept) == 0:
-        fail(f"every prompt of {args.dataset_name!r} split {split!r} is longer than "
-             f"max_prompt_length={args.max_prompt_length}; raise --max_prompt_length")
-    return kept
-
-
 @dataclass
 class Task:
-    """What every script loads identically: tokenizers, stop tokens, the reward, prompts and the gold scorer."""
+    """What every script loads identically (data.load_task): tokenizers, stop tokens, the reward, prompts
+    and the gold scorer."""
 
     tokenizer: object
     eos_ids: list[int]
@@ -533,70 +326,6 @@ class Task:
     eval_prompts: object | None  # the evaluation prompts (None: evaluation is off)
     gold_score: object | None  # (queries, responses as text) -> gold scores; None: no gold scorer
     has_references: bool  # whether eval_prompts has --reference_column (for the gold win-rate)
-
-
-def is_toy_dataset(args) -> bool:
-    import toy
-
-    return os.path.abspath(args.dataset_name) == os.path.abspath(toy.DATASET)
-
-
-def load_task(args, rank: int, dtype) -> Task:
-    """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for.
-
-    Evaluation prompts come from --eval_split, or, when the dataset has no such split, are the last
-    --eval_num_prompts train prompts (at most a fifth of them), held out from training.
-    """
-    import toy
-
-    for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math), (toy.LARGE_DIR, toy.build_large)):
-        if folder in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
-            if rank == 0:
-                build()
-            torch.distributed.barrier()
-    if args.gold_model_path == "toy" and not is_toy_dataset(args):
-        fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
-             "reward model, or leave it out (evaluation then reports the proxy reward and KL)")
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    reward_fn = reward_tokenizer = None
-    if args.reward_fn:
-        reward_fn = load_reward_function(args.reward_fn)
-    else:
-        check_reward_model(args.reward_model_path)
-        reward_tokenizer = load_tokenizer(args.reward_model_path, policy=False)
-        if same_vocabulary(tokenizer, reward_tokenizer):
-            reward_tokenizer = None
-    gold_path = args.gold_model_path or ("toy" if is_toy_dataset(args) else None)
-    if gold_path not in (None, "toy"):
-        check_reward_model(gold_path)
-    train_prompts = load_prompts(args, tokenizer, args.train_split)
-    eval_prompts = None
-    if args.eval_split not in split_names(args.dataset_name):  # held out even with --eval_every 0: the
-        held_out = min(args.eval_num_prompts, len(train_prompts) // 5)  # training prompts never depend on it
-        eval_prompts = train_prompts.select(range(len(train_prompts) - held_out, len(train_prompts)))
-        train_prompts = train_prompts.select(range(len(train_prompts) - held_out))
-        if rank == 0:
-            print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
-                  f"{args.train_split!r} prompts are held out for evaluation")
-    elif args.eval_every:
-        eval_prompts = load_prompts(args, tokenizer, args.eval_split)
-    if not args.eval_every:
-        eval_prompts = None
-    else:
-        eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
-    has_references = eval_prompts is not None and args.reference_column in eval_prompts.column_names
-    if eval_prompts is not None and args.answer_column and args.answer_column not in eval_prompts.column_names:
-        fail(f"--answer_column {args.answer_column!r} is not a column of the evaluation prompts; they have "
-             f"{eval_prompts.column_names}")
-    if eval_prompts is not None and rank == 0:
-        print(f"evaluation on {len(eval_prompts)} prompts: "
-              + ("gold win-rate against the references, " if gold_path and has_references else "")
-              + ("gold score, " if gold_path else "no gold scorer, ")
-              + ("accuracy, " if args.answer_column else "") + "proxy reward and KL")
-    return Task(tokenizer=tokenizer, eos_ids=eos_token_ids(args.model_name_or_path, tokenizer),
-                reward_tokenizer=reward_tokenizer, reward_fn=reward_fn, train_prompts=train_prompts,
-                eval_prompts=eval_prompts, has_references=has_references,
-                gold_score=load_gold_scorer(gold_path, dtype, tokenizer) if gold_path and eval_prompts else None)
 
 
 def resolve_output_dir(args):
@@ -616,29 +345,6 @@ def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[tor
         ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
         mask[row, width - len(sequence):] = 1
     return ids.to(device), mask.to(device)
-
-
-class PromptSampler:
-    """Endless shuffled prompt batches; each rank takes its own slice of every global batch.
-
-    The order depends only on (seed, epoch), and `position` counts global batches drawn, so a
-    resumed run continues with exactly the batches the interrupted run would have seen.
-    """
-
-    def __init__(self, num_prompts: int, local_batch_size: int, rank: int, world_size: int, seed: int):
-        self.global_batch_size = local_batch_size * world_size
-        if num_prompts < self.global_batch_size:
-            fail(f"the train split has {num_prompts} prompts, fewer than one batch of {self.global_batch_size}")
-        self.num_prompts, self.local_batch_size, self.rank, self.seed = num_prompts, local_batch_size, rank, seed
-        self.batches_per_epoch = num_prompts // self.global_batch_size
-        self.position = 0
-
-    def next_indices(self) -> list[int]:
-        epoch, batch = divmod(self.position, self.batches_per_epoch)
-        order = torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
-        start = batch * self.global_batch_size + self.rank * self.local_batch_size
-        self.position += 1
-        return order[start:start + self.local_batch_size].tolist()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -817,27 +523,6 @@ def function_rewards(task: "Task", args, rollout: "Rollout", prompt_rows: dict, 
     return torch.tensor(scores, device=rollout.responses.device)
 
 
-FINAL_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
-
-
-def final_answer(text: str) -> float | None:
-    """The number after the first `####` of `text` (GSM8k's answer format), commas removed; None without one."""
-    match = FINAL_ANSWER.search(text)
-    return float(match.group(1).replace(",", "")) if match else None
-
-
-def same_final_answer(completion: str, solution: str) -> bool:
-    """Whether `completion` has a final answer (`#### N`) and it equals that of `solution`."""
-    return final_answer(completion) is not None and final_answer(completion) == final_answer(solution)
-
-
-def gsm8k_reward(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
-    """`--reward_fn common:gsm8k_reward`, the reward of the paper's math runs: 1 where the completion's final
-    answer (`#### N`) equals that of its solution in the dataset's `answer` column (GSM8k's solutions end
-    with one), else 0; a completion without `#### N` scores 0."""
-    return [float(same_final_answer(c, solution)) for c, solution in zip(completions, answer, strict=True)]
-
-
 def generate(model, query_ids, query_mask, response_length, temperature, eos_ids, pad_token_id, top_p=1.0):
     """Sample `response_length` new tokens with HF generate; rows that stop early are right-padded."""
     output = model.generate(input_ids=query_ids, attention_mask=query_mask, max_new_tokens=response_length,
@@ -952,510 +637,8 @@ def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> d
 
 
 # ----------------------------------------------------------------------------------------------
-# vLLM: placement, generation and weight sync (one place that knows vLLM's internals)
-# ----------------------------------------------------------------------------------------------
-def engine_placement(args, world_size: int) -> tuple[dict[str, str], list[int], list[int]]:
-    """Where the engine runs: the environment of its process, its cores and the trainer's cores.
-
-    GPU: it sees only `--vllm_device` (default the GPU after the training ranks'). CPU: it runs on
-    the last `--vllm_cpu_threads` cores and the trainer keeps the others. "shared" (one training
-    rank): the engine on the trainer's own device, its GPU or all its cores; the two take turns.
-    """
-    device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else f"cuda:{world_size}")
-    # the engine runs inside the generator process: no further processes, no inter-process polling
-    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    cores = engine_cores = trainer_cores = sorted(os.sched_getaffinity(0))
-    if device == "shared":
-        if world_size != 1:
-            fail(f"--vllm_device shared puts the engine on the device of a single training rank, not {world_size}")
-        if not torch.cuda.is_available():  # on a GPU it sees the trainer's GPUs, and takes the first, as the trainer
-            environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
-                               VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
-    elif device == "cpu":
-        if not 0 < args.vllm_cpu_threads < len(cores):
-            fail(f"--vllm_cpu_threads {args.vllm_cpu_threads} must leave the trainer at least one of "
-                 f"the {len(cores)} cores")
-        engine_cores, trainer_cores = cores[-args.vllm_cpu_threads:], cores[:-args.vllm_cpu_threads]
-        environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)),
-                           VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
-    elif device.startswith("cuda:"):
-        environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
-    else:
-        fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
-    return environment, engine_cores, trainer_cores
-
-
-def start_generator(args, world_size: int, target, target_args: tuple):
-    """Spawn the generator process, which runs `target(*target_args)` and holds the vLLM engine
-    (start_vllm), placed by engine_placement: it never shares the GIL, nor on a CPU a core, with
-    this process, the trainer."""
-
-    environment, engine_cores, trainer_cores = engine_placement(args, world_size)
-    generator = multiprocessing.get_context("spawn").Process(target=target, args=target_args, daemon=True,
-                                                              name="generator")
-    os.sched_setaffinity(0, engine_cores)  # a new process inherits its parent's cores and environment
-    trainer_environment = dict(os.environ)
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(name, None)  # not a training rank: vLLM sets up its own one-process world
-    os.environ.update(environment)
-    # ... and ignored signals: a preemption signal sent to the whole process group leaves the engine
-    # sampling ahead, for the trainer's checkpoint; the trainer stops it after. Blocked meanwhile, so
-    # that one arriving now reaches the trainer's handler once restored.
-    signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
-    trainer_handlers = {number: signal.signal(number, signal.SIG_IGN) for number in PREEMPTION_SIGNALS}
-    try:
-        generator.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(trainer_environment)
-        for number, handler in trainer_handlers.items():
-            signal.signal(number, handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
-    os.sched_setaffinity(0, trainer_cores)
-    torch.set_num_threads(len(trainer_cores))
-    return generator
-
-
-def start_vllm(args):
-    """A vLLM engine for the policy, in this process: the generator process, placed on the engine's
-    device by engine_placement's environment."""
-    from vllm import LLM
-
-    return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-               max_model_len=args.max_prompt_length + args.response_length,
-               enforce_eager=not torch.cuda.is_available(), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-               logprobs_mode="processed_logprobs",  # after temperature and top_p, as the trainer computes them
-               # whole prompts per engine step: a prompt split across steps rewinds its seeded generator,
-               # which vLLM 0.32 cannot do on a CPU ("CPU Generator does not use offset")
-               enable_chunked_prefill=False)
-
-
-def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids, pad_token_id):
-    """Sample one completion per prompt with a per-row seed (reproducible however vLLM batches).
-
-    Returns responses (rows, response_len) right-padded, and the engine's log-probs of the sampled
-    tokens at the sampling temperature and top_p (INVALID_LOGPROB at pads).
-    """
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = [SamplingParams(temperature=args.temperature, top_k=0, top_p=args.top_p, max_tokens=args.response_length,
-                             stop_token_ids=eos_ids, logprobs=0, seed=seed,  # the sampled token's log-prob only
-                             # token ids and plain lists: the least output work in the engine's client
-                             detokenize=False, flat_logprobs=True)
-              for seed in seeds]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    responses = torch.full((len(prompts), args.response_length), pad_token_id, dtype=torch.long)
-    logprobs = torch.full((len(prompts), args.response_length), INVALID_LOGPROB)
-    for row, output in enumerate(outputs):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        responses[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logprobs[row, :len(tokens)] = torch.tensor(completion.logprobs.logprobs)  # one per token (logprobs=0)
-    return responses, logprobs
-
-
-WEIGHT_BUCKET_BYTES = 256 * 2**20  # one send: the most a ZeRO-3 rank gathers at once, and the size of a message
-
-
-def weight_buckets(sizes: list[int], element_bytes: int) -> list[range]:
-    """Consecutive parameter indices grouped into buckets of at most WEIGHT_BUCKET_BYTES (a larger
-    parameter alone): sender and receiver agree on them from the parameter sizes alone."""
-    buckets, start, total = [], 0, 0
-    for index, size in enumerate(sizes):
-        if index > start and (total + size) * element_bytes > WEIGHT_BUCKET_BYTES:
-            buckets.append(range(start, index))
-            start, total = index, 0
-        total += size
-    return [*buckets, range(start, len(sizes))]
-
-
-def uses_nccl(args) -> bool:
-    """Weights travel over NCCL between two GPUs, over gloo otherwise: on a CPU, and when the engine
-    shares the trainer's GPU (NCCL cannot connect a GPU with itself)."""
-    return torch.cuda.is_available() and args.vllm_device != "shared"
-
-
-def weight_channel(args, store, rank: int):
-    """The process group of two that carries the weights: trainer rank 0 (rank 0, whose TCP store
-    `store` is) and the generator process (rank 1). Its operations fail after --generator_timeout."""
-    from datetime import timedelta
-
-    timeout = timedelta(seconds=args.generator_timeout)
-    if uses_nccl(args):
-        options = torch.distributed.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
-    return torch.distributed.ProcessGroupGloo(store, rank, 2, timeout)
-
-
-def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
-    """Rank 0's `flat` into rank 1's (the same size and dtype), waited for at most `timeout` seconds."""
-    from datetime import timedelta
-
-    channel.broadcast([flat], torch.distributed.BroadcastOptions()).wait(timedelta(seconds=timeout))
-
-
-def load_engine_weights(llm, model):
-    """The engine takes the weights of `model` (the policy's HF model in this process) from memory.
-    The worker's `reload_weights` re-runs the CPU backend's weight repacking, which per-parameter
-    `load_weights` skips (it breaks on CPU); the state dict names tied weights twice, as a checkpoint does."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
-
-
-class WeightReceiver:
-    """The generator process's end of the weight channel: a thread receives each version the trainer
-    sends, while the engine samples, into buffers of its own (one set per version not yet loaded:
-    K at most); `load` puts one into the sampling policy, then into the engine."""
-
-    def __init__(self, args, port: int, sampling_policy, published):
-        import threading
-
-        self.args, self.sampling_policy = args, sampling_policy
-        self.parameters = [p for _, p in sampling_policy.named_parameters()]  # the trainer sends in this order
-        self.buckets = weight_buckets([p.numel() for p in self.parameters], self.parameters[0].element_size())
-        self.received, self.error, self.condition = {}, None, threading.Condition()
-        threading.Thread(target=self._receive, args=(port, published), daemon=True, name="weight receiver").start()
-
-    def _receive(self, port: int, published):
-        try:
-            from datetime import timedelta
-
-            # the trainer connects once it has seen the engine start, maybe after its first evaluation
-            store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(days=1))
-            channel = weight_channel(self.args, store, rank=1)
-            device = "cuda" if uses_nccl(self.args) else "cpu"
-            dtype = self.parameters[0].dtype
-            while True:
-                version = published.get()  # announced just before its buckets
-                flats = []
-                for bucket in self.buckets:
-                    flat = torch.empty(sum(self.parameters[i].numel() for i in bucket), dtype=dtype, device=device)
-                    broadcast_bucket(channel, flat, self.args.generator_timeout)
-                    flats.append(flat)
-                with self.condition:
-                    self.received[version] = flats
-                    self.condition.notify_all()
-        except BaseException as error:
-            with self.condition:
-                self.error = error
-                self.condition.notify_all()
-
-    def wait_for(self, version: int) -> bool:
-        """Wait until `version` has arrived; False when the trainer is gone."""
-        with self.condition:
-            while version not in self.received:
-                if self.error is not None:
-                    raise RuntimeError(f"receiving the weights of update {version} failed: {self.error}")
-                if not multiprocessing.parent_process().is_alive():
-                    return False
-                self.condition.wait(timeout=0.1)
-        return True
-
-    @torch.no_grad()
-    def load(self, version: int, llm):
-        """Load the arrived `version` into the sampling policy, then into the engine, and free its buffers."""
-        with self.condition:
-            flats = self.received.pop(version)
-        for bucket, flat in zip(self.buckets, flats):
-            for index, values in zip(bucket, flat.split([self.parameters[i].numel() for i in bucket])):
-                parameter, values = self.parameters[index], values.view_as(self.parameters[index])
-                if values.device == parameter.device:
-                    parameter.data = values  # the received buffer becomes the weight: no copy
-                else:  # gloo carries CPU tensors to an engine on the trainer's GPU
-                    parameter.copy_(values)
-        load_engine_weights(llm, self.sampling_policy)
-
-
-def check_async_args(args):
-    """The asynchronous scripts' own flags, checked before anything is written."""
-    if args.async_steps < 0:
-        fail(f"--async_steps must be 0 (synchronous) or more, got {args.async_steps}")
-    for name in ("engine_start_timeout", "generator_timeout"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name} must be positive (seconds), got {getattr(args, name)}")
-    if args.max_logprob_diff is not None and args.max_logprob_diff <= 0:
-        fail(f"--max_logprob_diff must be positive, got {args.max_logprob_diff}")
-    if args.logprob_check_rows < 1:
-        fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), got {args.logprob_check_rows}")
-
-
-ENGINE_STARTED = {"engine": "started"}  # the generator process's first message (errors are text)
-
-
-@torch.no_grad()
-def sample_batch(llm, sampling_policy, queries: list[list[int]], update: int, args, eos_ids, pad_token_id) -> dict:
-    """One completion per row of `queries` from the engine, and the check behind async/logprob_diff.
-
-    Per-row seeds depend on (seed, update, row) alone: the samples do not depend on how vLLM batches
-    them, nor on a resume. async/logprob_diff is the mean |engine log-prob - trainer log-prob| over the
-    first --logprob_check_rows rows, the trainer's recomputed with `sampling_policy`, an HF model that
-    holds the weights the engine sampled with. Arrays are numpy: they cross processes by value (torch
-    tensors would be shared, and vanish with the process that made them).
-    """
-    t0 = time.time()
-    rng = random.Random(args.seed * 1_000_003 + update)
-    responses, logprobs = vllm_generate(llm, queries, [rng.getrandbits(63) for _ in queries], args, eos_ids,
-                                        pad_token_id)  # (N, R) each
-    t1 = time.time()
-    checked, device = slice(0, args.logprob_check_rows), sampling_policy.device
-    query_ids, query_mask = left_pad(queries[checked], pad_token_id, device)
-    checked_responses = responses[checked].to(device)
-    _, lengths, _ = truncate_after_eos(checked_responses, eos_ids, pad_token_id)
-    trainer_logprobs = in_chunks(functools.partial(response_logprobs, sampling_policy, temperature=args.temperature,
-                                                   top_p=args.top_p),
-                                 args.local_rollout_forward_batch_size, query_ids, query_mask, checked_responses,
-                                 lengths)
-    mask = response_mask(lengths, args.response_length)
-    logprob_diff = masked_mean((logprobs[checked].to(device) - trainer_logprobs).abs(), mask)
-    return {"update": update, "queries": queries, "responses": responses.numpy(), "logprobs": logprobs.numpy(),
-            "time/generate": t1 - t0, "time/logprob_check": time.time() - t1, "async/logprob_diff": logprob_diff}
-
-
-ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
-               "--resume continues from it")
-
-
-def generate_ahead(args, prompts, sampler, updates: range, first_version: int, num_samples: int, eos_ids,
-                   pad_token_id, weight_port: int, published, batches, requests):
-    """The generator process (rank 0's), which holds the vLLM engine: batch t is sampled with exactly the
-    weights after update t-1-K (K = --async_steps), or `first_version`, the weights the run started
-    from, if that is later.
-
-    The trainer announces each weight version on the queue `published` and sends it over the weight
-    channel (WeightReceiver, port `weight_port`); ENGINE_STARTED, then the batches (or the error that
-    stopped this process, as text) go to the queue `batches`. With `requests` (an engine sharing the
-    trainer's device), batch t is sampled only once the trainer has asked for it there, so that the two
-    take turns. It ends after the last batch, when the trainer kills it, or once the trainer is gone.
-    """
-
-    try:
-        import threading
-
-        import tqdm
-        from transformers import AutoModelForCausalLM
-
-        # the engine's progress bars without tqdm's multiprocessing lock, which the resource tracker would
-        # report as leaked, after the trainer's error, when the trainer kills this process
-        tqdm.tqdm.set_lock(threading.RLock())
-
-        # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's
-        # device (this process sees only the engine's GPU)
-        sampling_policy = AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
-        sampling_policy.to("cuda" if torch.cuda.is_available() else "cpu")
-        llm = start_vllm(args)
-        # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
-        # backend, which decorates their HF classes in this process for torch.compile: an HF model of
-        # that class can then only be made before the engine (as above), and must opt out of it
-        for module in sampling_policy.modules():
-            module.do_not_compile = True
-        receiver = WeightReceiver(args, weight_port, sampling_policy, published)
-        batches.put(ENGINE_STARTED)
-        loaded = 0  # the engine starts with the SFT weights, version 0
-        requested = 0
-        for update in updates:
-            version = max(update - 1 - args.async_steps, first_version)
-            if version != loaded and not receiver.wait_for(version):
-                return  # no trainer: free the engine's device
-            while requests is not None and requested < update:
-                if not multiprocessing.parent_process().is_alive():
-                    return
-                with contextlib.suppress(queue.Empty):
-                    requested = requests.get(timeout=0.1)
-            t0 = time.time()
-            if version != loaded:
-                receiver.load(version, llm)
-            weight_load = time.time() - t0
-            indices = sampler.next_indices()
-            queries = [prompts[i] for i in indices for _ in range(num_samples)]
-            batch = sample_batch(llm, sampling_policy, queries, update, args, eos_ids, pad_token_id)
-            if version != loaded:  # the proof that the engine took the new weights
-                check_engine_took_weights(batch["async/logprob_diff"], version, args)
-                loaded = version
-            batches.put({**batch, "prompt_indices": indices, "version": version, "time/weight_load": weight_load})
-    except BaseException as error:  # any failure must reach the trainer, which stops with it
-        batches.put(f"{type(error).__name__}: {error}")
-
-
-def max_logprob_diff(args) -> float:
-    """--max_logprob_diff, or its default for the dtype."""
-    if args.max_logprob_diff is not None:
-        return args.max_logprob_diff
-    return 0.1 if args.bf16 else 1e-3
-
-
-def check_engine_took_weights(logprob_diff: float, version: int, args):
-    """vLLM has had bugs where a reload kept serving the old weights: the first batch after each load
-    must have the trainer's log-probs (async/logprob_diff, from the sampling policy, which holds the
-    weights just sent) within --max_logprob_diff."""
-    if logprob_diff > max_logprob_diff(args):
-        raise RuntimeError(
-            f"after loading the weights of update {version}, the engine's log-probs differ from the trainer's "
-            f"by {logprob_diff:.3g} per token (async/logprob_diff), more than --max_logprob_diff "
-            f"{max_logprob_diff(args):g}: the engine did not take the new weights")
-
-
-class AsyncGenerator:
-    """The trainer's side of the generator process (generate_ahead, placed by start_generator).
-
-    Every rank makes one and makes each call; only rank 0 talks to the process and hands each rank
-    its share. Weights reach the engine in memory, over a process group of rank 0 and the process (gloo
-    or NCCL), announced by version number. Batches an interrupted run had sampled ahead
-    (`state.pending_batches`) come first; the process carries on drawing prompts from `sampler` (whole
-    global batches) after them. The process is stopped when the trainer exits, however it exits.
-    """
-
-    def __init__(self, args, task: Task, sampler: PromptSampler, state: "OnlineTrainerState", num_updates: int,
-                 num_samples: int):
-        self.args, self.rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.num_updates, self.num_samples = num_updates, num_samples
-        self.prompts_per_rank = sampler.global_batch_size // world_size
-        self.sampled_ahead = collections.deque(state.pending_batches)
-        sampler.position = state.data_position + len(self.sampled_ahead)
-        self.published = self.batches = self.requests = self.process = self.channel = None
-        self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
-        if self.rank == 0:
-            from datetime import timedelta
-
-            # the weight channel's rendezvous, on a free port; the channel itself once the engine has started
-            self.store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                                                    timeout=timedelta(seconds=args.generator_timeout))
-            context = multiprocessing.get_context("spawn")
-            self.published, self.batches = context.Queue(), context.Queue()
-            if args.vllm_device == "shared":  # one device for both: the engine samples when the trainer waits
-                self.requests = context.Queue()
-            first_update = state.update + len(self.sampled_ahead) + 1
-            # generate_ahead is looked up now, so that tests can put a faulty one in its place
-            self.process = start_generator(args, world_size, generate_ahead, (
-                args, task.train_prompts["input_ids"], sampler, range(first_update, num_updates + 1), state.update,
-                num_samples, task.eos_ids, task.tokenizer.pad_token_id, self.store.port, self.published,
-                self.batches, self.requests))
-            atexit.register(self.stop)  # however the trainer exits
-            STOP_BEFORE_FAILING.append(self.stop)
-
-    def _receive(self, timeout: float, timeout_error: str):
-        """The process's next message; stops within a second when it has failed or died, and with
-        `timeout_error` after `timeout` seconds."""
-        deadline = time.time() + timeout
-        while True:
-            alive = self.process.is_alive()  # before reading, so that what it sent before it ended is read first
-            try:
-                item = self.batches.get(timeout=0.5)
-            except queue.Empty:
-                if not alive:
-                    fail(ENGINE_DIED)
-                if time.time() > deadline:
-                    fail(timeout_error)
-                continue
-            if isinstance(item, str):
-                fail(f"generation failed: {item}")
-            return item
-
-    def _next_batch(self) -> dict:
-        """The next whole batch from the process (asked for first, when the engine shares the trainer's
-        device), its arrays as tensors."""
-        if self.requests is not None:
-            self.requested += 1
-            self.requests.put(self.requested)
-        timeout = self.args.generator_timeout
-        item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
-        return {**item, "responses": torch.from_numpy(item["responses"]),
-                "logprobs": torch.from_numpy(item["logprobs"])}
-
-    def wait_for_engine(self):
-        """Wait until the engine has started (it loads the model and warms up while the trainer sets up)."""
-        if self.rank == 0:
-            timeout = self.args.engine_start_timeout
-            self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
-            self.channel = weight_channel(self.args, self.store, rank=0)  # the process waits for it by now
-
-    def batch_for(self, update: int) -> dict:
-        """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
-        per sample (each prompt's adjacent) "queries" (token lists), "responses" and the engine's "logprobs"
-        (N, R); the weight "version" it was sampled with, and the generator's timings."""
-        shares = None
-        if self.rank == 0:
-            batch = self.sampled_ahead.popleft() if self.sampled_ahead else self._next_batch()
-            assert batch["update"] == update
-            prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
-            shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
-                       **{name: batch[name][r * rows:(r + 1) * rows] for name in ("queries", "responses", "logprobs")}}
-                      for r in range(torch.distributed.get_world_size())]
-        received = [None]
-        torch.distributed.scatter_object_list(received, shares, src=0)
-        return received[0]
-
-    def publish_weights(self, engine, version: int, part: str | None = None):
-        """Send the policy's weights after update `version` to the engine, announced by version number,
-        bucket by bucket (every rank calls it: under ZeRO-3 a rank gathers one bucket at a time). `part`:
-        the policy's attribute name when the engine trains more than the policy."""
-        if version > self.num_updates - 1 - self.args.async_steps:
-            return  # no batch samples with these weights (and the process may have ended)
-        model = engine.module if part is None else getattr(engine.module, part)
-        parameters = [p for _, p in model.named_parameters()]  # the order the receiver expects
-        if self.rank == 0:
-            self.published.put(version)
-        sizes = [getattr(p, "ds_numel", p.numel()) for p in parameters]  # ZeRO-3 shards: their whole size
-        for bucket in weight_buckets(sizes, parameters[0].element_size()):
-            with gathered(engine, [parameters[i] for i in bucket]):
-                if self.rank == 0:
-                    flat = torch.cat([parameters[i].detach().reshape(-1) for i in bucket])
-                    self._send(flat.to("cuda" if uses_nccl(self.args) else "cpu"), version)
-
-    def _send(self, flat: torch.Tensor, version: int):
-        try:
-            broadcast_bucket(self.channel, flat, self.args.generator_timeout)
-        except RuntimeError:  # the process's own error, or its death, says more than the channel's
-            message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
-                       f"--generator_timeout {self.args.generator_timeout:g} s")
-            while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this
-                self._receive(2.0, message)
-
-    def sample_ahead(self, update: int) -> list[dict]:
-        """The batches for the updates after `update` that the process samples with weights older than
-        update's (min(K, updates left)), waited for: a checkpoint saves them, so that a resumed run trains
-        on exactly these samples. Rank 0's list; empty on the other ranks."""
-        while self.rank == 0 and len(self.sampled_ahead) < min(self.args.async_steps, self.num_updates - update):
-            self.sampled_ahead.append(self._next_batch())
-        return list(self.sampled_ahead)
-
-    def stop(self):
-        """Stop the process (SIGKILL: it ignores the preemption signals, and holds nothing that needs
-        saving)."""
-        if self.process is not None:
-            self.process.kill()  # nothing happens if it has ended by itself, after the run's last batch
-            self.process.join()
-            self.process = None
-
-
-# ----------------------------------------------------------------------------------------------
 # Evaluation (ALGORITHMS.md, "Evaluation")
 # ----------------------------------------------------------------------------------------------
-def load_gold_scorer(path: str, dtype, policy_tokenizer):
-    """A function (queries, responses as text) -> gold scores. Responses end with the policy's EOS text
-    when they stopped.
-
-    "toy" is the embedded task's programmatic scorer; anything else is a reward model path, scored
-    through its own tokenizer (score_texts), which sees its own EOS text where the policy's stood.
-    """
-    if path == "toy":
-        import toy
-
-        return toy.gold_score
-    model = load_reward_model(path, dtype).eval().to(local_device())
-    tokenizer = load_tokenizer(path, policy=False)
-    eos = policy_tokenizer.eos_token
-
-    @torch.no_grad()
-    def gold_score(queries: list[str], responses: list[str]) -> list[float]:
-        texts, stopped = [q + r.replace(eos, "") for q, r in zip(queries, responses)], [eos in r for r in responses]
-        return [score for start in range(0, len(texts), 16)
-                for score in score_texts(model, tokenizer, texts[start:start + 16], stopped[start:start + 16]).tolist()]
-
-    return gold_score
-
-
 @torch.no_grad()
 def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | None = None) -> dict[str, float]:
     """Near-greedy completions of the evaluation prompts: their proxy reward, their gold score and gold
@@ -1490,7 +673,7 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
         greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
         if args.answer_column:
             _, completions = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, True)
-            totals["accuracy"] += sum(map(same_final_answer, completions, batch[args.answer_column]))
+            totals["accuracy"] += sum(map(math_reward.same_final_answer, completions, batch[args.answer_column]))
         if gold_score is not None:
             queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
             policy_gold = torch.tensor(gold_score(queries, responses))

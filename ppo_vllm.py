@@ -19,7 +19,9 @@ from typing import Literal
 import torch
 
 import common
+import data
 import toy
+import vllm_generator
 
 
 @dataclass
@@ -316,16 +318,16 @@ def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
 # (left-padded), R response tokens (the batch's longest, at most --response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
-    common.check_async_args(args)
+    vllm_generator.check_async_args(args, world_size)
     local_batch_size, num_updates = common.batch_sizes(args, world_size)
     batch_size = local_batch_size * world_size
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    task = common.load_task(args, rank, dtype)
-    common.check_value_model(args, task)
+    task = data.load_task(args, rank, dtype)
+    data.check_value_model(args, task)
     # the engine samples whole global batches; each rank trains on its share of one
-    sampler = common.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
+    sampler = data.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
         common.prepare_output_dir(args)
     torch.distributed.barrier()
@@ -334,8 +336,8 @@ def main(args: Args):
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    value_model = common.load_value_model(args, dtype)
-    reward_model = None if args.reward_fn else common.load_reward_model(args.reward_model_path, dtype)
+    value_model = data.load_value_model(args, dtype)
+    reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
     for model in (policy, ref_policy):
         common.disable_dropout(model)
     agent = PolicyAndValue(policy, value_model)
@@ -355,7 +357,7 @@ def main(args: Args):
     # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them.
-    generator = common.AsyncGenerator(args, task, sampler, state, num_updates, 1)
+    generator = vllm_generator.AsyncGenerator(args, task, sampler, state, num_updates, 1)
     if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
     generator.wait_for_engine()

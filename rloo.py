@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 import common
+import data
 import toy
 
 
@@ -204,8 +205,8 @@ def main(args: Args):
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    task = common.load_task(args, rank, dtype)
-    sampler = common.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
+    task = data.load_task(args, rank, dtype)
+    sampler = data.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
         common.prepare_output_dir(args)
     torch.distributed.barrier()
@@ -214,7 +215,7 @@ def main(args: Args):
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    reward_model = None if args.reward_fn else common.load_reward_model(args.reward_model_path, dtype)
+    reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
     for model in (policy, ref_policy):
         common.disable_dropout(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)

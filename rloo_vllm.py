@@ -19,7 +19,9 @@ from typing import Literal
 import torch
 
 import common
+import data
 import toy
+import vllm_generator
 
 
 @dataclass
@@ -207,7 +209,7 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
     if args.num_samples < 2:
         common.fail(f"--num_samples must be at least 2: the leave-one-out baseline needs another sample, "
                     f"got {args.num_samples}")
-    common.check_async_args(args)
+    vllm_generator.check_async_args(args, world_size)
     return common.batch_sizes(args, world_size)
 
 
@@ -249,9 +251,9 @@ def main(args: Args):
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    task = common.load_task(args, rank, dtype)
+    task = data.load_task(args, rank, dtype)
     # the engine samples whole global batches; each rank trains on its share of one
-    sampler = common.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
+    sampler = data.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
         common.prepare_output_dir(args)
     torch.distributed.barrier()
@@ -260,7 +262,7 @@ def main(args: Args):
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    reward_model = None if args.reward_fn else common.load_reward_model(args.reward_model_path, dtype)
+    reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
     for model in (policy, ref_policy):
         common.disable_dropout(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
@@ -279,7 +281,7 @@ def main(args: Args):
     # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them.
-    generator = common.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
+    generator = vllm_generator.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
     if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
     generator.wait_for_engine()

@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -437,10 +438,14 @@ def math_sft_loss(policy, tokenizer, problems, rng, batch_size=32) -> torch.Tens
     return (token_losses * is_response[:, 1:]).sum() / is_response.sum()
 
 
+def states_the_sum(completion: str, a: int, b: int) -> bool:
+    """Whether the number after the completion's first `####` (GSM8k's answer format) is a + b."""
+    match = re.search(r"####\s*(-?[\d,]*\.?\d+)", completion)
+    return match is not None and float(match.group(1).replace(",", "")) == a + b
+
+
 def measure_math(folder: str) -> dict:
     """The SFT policy's accuracy on the test problems, from the saved artefacts."""
-    import common
-
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "sft_policy"))
     policy = LlamaForCausalLM.from_pretrained(os.path.join(folder, "sft_policy"))
     test = load_from_disk(os.path.join(folder, "dataset"))["test"]
@@ -450,7 +455,7 @@ def measure_math(folder: str) -> dict:
         with torch.no_grad():
             output = policy.generate(**inputs, max_new_tokens=MATH_RESPONSE_LENGTH, **sampling)
         completions = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        accuracy[name] = sum(map(common.same_final_answer, completions, test["answer"])) / len(test)
+        accuracy[name] = sum(map(states_the_sum, completions, test["a"], test["b"])) / len(test)
     carrying = [a % 10 + b % 10 >= 10 for a, b in zip(test["a"], test["b"])]
     return {"sft_greedy_accuracy": accuracy["greedy"], "sft_sampled_accuracy": accuracy["sampled"],
             "carrying_share": sum(carrying) / len(carrying),

@@ -1,18 +1,18 @@
 """Generator processes with an injected fault, for online_dpo_vllm.py's fault tests.
 
 The generator runs in a spawned process, which imports this module and calls the function that
-replaced common.generate_ahead in the trainer (tests/run_with_faulty_generator.py); the fault is
-injected there, in the generator's own copy of common.
+replaced vllm_generator.generate_ahead in the trainer (tests/run_with_faulty_generator.py); the fault is
+injected there, in the generator's own copy of vllm_generator.
 """
 
 import time
 
-import common
+import vllm_generator
 
 
 def with_vllm_generate_fault(fault, at_call: int):
-    """common.vllm_generate, calling `fault()` instead at its `at_call`-th call."""
-    generate, calls = common.vllm_generate, []
+    """vllm_generator.vllm_generate, calling `fault()` instead at its `at_call`-th call."""
+    generate, calls = vllm_generator.vllm_generate, []
 
     def faulty_generate(*args, **kwargs):
         calls.append(1)
@@ -29,8 +29,8 @@ def raise_fault():
 
 def failing_generate_ahead(*args):
     """Raises at the second batch."""
-    common.vllm_generate = with_vllm_generate_fault(raise_fault, at_call=2)
-    common.generate_ahead(*args)
+    vllm_generator.vllm_generate = with_vllm_generate_fault(raise_fault, at_call=2)
+    vllm_generator.generate_ahead(*args)
 
 
 def never_starting_generate_ahead(*args):
@@ -40,18 +40,18 @@ def never_starting_generate_ahead(*args):
 
 def hanging_generate_ahead(*args):
     """Hangs at batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)."""
-    common.vllm_generate = with_vllm_generate_fault(lambda: time.sleep(3600), at_call=3)
-    common.generate_ahead(*args)
+    vllm_generator.vllm_generate = with_vllm_generate_fault(lambda: time.sleep(3600), at_call=3)
+    vllm_generator.generate_ahead(*args)
 
 
 def stale_engine_generate_ahead(*args):
     """Receives every weight version but never loads one into the engine: it keeps sampling with the
     starting weights, as vLLM bugs have done."""
-    common.load_engine_weights = lambda llm, model: None
-    common.generate_ahead(*args)
+    vllm_generator.load_engine_weights = lambda llm, model: None
+    vllm_generator.generate_ahead(*args)
 
 
 def hanging_receiver_generate_ahead(*args):
     """Its weight receiver hangs at the first version the trainer sends."""
-    common.broadcast_bucket = lambda channel, flat, timeout: time.sleep(3600)
-    common.generate_ahead(*args)
+    vllm_generator.broadcast_bucket = lambda channel, flat, timeout: time.sleep(3600)
+    vllm_generator.generate_ahead(*args)

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import common
+import vllm_generator
 
 
 class InlineGenerator:
-    """Stands in for common.AsyncGenerator: batch t is sampled with the weights published after
+    """Stands in for vllm_generator.AsyncGenerator: batch t is sampled with the weights published after
     update t-1 (the definition of K=0), in this process, with the same per-row seeds."""
 
     def __init__(self, args, task, sampler, state, num_updates, num_samples):
@@ -35,11 +36,12 @@ class InlineGenerator:
         from transformers import AutoModelForCausalLM
 
         # the engine's model in processes of its own: run in this one, vLLM changes the trainer's numerics
-        environment = {**common.engine_placement(self.args, world_size=1)[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        environment = {**vllm_generator.engine_placement(self.args, world_size=1).environment,
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         with mock.patch.dict(os.environ, environment):
             for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 os.environ.pop(name)  # the engine's processes are not training ranks
-            self.llm = common.start_vllm(self.args)
+            self.llm = vllm_generator.start_vllm(self.args)
         self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.args.model_name_or_path).eval()
 
     def batch_for(self, update: int) -> dict:
@@ -51,8 +53,8 @@ class InlineGenerator:
         prompts = self.task.train_prompts["input_ids"]
         indices = self.sampler.next_indices()
         queries = [prompts[i] for i in indices for _ in range(self.num_samples)]
-        batch = common.sample_batch(self.llm, self.sampling_policy, queries, update, self.args, self.task.eos_ids,
-                                    self.task.tokenizer.pad_token_id)
+        batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, queries, update, self.args,
+                                            self.task.eos_ids, self.task.tokenizer.pad_token_id)
         return {**batch, "prompt_indices": indices, "version": self.version, "time/weight_load": 0.0,
                 "responses": torch.from_numpy(batch["responses"]), "logprobs": torch.from_numpy(batch["logprobs"])}
 
@@ -73,5 +75,5 @@ class InlineGenerator:
 
 if __name__ == "__main__":
     script = importlib.import_module(sys.argv.pop(1))
-    common.AsyncGenerator = InlineGenerator
+    vllm_generator.AsyncGenerator = InlineGenerator
     script.main(common.cli(script.Args, script.PRESETS))

@@ -20,6 +20,7 @@ import sys
 import deepspeed
 
 import common
+import vllm_generator
 
 
 def signal_at(point: str, events: list, update: list[int]):
@@ -46,8 +47,8 @@ if __name__ == "__main__":
     sys.argv.remove(events)
     script, events, update = importlib.import_module(name), json.loads(events), [0]
     common.sample_responses = signalling(common.sample_responses, "generation", events, update, starts_update=True)
-    common.AsyncGenerator.batch_for = signalling(common.AsyncGenerator.batch_for, "generation", events, update,
-                                                 starts_update=True)
+    vllm_generator.AsyncGenerator.batch_for = signalling(vllm_generator.AsyncGenerator.batch_for, "generation", events,
+                                                         update, starts_update=True)
     common.write_checkpoint = signalling(common.write_checkpoint, "saving", events, update)
     optimizer_step, stepped_in = deepspeed.DeepSpeedEngine.step, set()
 

@@ -10,6 +10,8 @@ import torch
 from conftest import word_tokenizer
 
 import common
+import data
+import math_reward
 
 PAD, EOS, OTHER_EOS = 0, 1, 7
 
@@ -150,7 +152,7 @@ def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, 
     ("#### 2.50", "#### 2.5", 1.0),
 ])
 def test_gsm8k_reward_on_hand_written_completions(completion, solution, reward):
-    assert common.gsm8k_reward(["a question"], [completion], [solution]) == [reward]
+    assert math_reward.gsm8k_reward(["a question"], [completion], [solution]) == [reward]
 
 
 def test_masked_sum_and_mean_ignore_padding():
@@ -311,7 +313,7 @@ def test_a_failing_reward_function_stops_naming_the_update(name, message):
     import datasets
 
     spec = f"tests/reward_fns.py:{name}"
-    task = SimpleNamespace(tokenizer=word_tokenizer(), reward_fn=common.load_reward_function(spec))
+    task = SimpleNamespace(tokenizer=word_tokenizer(), reward_fn=data.load_reward_function(spec))
     rollout = common.Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
                              torch.tensor([[5], [6]]), torch.tensor([1, 1]), torch.tensor([False, False]))
     rows = datasets.Dataset.from_dict({"prompt": ["p", "q"], "input_ids": [[1], [1]]})[[0, 1]]
@@ -322,14 +324,14 @@ def test_a_failing_reward_function_stops_naming_the_update(name, message):
 
 
 def test_reward_function_specs_resolve_or_fail_on_one_line():
-    assert common.load_reward_function("tests/reward_fns.py:says_the_answer")([], [], answer=[]) == []
-    assert common.load_reward_function("math:sqrt")(4.0) == 2.0  # module:name
+    assert data.load_reward_function("tests/reward_fns.py:says_the_answer")([], [], answer=[]) == []
+    assert data.load_reward_function("math:sqrt")(4.0) == 2.0  # module:name
     for spec, message in [("tests/missing.py:f", "no file 'tests/missing.py'"),
                           ("no_such_module:f", "cannot import module 'no_such_module'"),
                           ("tests/reward_fns.py:nothing", "has no function 'nothing'"),
                           ("says_the_answer", "must be path/to/file.py:function or module:function")]:
         with pytest.raises(SystemExit) as stop:
-            common.load_reward_function(spec)
+            data.load_reward_function(spec)
         assert message in str(stop.value.code) and "\n" not in str(stop.value.code), spec
 
 
@@ -347,7 +349,7 @@ def write_jsonl(path, rows):
 
 def test_prompts_from_jsonl_drop_long_ones_with_a_count(tmp_path, capsys):
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"query": "the cat sat"}, {"query": "the cat sat on the mat"}])
-    prompts = common.load_prompts(data_args(path), word_tokenizer(), "train")
+    prompts = data.load_prompts(data_args(path), word_tokenizer(), "train")
     assert [len(ids) for ids in prompts["input_ids"]] == [3]
     assert "dropped 1 of 2 prompts" in capsys.readouterr().out
 
@@ -357,7 +359,7 @@ def test_prompts_from_a_save_to_disk_directory_keep_their_columns(tmp_path):
 
     datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"query": ["hello world"], "ref": ["cat"]})}) \
         .save_to_disk(tmp_path / "data")
-    prompts = common.load_prompts(data_args(tmp_path / "data"), word_tokenizer(), "validation")
+    prompts = data.load_prompts(data_args(tmp_path / "data"), word_tokenizer(), "validation")
     assert prompts["ref"] == ["cat"] and prompts["query"] == ["hello world"] and prompts["input_ids"] == [[3, 4]]
 
 
@@ -365,7 +367,7 @@ def test_chat_template_wraps_the_prompt(tmp_path):
     tokenizer = word_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}hello {{ m['content'] }}{% endfor %} TL;DR:"
     path = write_jsonl(tmp_path / "p.jsonl", [{"query": "cat"}])
-    prompts = common.load_prompts(data_args(path, chat_template=True), tokenizer, "train")
+    prompts = data.load_prompts(data_args(path, chat_template=True), tokenizer, "train")
     assert tokenizer.decode(prompts["input_ids"][0]) == "hello cat TL;DR:"
 
 
@@ -378,7 +380,7 @@ def test_chat_template_wraps_the_prompt(tmp_path):
 def test_bad_data_gives_a_clear_error(tmp_path, rows, args, message):
     path = write_jsonl(tmp_path / "prompts.jsonl", rows)
     with pytest.raises(SystemExit, match=re.escape(message)):
-        common.load_prompts(data_args(path, **args), word_tokenizer(), "train")
+        data.load_prompts(data_args(path, **args), word_tokenizer(), "train")
 
 
 def test_empty_parquet_gives_a_clear_error(tmp_path):
@@ -387,15 +389,15 @@ def test_empty_parquet_gives_a_clear_error(tmp_path):
 
     pq.write_table(pa.table({"query": pa.array([], pa.string())}), tmp_path / "empty.parquet")
     with pytest.raises(SystemExit, match="split 'train' is empty"):
-        common.load_prompts(data_args(tmp_path / "empty.parquet"), word_tokenizer(), "train")
+        data.load_prompts(data_args(tmp_path / "empty.parquet"), word_tokenizer(), "train")
 
 
 def test_missing_split_and_missing_path(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"query": "cat"}])
     with pytest.raises(SystemExit, match="has one split, 'train', not 'validation'"):
-        common.load_split(str(path), "validation")
+        data.load_split(str(path), "validation")
     with pytest.raises(SystemExit, match="does not exist"):
-        common.load_split(str(tmp_path / "nowhere" / "data"), "train")
+        data.load_split(str(tmp_path / "nowhere" / "data"), "train")
 
 
 def test_tokenizer_without_pad_token_is_refused(tmp_path):
@@ -403,7 +405,7 @@ def test_tokenizer_without_pad_token_is_refused(tmp_path):
     tokenizer.pad_token = None
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(SystemExit, match="has no pad token"):
-        common.load_tokenizer(str(tmp_path))
+        data.load_tokenizer(str(tmp_path))
 
 
 def test_left_pad():
@@ -412,11 +414,11 @@ def test_left_pad():
 
 
 def test_prompt_sampler_gives_ranks_disjoint_prompts_and_resumes_exactly():
-    ranks = [common.PromptSampler(10, 2, rank, 2, seed=3) for rank in range(2)]
+    ranks = [data.PromptSampler(10, 2, rank, 2, seed=3) for rank in range(2)]
     first = [[s.next_indices() for _ in range(5)] for s in ranks]  # 2 epochs of 2 batches, and one more
     for batch in range(5):
         assert not set(first[0][batch]) & set(first[1][batch])
-    resumed = common.PromptSampler(10, 2, 1, 2, seed=3)
+    resumed = data.PromptSampler(10, 2, 1, 2, seed=3)
     resumed.position = 3
     assert [resumed.next_indices() for _ in range(2)] == first[1][3:]
     # an epoch is 2 batches of 2 x 2 prompts: 8 distinct prompts of the 10 (2 left out), reshuffled the next epoch

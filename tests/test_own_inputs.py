@@ -53,10 +53,11 @@ def test_left_padded_log_probs_equal_the_sampling_ones(artefacts, name):
     from transformers import AutoModelForCausalLM
 
     import common
+    import data
 
     policy = AutoModelForCausalLM.from_pretrained(artefacts[name]).eval()
-    tokenizer = common.load_tokenizer(artefacts[name])
-    eos_ids, pad, temperature = common.eos_token_ids(artefacts[name], tokenizer), tokenizer.pad_token_id, 0.7
+    tokenizer = data.load_tokenizer(artefacts[name])
+    eos_ids, pad, temperature = data.eos_token_ids(artefacts[name], tokenizer), tokenizer.pad_token_id, 0.7
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"]
                for text in ("two ?", questions()[0][0], "what is one plus one ? the answer is")]
     query_ids, query_mask = common.left_pad(prompts, pad, "cpu")
@@ -64,10 +65,13 @@ def test_left_padded_log_probs_equal_the_sampling_ones(artefacts, name):
     with torch.no_grad():
         out = policy.generate(input_ids=query_ids, attention_mask=query_mask, do_sample=True, max_new_tokens=6,
                               temperature=temperature + 1e-7, top_k=0, top_p=1.0, eos_token_id=eos_ids,
-                              pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+                              pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
         responses, lengths, _ = common.truncate_after_eos(out.sequences[:, query_ids.shape[1]:], eos_ids, pad)
-        sampled_from = torch.stack(out.logits, dim=1)  # (rows, new tokens, vocab), before the temperature
-        expected = common.logprobs_from_logits(sampled_from, responses[:, :sampled_from.shape[1]], temperature)
+        # (rows, new tokens, vocab): the scores HF sampled from, after its own temperature warper; their
+        # log-softmax is computed here by hand, independently of the kit's logprobs_from_logits
+        sampled_from = torch.stack(out.scores, dim=1)
+        expected = torch.log_softmax(sampled_from.float(), dim=-1).gather(
+            -1, responses[:, :sampled_from.shape[1], None]).squeeze(-1)
         padded = common.response_logprobs(policy, query_ids, query_mask, responses, lengths, temperature)
         alone = [common.response_logprobs(policy, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
                                           responses[i:i + 1], lengths[i:i + 1], temperature)[0]

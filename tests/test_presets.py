@@ -84,7 +84,7 @@ def test_gsm8k_presets_carry_the_reference_settings(script, name):
     assert (args.model_name_or_path, args.dataset_name, args.eval_split) == (
         "realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k:main", "test")
     assert args.prompt_template.format(question="Q?") == "[MATH_TASK] Problem:\nQ?\n\nSolution:"
-    assert (args.reward_fn, args.answer_column, args.bf16) == ("common:gsm8k_reward", "answer", True)
+    assert (args.reward_fn, args.answer_column, args.bf16) == ("math_reward:gsm8k_reward", "answer", True)
     algorithm = script.removesuffix(".py").removesuffix("_vllm")
     expected = GSM8K[algorithm]
     samples = 1 if algorithm == "ppo" else args.num_samples
@@ -108,7 +108,7 @@ def test_toy_math_presets_run_the_arithmetic_task():
     for module in SCRIPTS.values():
         args = parse(module, "--preset", "toy-math")
         assert (args.model_name_or_path, args.dataset_name, args.reward_fn) == (
-            toy.MATH_POLICY, toy.MATH_DATASET, "common:gsm8k_reward")
+            toy.MATH_POLICY, toy.MATH_DATASET, "math_reward:gsm8k_reward")
         assert not args.missing_eos_penalty and args.answer_column == "answer"
         common.batch_sizes(args, 1)
 

@@ -7,11 +7,12 @@ data. Run by test_metrics_and_data_across_two_real_ranks:
 import torch
 
 import common
+import data
 
 rank, world_size = common.init_distributed()
 assert world_size == 2
 assert common.all_reduce_mean({"a": float(rank), "b": 10.0 * rank}) == {"a": 0.5, "b": 5.0}
-indices = common.PromptSampler(100, 8, rank, world_size, seed=1).next_indices()
+indices = data.PromptSampler(100, 8, rank, world_size, seed=1).next_indices()
 everyone = [None, None]
 torch.distributed.all_gather_object(everyone, indices)
 assert len(set(everyone[0]) | set(everyone[1])) == 16, everyone  # disjoint shares of one global batch

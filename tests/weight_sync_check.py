@@ -11,14 +11,16 @@ from types import SimpleNamespace
 import torch
 
 import common
+import data
 import toy
+import vllm_generator
 
 ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=1, vllm_gpu_memory_utilization=0.9,
                    model_name_or_path=toy.SFT_POLICY, bf16=False, seed=0, max_prompt_length=64, response_length=12,
                    temperature=0.7, top_p=1.0, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                    zero_stage=2, max_grad_norm=1.0)
 # the generator process's environment on a CPU: the engine in-process, on the last core
-ENGINE_ENVIRONMENT = common.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1)[0]
+ENGINE_ENVIRONMENT = vllm_generator.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1).environment
 
 
 def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
@@ -27,14 +29,14 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
     from transformers import AutoModelForCausalLM
 
     args = SimpleNamespace(**{**ENGINE_ARGS, "model_name_or_path": policy_path})
-    policy = AutoModelForCausalLM.from_pretrained(policy_path)  # before the engine, as in common.generate_ahead
-    llm = common.start_vllm(args)  # in this process, on the core ENGINE_ENVIRONMENT names
+    policy = AutoModelForCausalLM.from_pretrained(policy_path)  # before the engine, as in vllm_generator.generate_ahead
+    llm = vllm_generator.start_vllm(args)  # in this process, on the core ENGINE_ENVIRONMENT names
     for module in policy.modules():
         module.do_not_compile = True  # vLLM's Transformers backend (GPT-NeoX) decorated HF classes just now
     common.init_distributed()
-    tokenizer = common.load_tokenizer(policy_path)
-    eos_ids = common.eos_token_ids(policy_path, tokenizer)
-    prompts = common.load_prompts(SimpleNamespace(dataset_name=dataset, prompt_column=prompt_column,
+    tokenizer = data.load_tokenizer(policy_path)
+    eos_ids = data.eos_token_ids(policy_path, tokenizer)
+    prompts = data.load_prompts(SimpleNamespace(dataset_name=dataset, prompt_column=prompt_column,
                                                   prompt_template=None, chat_template=False, max_prompt_length=64),
                                   tokenizer, split)["input_ids"][:32]
     engine = common.prepare_deepspeed(policy, args, torch.optim.AdamW(policy.parameters(), lr=1e-2))
@@ -64,15 +66,15 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
         engine.step()
     after = hf_greedy()
     assert after != before, "the training steps did not change the policy's greedy completions"
-    common.load_engine_weights(llm, engine.module)
+    vllm_generator.load_engine_weights(llm, engine.module)
     assert vllm_greedy() == after
     # seeded sampling: a row's completion depends on its prompt and seed alone, however vLLM batches
     # it, also in a batch of more prompt tokens than one engine step takes (4096 on a CPU)
     batch, pad = prompts * (4096 // sum(map(len, prompts)) + 1), tokenizer.pad_token_id
     assert sum(map(len, batch)) > 4096
     seeds = list(range(len(batch)))
-    responses, _ = common.vllm_generate(llm, batch, seeds, args, eos_ids, pad)
-    alone, _ = common.vllm_generate(llm, batch[-1:], seeds[-1:], args, eos_ids, pad)
+    responses, _ = vllm_generator.vllm_generate(llm, batch, seeds, args, eos_ids, pad)
+    alone, _ = vllm_generator.vllm_generate(llm, batch[-1:], seeds[-1:], args, eos_ids, pad)
     assert torch.equal(responses[-1:], alone)
     print("greedy completions equal after weight sync")
 

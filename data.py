@@ -1,0 +1,333 @@
+"""What a run loads: the policy's tokenizer and stop tokens, the reward (a reward model or a Python
+function), PPO's value model, the prompt datasets, the gold scorer of the evaluation, and the resumable
+order of the prompts. data.load_task gathers them into the Task every script starts from
+(common.Task); the embedded toy tasks (toy.py) are built here, on first use.
+
+Every check that can fail on a user's input runs here, before a run writes anything, and fails with
+one line that names the bad value.
+"""
+
+import contextlib
+import json
+import os
+
+import torch
+
+import common
+
+
+def load_tokenizer(path: str, policy: bool = True):
+    """A tokenizer with a pad token. The policy's is left-padded and needs a stop token; a reward
+    model's keeps the padding side it was saved with, and needs no stop token."""
+    from transformers import AutoTokenizer
+
+    if not os.path.exists(path) and path.count("/") != 1:
+        common.fail(f"model path {path!r} does not exist (give a local directory or an owner/name hub id)")
+    tokenizer = AutoTokenizer.from_pretrained(path, **({"padding_side": "left"} if policy else {}))
+    if tokenizer.pad_token_id is None:
+        common.fail(f"tokenizer of {path!r} has no pad token; save it with one "
+             "(e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and resize the model)")
+    if policy and tokenizer.eos_token_id is None:
+        common.fail(f"tokenizer of {path!r} has no eos token; the policy's stop token is needed for truncation")
+    return tokenizer
+
+
+def eos_token_ids(path: str, tokenizer) -> list[int]:
+    """Every stop token the tokenizer or the model's generation config declares."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    with contextlib.suppress(OSError):
+        declared = GenerationConfig.from_pretrained(path).eos_token_id
+        ids.update(declared if isinstance(declared, list) else [declared] if declared is not None else [])
+    return sorted(ids)
+
+
+def check_reward_model(path: str):
+    """Fail early (before any output exists) when `path` is not a one-label sequence classifier."""
+    from transformers import AutoConfig
+
+    if not os.path.exists(path) and path.count("/") != 1:
+        common.fail(f"reward model {path!r} does not exist (give a local directory or an owner/name hub id)")
+    num_labels = AutoConfig.from_pretrained(path).num_labels
+    if num_labels != 1:
+        common.fail(f"reward model {path!r} has {num_labels} labels; a reward model has exactly 1")
+
+
+def load_reward_model(path: str, dtype):
+    """A one-label AutoModelForSequenceClassification, dropout off (a reward, gold or value model)."""
+    from transformers import AutoModelForSequenceClassification
+
+    check_reward_model(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    common.disable_dropout(model)
+    return model
+
+
+def load_reward_function(spec: str):
+    """The function named by --reward_fn, `path/to/file.py:name` or `module:name`; fails (one line)
+    when it does not resolve."""
+    import importlib
+    import importlib.util
+
+    location, _, name = spec.rpartition(":")
+    if not location or not name:
+        common.fail(f"--reward_fn {spec!r} must be path/to/file.py:function or module:function")
+    if location.endswith(".py"):
+        if not os.path.isfile(location):
+            common.fail(f"--reward_fn {spec!r}: no file {location!r}")
+        module_spec = importlib.util.spec_from_file_location(os.path.basename(location)[:-3], location)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as error:
+            common.fail(f"--reward_fn {spec!r}: importing {location!r} raised {type(error).__name__}: {error}")
+    else:
+        try:
+            module = importlib.import_module(location)
+        except ImportError as error:
+            common.fail(f"--reward_fn {spec!r}: cannot import module {location!r} ({error})")
+    function = getattr(module, name, None)
+    if not callable(function):
+        common.fail(f"--reward_fn {spec!r}: {location!r} has no function {name!r}")
+    return function
+
+
+def value_model_path(args) -> str:
+    """Where PPO's value model starts: --value_model_path, else the reward model, else (--reward_fn) the policy."""
+    return args.value_model_path or (args.model_name_or_path if args.reward_fn else args.reward_model_path)
+
+
+def check_value_model(args, task: common.Task):
+    """Fail before any output when the value model cannot give a value at every policy token: it must
+    share the policy's vocabulary and be a decoder (a `score` head at every position), with one label
+    if it is a classifier already."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path = value_model_path(args)
+    if not os.path.exists(path) and path.count("/") != 1:
+        common.fail(f"value model {path!r} does not exist (give a local directory or an owner/name hub id)")
+    config = AutoConfig.from_pretrained(path)
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels != 1:
+        common.fail(f"value model {path!r} has {config.num_labels} labels; a value model has exactly 1")
+    if not same_vocabulary(task.tokenizer, load_tokenizer(path, policy=False)):
+        common.fail(f"the value model {path!r} must share the policy's vocabulary; give --value_model_path with the "
+             f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
+    with torch.device("meta"):  # the architecture alone, no weights
+        model = AutoModelForSequenceClassification.from_config(config)
+    if not common.is_decoder_classifier(model):
+        common.fail(f"the value model {path!r} is an encoder classifier, with no value per token; give a decoder "
+             "as --value_model_path (the policy itself, with a fresh head, will do)")
+
+
+def load_value_model(args, dtype):
+    """The value model with one label: the reward model's head as it is, or a fresh scalar head on a
+    causal LM such as the policy."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(value_model_path(args), num_labels=1, dtype=dtype)
+    common.disable_dropout(model)
+    return model
+
+
+def same_vocabulary(tokenizer_a, tokenizer_b) -> bool:
+    return tokenizer_a.get_vocab() == tokenizer_b.get_vocab()
+
+
+def load_split(name_or_path: str, split: str):
+    """A split from a hub dataset, a `save_to_disk` directory, a data directory, or one json/jsonl/parquet file."""
+    import datasets
+
+    if os.path.isfile(name_or_path):
+        builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(os.path.splitext(name_or_path)[1])
+        if builder is None:
+            common.fail(f"dataset file {name_or_path!r} is not .json, .jsonl or .parquet")
+        if split != "train":
+            common.fail(f"dataset file {name_or_path!r} has one split, 'train', not {split!r}; "
+                 "give a directory with one file per split (train.jsonl, validation.jsonl)")
+        try:
+            return datasets.load_dataset(builder, data_files=name_or_path, split="train")
+        except (datasets.exceptions.DatasetGenerationError, StopIteration):  # how datasets reports 0 rows
+            common.fail(f"dataset {name_or_path!r} split {split!r} is empty or unreadable")
+    if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
+        with open(os.path.join(name_or_path, "dataset_dict.json")) as f:
+            splits = json.load(f)["splits"]
+        if split not in splits:
+            common.fail(f"dataset {name_or_path!r} has no split {split!r}; it has {sorted(splits)}")
+        try:
+            return datasets.load_from_disk(os.path.join(name_or_path, split))
+        except IndexError:  # how datasets reports a split saved with no rows
+            common.fail(f"dataset {name_or_path!r} split {split!r} is empty")
+    name, _, config = name_or_path.partition(":")  # owner/name:configuration, as openai/gsm8k:main
+    if not os.path.exists(name_or_path) and name.count("/") != 1:
+        common.fail(f"dataset {name_or_path!r} does not exist (give a directory, a .json/.jsonl/.parquet file, "
+             "or an owner/name hub id, with :configuration if it has several)")
+    try:
+        return datasets.load_dataset(name, config or None, split=split)
+    except ValueError as error:  # datasets says which splits exist
+        common.fail(f"dataset {name_or_path!r}: {str(error).splitlines()[0]}")
+
+
+def split_names(name_or_path: str) -> list[str]:
+    """The splits of a dataset (a single file has one, "train")."""
+    import datasets
+
+    if os.path.isfile(name_or_path):
+        return ["train"]
+    if os.path.isfile(os.path.join(name_or_path, "dataset_dict.json")):
+        with open(os.path.join(name_or_path, "dataset_dict.json")) as f:
+            return json.load(f)["splits"]
+    name, _, config = name_or_path.partition(":")
+    try:
+        return datasets.get_dataset_split_names(name, config or None)
+    except Exception:  # whatever datasets raises: load_split then says what is wrong
+        return []
+
+
+def load_prompts(args, tokenizer, split: str):
+    """Tokenized prompts of one split ("input_ids"), with every column of the dataset; prompts longer
+    than `max_prompt_length` are dropped."""
+    dataset = load_split(args.dataset_name, split)
+    import string
+
+    template_columns = [field for _, field, _, _ in string.Formatter().parse(args.prompt_template or "") if field]
+    for column in [args.prompt_column, *template_columns]:
+        if column not in dataset.column_names:
+            common.fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
+                 f"it has {dataset.column_names}")
+    if len(dataset) == 0:
+        common.fail(f"dataset {args.dataset_name!r} split {split!r} is empty")
+    if args.chat_template and tokenizer.chat_template is None:
+        common.fail(f"--chat_template was given but the tokenizer of {args.model_name_or_path!r} has no chat template")
+
+    def tokenize(row):
+        prompt = args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
+        if args.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return {"input_ids": ids}
+
+    # In memory: datasets' on-disk cache would add new files next to the dataset on every run (the
+    # closures' fingerprints differ between runs), piling up without bound.
+    dataset = dataset.map(tokenize, desc=f"tokenizing {split}", keep_in_memory=True)
+    kept = dataset.filter(lambda row: 0 < len(row["input_ids"]) <= args.max_prompt_length, keep_in_memory=True)
+    if len(kept) < len(dataset):
+        print(f"{split}: dropped {len(dataset) - len(kept)} of {len(dataset)} prompts longer than "
+              f"max_prompt_length={args.max_prompt_length} tokens")
+    if len(kept) == 0:
+        common.fail(f"every prompt of {args.dataset_name!r} split {split!r} is longer than "
+             f"max_prompt_length={args.max_prompt_length}; raise --max_prompt_length")
+    return kept
+
+
+def is_toy_dataset(args) -> bool:
+    import toy
+
+    return os.path.abspath(args.dataset_name) == os.path.abspath(toy.DATASET)
+
+
+def load_task(args, rank: int, dtype) -> common.Task:
+    """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for.
+
+    Evaluation prompts come from --eval_split, or, when the dataset has no such split, are the last
+    --eval_num_prompts train prompts (at most a fifth of them), held out from training.
+    """
+    import toy
+
+    for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math), (toy.LARGE_DIR, toy.build_large)):
+        if folder in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
+            if rank == 0:
+                build()
+            torch.distributed.barrier()
+    if args.gold_model_path == "toy" and not is_toy_dataset(args):
+        common.fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
+             "reward model, or leave it out (evaluation then reports the proxy reward and KL)")
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    reward_fn = reward_tokenizer = None
+    if args.reward_fn:
+        reward_fn = load_reward_function(args.reward_fn)
+    else:
+        check_reward_model(args.reward_model_path)
+        reward_tokenizer = load_tokenizer(args.reward_model_path, policy=False)
+        if same_vocabulary(tokenizer, reward_tokenizer):
+            reward_tokenizer = None
+    gold_path = args.gold_model_path or ("toy" if is_toy_dataset(args) else None)
+    if gold_path not in (None, "toy"):
+        check_reward_model(gold_path)
+    train_prompts = load_prompts(args, tokenizer, args.train_split)
+    eval_prompts = None
+    if args.eval_split not in split_names(args.dataset_name):  # held out even with --eval_every 0: the
+        held_out = min(args.eval_num_prompts, len(train_prompts) // 5)  # training prompts never depend on it
+        eval_prompts = train_prompts.select(range(len(train_prompts) - held_out, len(train_prompts)))
+        train_prompts = train_prompts.select(range(len(train_prompts) - held_out))
+        if rank == 0:
+            print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
+                  f"{args.train_split!r} prompts are held out for evaluation")
+    elif args.eval_every:
+        eval_prompts = load_prompts(args, tokenizer, args.eval_split)
+    if not args.eval_every:
+        eval_prompts = None
+    else:
+        eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
+    has_references = eval_prompts is not None and args.reference_column in eval_prompts.column_names
+    if eval_prompts is not None and args.answer_column and args.answer_column not in eval_prompts.column_names:
+        common.fail(f"--answer_column {args.answer_column!r} is not a column of the evaluation prompts; they have "
+             f"{eval_prompts.column_names}")
+    if eval_prompts is not None and rank == 0:
+        print(f"evaluation on {len(eval_prompts)} prompts: "
+              + ("gold win-rate against the references, " if gold_path and has_references else "")
+              + ("gold score, " if gold_path else "no gold scorer, ")
+              + ("accuracy, " if args.answer_column else "") + "proxy reward and KL")
+    return common.Task(tokenizer=tokenizer, eos_ids=eos_token_ids(args.model_name_or_path, tokenizer),
+                reward_tokenizer=reward_tokenizer, reward_fn=reward_fn, train_prompts=train_prompts,
+                eval_prompts=eval_prompts, has_references=has_references,
+                gold_score=load_gold_scorer(gold_path, dtype, tokenizer) if gold_path and eval_prompts else None)
+
+
+class PromptSampler:
+    """Endless shuffled prompt batches; each rank takes its own slice of every global batch.
+
+    The order depends only on (seed, epoch), and `position` counts global batches drawn, so a
+    resumed run continues with exactly the batches the interrupted run would have seen.
+    """
+
+    def __init__(self, num_prompts: int, local_batch_size: int, rank: int, world_size: int, seed: int):
+        self.global_batch_size = local_batch_size * world_size
+        if num_prompts < self.global_batch_size:
+            common.fail(f"the train split has {num_prompts} prompts, fewer than one batch of {self.global_batch_size}")
+        self.num_prompts, self.local_batch_size, self.rank, self.seed = num_prompts, local_batch_size, rank, seed
+        self.batches_per_epoch = num_prompts // self.global_batch_size
+        self.position = 0
+
+    def next_indices(self) -> list[int]:
+        epoch, batch = divmod(self.position, self.batches_per_epoch)
+        order = torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
+        start = batch * self.global_batch_size + self.rank * self.local_batch_size
+        self.position += 1
+        return order[start:start + self.local_batch_size].tolist()
+
+
+def load_gold_scorer(path: str, dtype, policy_tokenizer):
+    """A function (queries, responses as text) -> gold scores. Responses end with the policy's EOS text
+    when they stopped.
+
+    "toy" is the embedded task's programmatic scorer; anything else is a reward model path, scored
+    through its own tokenizer (score_texts), which sees its own EOS text where the policy's stood.
+    """
+    if path == "toy":
+        import toy
+
+        return toy.gold_score
+    model = load_reward_model(path, dtype).eval().to(common.local_device())
+    tokenizer = load_tokenizer(path, policy=False)
+    eos = policy_tokenizer.eos_token
+
+    @torch.no_grad()
+    def gold_score(queries: list[str], responses: list[str]) -> list[float]:
+        texts, stopped = [q + r.replace(eos, "") for q, r in zip(queries, responses)], [eos in r for r in responses]
+        return [score for start in range(0, len(texts), 16) for score in
+                common.score_texts(model, tokenizer, texts[start:start + 16], stopped[start:start + 16]).tolist()]
+
+    return gold_score

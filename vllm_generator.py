@@ -1,0 +1,533 @@
+"""The vLLM generator of the asynchronous scripts (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py):
+everything they need that the synchronous scripts do not. Nothing here imports vLLM until an engine starts.
+
+- Placement: where the engine runs (its own cores or GPU, or the trainer's device, "shared"), decided
+  once, with what follows from it: the process's environment and cores, whether engine and trainer take
+  turns, and how the weights travel.
+- The staleness rule (sampling_version): which weights sample the batch of each update.
+- The generator process (generate_ahead): the engine, its seeded sampling, the weight receiver, the
+  check that the engine took each version.
+- AsyncGenerator: the trainer's handle on that process, with the few calls the scripts' loops make
+  (batch_for, publish_weights, sample_ahead).
+"""
+
+import atexit
+import collections
+import contextlib
+import functools
+import multiprocessing
+import os
+import queue
+import random
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+import common
+import data
+
+
+@dataclass
+class Placement:
+    """Where the engine runs, and what follows from it, decided once (engine_placement): the generator
+    process's environment and cores, whether engine and trainer take turns, how the weights travel."""
+
+    device: str  # "cpu", "cuda:<index>" or "shared"
+    environment: dict[str, str]  # the generator process's: the GPU it sees, or its cores and KV cache on a CPU
+    engine_cores: list[int]
+    trainer_cores: list[int]
+
+    @property
+    def takes_turns(self) -> bool:
+        """The engine on the trainer's own device ("shared"): it samples a batch only when the trainer asks."""
+        return self.device == "shared"
+
+    @property
+    def weights_over_nccl(self) -> bool:
+        """Weights travel over NCCL between two GPUs, over gloo otherwise: on a CPU, and when the engine
+        shares the trainer's GPU (NCCL cannot connect a GPU with itself)."""
+        return self.device.startswith("cuda:")
+
+    @property
+    def weight_device(self) -> str:
+        """Where the weight buffers of the channel live."""
+        return "cuda" if self.weights_over_nccl else "cpu"
+
+
+def engine_placement(args, world_size: int) -> Placement:
+    """Where the engine runs. GPU: it sees only `--vllm_device` (default the GPU after the training
+    ranks'). CPU: it runs on the last `--vllm_cpu_threads` cores and the trainer keeps the others.
+    "shared" (one training rank): the engine on the trainer's own device, its GPU or all its cores."""
+    device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else f"cuda:{world_size}")
+    # the engine runs inside the generator process: no further processes, no inter-process polling
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cores = engine_cores = trainer_cores = sorted(os.sched_getaffinity(0))
+    if device == "shared":
+        if world_size != 1:
+            common.fail(f"--vllm_device shared puts the engine on the device of a single training rank, "
+                        f"not {world_size}")
+        if not torch.cuda.is_available():  # on a GPU it sees the trainer's GPUs, and takes the first, as the trainer
+            environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
+                               VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
+    elif device == "cpu":
+        if not 0 < args.vllm_cpu_threads < len(cores):
+            common.fail(f"--vllm_cpu_threads {args.vllm_cpu_threads} must leave the trainer at least one of "
+                        f"the {len(cores)} cores")
+        engine_cores, trainer_cores = cores[-args.vllm_cpu_threads:], cores[:-args.vllm_cpu_threads]
+        environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)),
+                           VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
+    elif device.startswith("cuda:"):
+        environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+    else:
+        common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
+    return Placement(device, environment, engine_cores, trainer_cores)
+
+
+def sampling_version(update: int, async_steps: int, first_version: int = 0) -> int:
+    """The staleness rule of "Asynchronous RLHF": the batch of update t is sampled with the weights after
+    update t-1-K (K = --async_steps; version 0 is the starting policy), or with `first_version`, the weights
+    a resumed run starts from, when those are later. K=0 is synchronous; with K=1 every batch after the
+    first is one update stale."""
+    return max(update - 1 - async_steps, first_version)
+
+
+def start_generator(placement: Placement, target, target_args: tuple):
+    """Spawn the generator process, which runs `target(*target_args)` and holds the vLLM engine
+    (start_vllm), where `placement` says: it never shares the GIL, nor on a CPU a core, with this
+    process, the trainer."""
+    generator = multiprocessing.get_context("spawn").Process(target=target, args=target_args, daemon=True,
+                                                              name="generator")
+    os.sched_setaffinity(0, placement.engine_cores)  # a new process inherits its parent's cores and environment
+    trainer_environment = dict(os.environ)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # not a training rank: vLLM sets up its own one-process world
+    os.environ.update(placement.environment)
+    # ... and ignored signals: a preemption signal sent to the whole process group leaves the engine
+    # sampling ahead, for the trainer's checkpoint; the trainer stops it after. Blocked meanwhile, so
+    # that one arriving now reaches the trainer's handler once restored.
+    signal.pthread_sigmask(signal.SIG_BLOCK, common.PREEMPTION_SIGNALS)
+    trainer_handlers = {number: signal.signal(number, signal.SIG_IGN) for number in common.PREEMPTION_SIGNALS}
+    try:
+        generator.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(trainer_environment)
+        for number, handler in trainer_handlers.items():
+            signal.signal(number, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, common.PREEMPTION_SIGNALS)
+    os.sched_setaffinity(0, placement.trainer_cores)
+    torch.set_num_threads(len(placement.trainer_cores))
+    return generator
+
+
+def start_vllm(args):
+    """A vLLM engine for the policy, in this process: the generator process, placed on the engine's
+    device by the environment of its Placement."""
+    from vllm import LLM
+
+    return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+               max_model_len=args.max_prompt_length + args.response_length,
+               enforce_eager=not torch.cuda.is_available(), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+               logprobs_mode="processed_logprobs",  # after temperature and top_p, as the trainer computes them
+               # whole prompts per engine step: a prompt split across steps rewinds its seeded generator,
+               # which vLLM 0.32 cannot do on a CPU ("CPU Generator does not use offset")
+               enable_chunked_prefill=False)
+
+
+def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids, pad_token_id):
+    """Sample one completion per prompt with a per-row seed (reproducible however vLLM batches).
+
+    Returns responses (rows, response_len) right-padded, and the engine's log-probs of the sampled
+    tokens at the sampling temperature and top_p (common.INVALID_LOGPROB at pads).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=args.temperature, top_k=0, top_p=args.top_p, max_tokens=args.response_length,
+                             stop_token_ids=eos_ids, logprobs=0, seed=seed,  # the sampled token's log-prob only
+                             # token ids and plain lists: the least output work in the engine's client
+                             detokenize=False, flat_logprobs=True)
+              for seed in seeds]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    responses = torch.full((len(prompts), args.response_length), pad_token_id, dtype=torch.long)
+    logprobs = torch.full((len(prompts), args.response_length), common.INVALID_LOGPROB)
+    for row, output in enumerate(outputs):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        responses[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs[row, :len(tokens)] = torch.tensor(completion.logprobs.logprobs)  # one per token (logprobs=0)
+    return responses, logprobs
+
+
+WEIGHT_BUCKET_BYTES = 256 * 2**20  # one send: the most a ZeRO-3 rank gathers at once, and the size of a message
+
+
+def weight_buckets(sizes: list[int], element_bytes: int) -> list[range]:
+    """Consecutive parameter indices grouped into buckets of at most WEIGHT_BUCKET_BYTES (a larger
+    parameter alone): sender and receiver agree on them from the parameter sizes alone."""
+    buckets, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and (total + size) * element_bytes > WEIGHT_BUCKET_BYTES:
+            buckets.append(range(start, index))
+            start, total = index, 0
+        total += size
+    return [*buckets, range(start, len(sizes))]
+
+
+def weight_channel(placement: Placement, store, rank: int, timeout_seconds: float):
+    """The process group of two that carries the weights: trainer rank 0 (rank 0, whose TCP store
+    `store` is) and the generator process (rank 1), over NCCL or gloo as `placement` says. Its
+    operations fail after `timeout_seconds`."""
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=timeout_seconds)
+    if placement.weights_over_nccl:
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+    return torch.distributed.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
+    """Rank 0's `flat` into rank 1's (the same size and dtype), waited for at most `timeout` seconds."""
+    from datetime import timedelta
+
+    channel.broadcast([flat], torch.distributed.BroadcastOptions()).wait(timedelta(seconds=timeout))
+
+
+def load_engine_weights(llm, model):
+    """The engine takes the weights of `model` (the policy's HF model in this process) from memory.
+    The worker's `reload_weights` re-runs the CPU backend's weight repacking, which per-parameter
+    `load_weights` skips (it breaks on CPU); the state dict names tied weights twice, as a checkpoint does."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
+
+
+class WeightReceiver:
+    """The generator process's end of the weight channel: a thread receives each version the trainer
+    sends, while the engine samples, into buffers of its own (one set per version not yet loaded:
+    K at most); `load` puts one into the sampling policy, then into the engine."""
+
+    def __init__(self, args, placement: Placement, port: int, sampling_policy, published):
+        import threading
+
+        self.args, self.placement, self.sampling_policy = args, placement, sampling_policy
+        self.parameters = [p for _, p in sampling_policy.named_parameters()]  # the trainer sends in this order
+        self.buckets = weight_buckets([p.numel() for p in self.parameters], self.parameters[0].element_size())
+        self.received, self.error, self.condition = {}, None, threading.Condition()
+        threading.Thread(target=self._receive, args=(port, published), daemon=True, name="weight receiver").start()
+
+    def _receive(self, port: int, published):
+        try:
+            from datetime import timedelta
+
+            # the trainer connects once it has seen the engine start, maybe after its first evaluation
+            store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(days=1))
+            channel = weight_channel(self.placement, store, 1, self.args.generator_timeout)
+            device, dtype = self.placement.weight_device, self.parameters[0].dtype
+            while True:
+                version = published.get()  # announced just before its buckets
+                flats = []
+                for bucket in self.buckets:
+                    flat = torch.empty(sum(self.parameters[i].numel() for i in bucket), dtype=dtype, device=device)
+                    broadcast_bucket(channel, flat, self.args.generator_timeout)
+                    flats.append(flat)
+                with self.condition:
+                    self.received[version] = flats
+                    self.condition.notify_all()
+        except BaseException as error:
+            with self.condition:
+                self.error = error
+                self.condition.notify_all()
+
+    def wait_for(self, version: int) -> bool:
+        """Wait until `version` has arrived; False when the trainer is gone."""
+        with self.condition:
+            while version not in self.received:
+                if self.error is not None:
+                    raise RuntimeError(f"receiving the weights of update {version} failed: {self.error}")
+                if not multiprocessing.parent_process().is_alive():
+                    return False
+                self.condition.wait(timeout=0.1)
+        return True
+
+    @torch.no_grad()
+    def load(self, version: int, llm):
+        """Load the arrived `version` into the sampling policy, then into the engine, and free its buffers."""
+        with self.condition:
+            flats = self.received.pop(version)
+        for bucket, flat in zip(self.buckets, flats):
+            for index, values in zip(bucket, flat.split([self.parameters[i].numel() for i in bucket])):
+                parameter, values = self.parameters[index], values.view_as(self.parameters[index])
+                if values.device == parameter.device:
+                    parameter.data = values  # the received buffer becomes the weight: no copy
+                else:  # gloo carries CPU tensors to an engine on the trainer's GPU
+                    parameter.copy_(values)
+        load_engine_weights(llm, self.sampling_policy)
+
+
+def check_async_args(args, world_size: int):
+    """The asynchronous scripts' own flags, checked before anything is written."""
+    if args.async_steps < 0:
+        common.fail(f"--async_steps must be 0 (synchronous) or more, got {args.async_steps}")
+    for name in ("engine_start_timeout", "generator_timeout"):
+        if getattr(args, name) <= 0:
+            common.fail(f"--{name} must be positive (seconds), got {getattr(args, name)}")
+    if args.max_logprob_diff is not None and args.max_logprob_diff <= 0:
+        common.fail(f"--max_logprob_diff must be positive, got {args.max_logprob_diff}")
+    if args.logprob_check_rows < 1:
+        common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
+                    f"got {args.logprob_check_rows}")
+    engine_placement(args, world_size)  # a bad --vllm_device or --vllm_cpu_threads fails here
+
+
+ENGINE_STARTED = {"engine": "started"}  # the generator process's first message (errors are text)
+
+
+@torch.no_grad()
+def sample_batch(llm, sampling_policy, queries: list[list[int]], update: int, args, eos_ids, pad_token_id) -> dict:
+    """One completion per row of `queries` from the engine, and the check behind async/logprob_diff.
+
+    Per-row seeds depend on (seed, update, row) alone: the samples do not depend on how vLLM batches
+    them, nor on a resume. async/logprob_diff is the mean |engine log-prob - trainer log-prob| over the
+    first --logprob_check_rows rows, the trainer's recomputed with `sampling_policy`, an HF model that
+    holds the weights the engine sampled with. Arrays are numpy: they cross processes by value (torch
+    tensors would be shared, and vanish with the process that made them).
+    """
+    t0 = time.time()
+    rng = random.Random(args.seed * 1_000_003 + update)
+    responses, logprobs = vllm_generate(llm, queries, [rng.getrandbits(63) for _ in queries], args, eos_ids,
+                                        pad_token_id)  # (N, R) each
+    t1 = time.time()
+    checked, device = slice(0, args.logprob_check_rows), sampling_policy.device
+    query_ids, query_mask = common.left_pad(queries[checked], pad_token_id, device)
+    checked_responses = responses[checked].to(device)
+    _, lengths, _ = common.truncate_after_eos(checked_responses, eos_ids, pad_token_id)
+    trainer_logprobs = common.in_chunks(
+        functools.partial(common.response_logprobs, sampling_policy, temperature=args.temperature, top_p=args.top_p),
+        args.local_rollout_forward_batch_size, query_ids, query_mask, checked_responses, lengths)
+    mask = common.response_mask(lengths, args.response_length)
+    logprob_diff = common.masked_mean((logprobs[checked].to(device) - trainer_logprobs).abs(), mask)
+    return {"update": update, "queries": queries, "responses": responses.numpy(), "logprobs": logprobs.numpy(),
+            "time/generate": t1 - t0, "time/logprob_check": time.time() - t1, "async/logprob_diff": logprob_diff}
+
+
+ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
+               "--resume continues from it")
+
+
+def generate_ahead(args, placement: Placement, prompts, sampler, updates: range, first_version: int,
+                   num_samples: int, eos_ids, pad_token_id, weight_port: int, published, batches, requests):
+    """The generator process (rank 0's), which holds the vLLM engine: batch t is sampled with exactly the
+    weights sampling_version(t) names.
+
+    The trainer announces each weight version on the queue `published` and sends it over the weight
+    channel (WeightReceiver, port `weight_port`); ENGINE_STARTED, then the batches (or the error that
+    stopped this process, as text) go to the queue `batches`. With `requests` (an engine sharing the
+    trainer's device), batch t is sampled only once the trainer has asked for it there, so that the two
+    take turns. It ends after the last batch, when the trainer kills it, or once the trainer is gone.
+    """
+
+    try:
+        import threading
+
+        import tqdm
+        from transformers import AutoModelForCausalLM
+
+        # the engine's progress bars without tqdm's multiprocessing lock, which the resource tracker would
+        # report as leaked, after the trainer's error, when the trainer kills this process
+        tqdm.tqdm.set_lock(threading.RLock())
+
+        # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's
+        # device (this process sees only the engine's GPU)
+        sampling_policy = AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
+        sampling_policy.to("cuda" if torch.cuda.is_available() else "cpu")
+        llm = start_vllm(args)
+        # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
+        # backend, which decorates their HF classes in this process for torch.compile: an HF model of
+        # that class can then only be made before the engine (as above), and must opt out of it
+        for module in sampling_policy.modules():
+            module.do_not_compile = True
+        receiver = WeightReceiver(args, placement, weight_port, sampling_policy, published)
+        batches.put(ENGINE_STARTED)
+        loaded = 0  # the engine starts with the SFT weights, version 0
+        requested = 0
+        for update in updates:
+            version = sampling_version(update, args.async_steps, first_version)
+            if version != loaded and not receiver.wait_for(version):
+                return  # no trainer: free the engine's device
+            while requests is not None and requested < update:
+                if not multiprocessing.parent_process().is_alive():
+                    return
+                with contextlib.suppress(queue.Empty):
+                    requested = requests.get(timeout=0.1)
+            t0 = time.time()
+            if version != loaded:
+                receiver.load(version, llm)
+            weight_load = time.time() - t0
+            indices = sampler.next_indices()
+            queries = [prompts[i] for i in indices for _ in range(num_samples)]
+            batch = sample_batch(llm, sampling_policy, queries, update, args, eos_ids, pad_token_id)
+            if version != loaded:  # the proof that the engine took the new weights
+                check_engine_took_weights(batch["async/logprob_diff"], version, args)
+                loaded = version
+            batches.put({**batch, "prompt_indices": indices, "version": version, "time/weight_load": weight_load})
+    except BaseException as error:  # any failure must reach the trainer, which stops with it
+        batches.put(f"{type(error).__name__}: {error}")
+
+
+def max_logprob_diff(args) -> float:
+    """--max_logprob_diff, or its default for the dtype."""
+    if args.max_logprob_diff is not None:
+        return args.max_logprob_diff
+    return 0.1 if args.bf16 else 1e-3
+
+
+def check_engine_took_weights(logprob_diff: float, version: int, args):
+    """vLLM has had bugs where a reload kept serving the old weights: the first batch after each load
+    must have the trainer's log-probs (async/logprob_diff, from the sampling policy, which holds the
+    weights just sent) within --max_logprob_diff."""
+    if logprob_diff > max_logprob_diff(args):
+        raise RuntimeError(
+            f"after loading the weights of update {version}, the engine's log-probs differ from the trainer's "
+            f"by {logprob_diff:.3g} per token (async/logprob_diff), more than --max_logprob_diff "
+            f"{max_logprob_diff(args):g}: the engine did not take the new weights")
+
+
+class AsyncGenerator:
+    """The trainer's side of the generator process (generate_ahead, placed by start_generator).
+
+    Every rank makes one and makes each call; only rank 0 talks to the process and hands each rank
+    its share. Weights reach the engine in memory, over a process group of rank 0 and the process (gloo
+    or NCCL), announced by version number. Batches an interrupted run had sampled ahead
+    (`state.pending_batches`) come first; the process carries on drawing prompts from `sampler` (whole
+    global batches) after them. The process is stopped when the trainer exits, however it exits.
+    """
+
+    def __init__(self, args, task: common.Task, sampler: data.PromptSampler, state: common.OnlineTrainerState,
+                 num_updates: int, num_samples: int):
+        self.args, self.rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.num_updates, self.num_samples = num_updates, num_samples
+        self.prompts_per_rank = sampler.global_batch_size // world_size
+        self.sampled_ahead = collections.deque(state.pending_batches)
+        sampler.position = state.data_position + len(self.sampled_ahead)
+        self.published = self.batches = self.requests = self.process = self.channel = self.placement = None
+        self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
+        if self.rank == 0:
+            from datetime import timedelta
+
+            # the weight channel's rendezvous, on a free port; the channel itself once the engine has started
+            self.store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                                                    timeout=timedelta(seconds=args.generator_timeout))
+            context = multiprocessing.get_context("spawn")
+            self.published, self.batches = context.Queue(), context.Queue()
+            self.placement = engine_placement(args, world_size)
+            if self.placement.takes_turns:  # the engine samples a batch when the trainer asks for it
+                self.requests = context.Queue()
+            first_update = state.update + len(self.sampled_ahead) + 1
+            # generate_ahead is looked up now, so that tests can put a faulty one in its place
+            self.process = start_generator(self.placement, generate_ahead, (
+                args, self.placement, task.train_prompts["input_ids"], sampler, range(first_update, num_updates + 1),
+                state.update, num_samples, task.eos_ids, task.tokenizer.pad_token_id, self.store.port,
+                self.published, self.batches, self.requests))
+            atexit.register(self.stop)  # however the trainer exits
+            common.STOP_BEFORE_FAILING.append(self.stop)
+
+    def _receive(self, timeout: float, timeout_error: str):
+        """The process's next message; stops within a second when it has failed or died, and with
+        `timeout_error` after `timeout` seconds."""
+        deadline = time.time() + timeout
+        while True:
+            alive = self.process.is_alive()  # before reading, so that what it sent before it ended is read first
+            try:
+                item = self.batches.get(timeout=0.5)
+            except queue.Empty:
+                if not alive:
+                    common.fail(ENGINE_DIED)
+                if time.time() > deadline:
+                    common.fail(timeout_error)
+                continue
+            if isinstance(item, str):
+                common.fail(f"generation failed: {item}")
+            return item
+
+    def _next_batch(self) -> dict:
+        """The next whole batch from the process (asked for first, when the engine shares the trainer's
+        device), its arrays as tensors."""
+        if self.requests is not None:
+            self.requested += 1
+            self.requests.put(self.requested)
+        timeout = self.args.generator_timeout
+        item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
+        return {**item, "responses": torch.from_numpy(item["responses"]),
+                "logprobs": torch.from_numpy(item["logprobs"])}
+
+    def wait_for_engine(self):
+        """Wait until the engine has started (it loads the model and warms up while the trainer sets up)."""
+        if self.rank == 0:
+            timeout = self.args.engine_start_timeout
+            self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
+            # the process waits for it by now
+            self.channel = weight_channel(self.placement, self.store, 0, self.args.generator_timeout)
+
+    def batch_for(self, update: int) -> dict:
+        """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
+        per sample (each prompt's adjacent) "queries" (token lists), "responses" and the engine's "logprobs"
+        (N, R); the weight "version" it was sampled with, and the generator's timings."""
+        shares = None
+        if self.rank == 0:
+            batch = self.sampled_ahead.popleft() if self.sampled_ahead else self._next_batch()
+            assert batch["update"] == update
+            prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
+            shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
+                       **{name: batch[name][r * rows:(r + 1) * rows] for name in ("queries", "responses", "logprobs")}}
+                      for r in range(torch.distributed.get_world_size())]
+        received = [None]
+        torch.distributed.scatter_object_list(received, shares, src=0)
+        return received[0]
+
+    def publish_weights(self, engine, version: int, part: str | None = None):
+        """Send the policy's weights after update `version` to the engine, announced by version number,
+        bucket by bucket (every rank calls it: under ZeRO-3 a rank gathers one bucket at a time). `part`:
+        the policy's attribute name when the engine trains more than the policy."""
+        if version > sampling_version(self.num_updates, self.args.async_steps):
+            return  # no batch samples with these weights (and the process may have ended)
+        model = engine.module if part is None else getattr(engine.module, part)
+        parameters = [p for _, p in model.named_parameters()]  # the order the receiver expects
+        if self.rank == 0:
+            self.published.put(version)
+        sizes = [getattr(p, "ds_numel", p.numel()) for p in parameters]  # ZeRO-3 shards: their whole size
+        for bucket in weight_buckets(sizes, parameters[0].element_size()):
+            with common.gathered(engine, [parameters[i] for i in bucket]):
+                if self.rank == 0:
+                    flat = torch.cat([parameters[i].detach().reshape(-1) for i in bucket])
+                    self._send(flat.to(self.placement.weight_device), version)
+
+    def _send(self, flat: torch.Tensor, version: int):
+        try:
+            broadcast_bucket(self.channel, flat, self.args.generator_timeout)
+        except RuntimeError:  # the process's own error, or its death, says more than the channel's
+            message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
+                       f"--generator_timeout {self.args.generator_timeout:g} s")
+            while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this
+                self._receive(2.0, message)
+
+    def sample_ahead(self, update: int) -> list[dict]:
+        """The batches for the updates after `update` that the process samples with weights older than
+        update's (min(K, updates left)), waited for: a checkpoint saves them, so that a resumed run trains
+        on exactly these samples. Rank 0's list; empty on the other ranks."""
+        older = [later for later in range(update + 1, self.num_updates + 1)
+                 if sampling_version(later, self.args.async_steps) < update]
+        while self.rank == 0 and len(self.sampled_ahead) < len(older):
+            self.sampled_ahead.append(self._next_batch())
+        return list(self.sampled_ahead)
+
+    def stop(self):
+        """Stop the process (SIGKILL: it ignores the preemption signals, and holds nothing that needs
+        saving)."""
+        if self.process is not None:
+            self.process.kill()  # nothing happens if it has ended by itself, after the run's last batch
+            self.process.join()
+            self.process = None
