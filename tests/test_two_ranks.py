@@ -1,10 +1,9 @@
 """Multi-rank correctness: every script on two ranks under the deepspeed launcher (ZeRO 2 and 3,
 resume on two ranks), and the distributed helpers on two real ranks."""
 
-import shutil
-
 import pytest
 from scripts import (
+    PREEMPTIONS,
     QUICK,
     SCRIPTS,
     VLLM_SCRIPTS,
@@ -16,17 +15,18 @@ from scripts import (
 )
 
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
-PREEMPTED_ON_TWO_RANKS = ("online_dpo.py", "online_dpo_vllm.py")  # the preemption is common code
+# each script's run is preempted one of the two ways (the preemption is common code)
+PREEMPTION_ON_TWO_RANKS = {script: list(PREEMPTIONS)[index % 2] for index, script in enumerate(SCRIPTS)}
 
 
 @pytest.mark.parametrize(("script", "zero_stage"), [
     (script, stage) for script in SCRIPTS for stage in (2, 3)
     if not (script in VLLM_SCRIPTS and stage == 2)])  # those are the vLLM scripts' own K=2 two-rank runs
 def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
-    """Two ranks of 16 prompts each. With ZeRO-3 a second run resumes on two ranks, and ends with the
-    same weights and metrics, bit for bit: online DPO's from a SIGTERM to the whole job (launcher, ranks
-    and engine) in its first update; the others' from a copy of the first run at its checkpoint 2 (the
-    state of a run killed right after it: only the latest checkpoint is kept)."""
+    """Two ranks of 16 prompts each. With ZeRO-3 a second run, preempted in its first update and resumed
+    on two ranks, ends with the same weights and metrics as the first, bit for bit: a SIGTERM to the
+    whole job (launcher, ranks and engine) as the first batch is sampled, or SIGUSR1 to the ranks while
+    the first update trains, then SIGTERM again while its checkpoint is written."""
     out = tmp_path / "run"
     port = 29600 + 10 * SCRIPTS.index(script) + zero_stage
     updates = 3 if zero_stage == 3 else 2
@@ -41,12 +41,7 @@ def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
     assert_trained_policy_saved(out)  # gathered from both ranks
     if zero_stage == 3:
         resumed = tmp_path / "resumed"
-        if script in PREEMPTED_ON_TWO_RANKS:
-            preempt(script, args, resumed, "SIGTERM while the first update's batch is sampled", launcher=launcher,
-                    env=env)
-        else:
-            shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("policy", "wandb"))
-            assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["update-2"]
+        preempt(script, args, resumed, PREEMPTION_ON_TWO_RANKS[script], launcher=launcher, env=env)
         run_script(*args, "--output_dir", resumed, "--resume", script=script, launcher=launcher, env=env)
         assert_same_weights_and_metrics(out, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 

@@ -1,0 +1,45 @@
+"""The kit's layout promises: a synchronous script never imports vLLM, the embedded tasks and the
+math reward import nothing of the kit (no import circle), and the toy's own answer check agrees with
+the math reward's on the arithmetic task."""
+
+import subprocess
+import sys
+
+import pytest
+from scripts import ROOT, environment
+
+KIT_MODULES = ("common", "data", "vllm_generator", "math_reward", "online_dpo", "online_dpo_vllm", "ppo",
+               "ppo_vllm", "rloo", "rloo_vllm", "bok")
+
+
+def modules_after_import(*names: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after importing `names`."""
+    code = f"import sys\nimport {', '.join(names)}\nprint(' '.join(sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environment(), capture_output=True,
+                            text=True, check=True)
+    return set(result.stdout.split())
+
+
+@pytest.mark.parametrize("script", ["online_dpo", "ppo", "rloo", "bok"])
+def test_a_synchronous_script_imports_no_vllm_code(script):
+    loaded = modules_after_import(script)
+    assert {"common", "data"} <= loaded
+    assert not {name for name in loaded if name == "vllm_generator" or name.split(".")[0] == "vllm"}
+
+
+@pytest.mark.parametrize("module", ["toy", "math_reward"])
+def test_the_toy_and_the_math_reward_import_nothing_of_the_kit(module):
+    assert not set(KIT_MODULES) - {module} & modules_after_import(module)
+
+
+def test_the_toys_answer_check_agrees_with_the_math_reward():
+    import math_reward
+    import toy
+
+    cases = [(37, 48, " 7 + 8 = 15 , 3 + 4 + 1 = 8 #### 85"), (37, 48, toy.worked_solution(37, 48, forget_carry=True)),
+             (12, 30, toy.worked_solution(12, 30)), (12, 30, "#### 42 #### 7"), (12, 30, "no answer"),
+             (99, 99, "#### 1,98"), (99, 99, "####198.0")]
+    for a, b, completion in cases:
+        assert toy.states_the_sum(completion, a, b) == math_reward.same_final_answer(
+            completion, toy.worked_solution(a, b)), (a, b, completion)
+    assert [toy.states_the_sum(c, a, b) for a, b, c in cases] == [True, False, True, True, False, True, True]
