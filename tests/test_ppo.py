@@ -7,12 +7,12 @@ import torch
 from scripts import (
     QUICK,
     SYNC_INTERRUPTIONS,
-    TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     read_metrics,
     run_script,
+    toy_run,
     uninterrupted_and_resumed_runs,
 )
 
@@ -112,7 +112,8 @@ def test_score_lands_on_the_last_real_token_with_and_without_eos():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("ppo"), "ppo.py", TOY_RUN, SYNC_INTERRUPTIONS)
+    return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("ppo"), "ppo.py", toy_run("ppo.py"),
+                                          SYNC_INTERRUPTIONS)
 
 
 def test_logs_every_metric_and_saves_the_policy_alone(runs):

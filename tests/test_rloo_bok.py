@@ -7,12 +7,12 @@ import torch
 from scripts import (
     QUICK,
     SYNC_INTERRUPTIONS,
-    TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     read_metrics,
     run_script,
+    toy_run,
     uninterrupted_and_resumed_runs,
 )
 
@@ -72,7 +72,8 @@ def test_nll_averages_over_real_tokens():
 @pytest.fixture(scope="module", params=["rloo.py", "bok.py"])
 def runs(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param.removesuffix(".py"))
-    return request.param, *uninterrupted_and_resumed_runs(folder, request.param, TOY_RUN, SYNC_INTERRUPTIONS)
+    return request.param, *uninterrupted_and_resumed_runs(folder, request.param, toy_run(request.param),
+                                                          SYNC_INTERRUPTIONS)
 
 
 def test_logs_every_metric_and_saves_the_policy(runs):

@@ -6,11 +6,11 @@ import pytest
 from scripts import (
     INTERRUPTIONS,
     QUICK,
-    TOY_RUN,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     read_metrics,
     run_script,
+    toy_run,
     uninterrupted_and_resumed_runs,
 )
 
@@ -18,10 +18,7 @@ ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_
 FAULTY = "tests/run_with_faulty_generator.py"  # the generator process runs a function of faulty_generators.py
 # what each script's K=1 interrupt/resume chain runs: online DPO the quick run (its learning is checked on the
 # synchronous twin; it needs ~10 updates at its learning rate), RLOO and PPO the toy run, where they learn
-K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK,
-          # RLOO at twice its default learning rate: in these 5 updates some toy builds (they differ with the
-          # CPU and thread count) gain less than 0.10 win-rate at 3e-5
-          "rloo_vllm.py": [*TOY_RUN, "--learning_rate", "6e-5"]}
+K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK, **{script: toy_run(script) for script in ("rloo_vllm.py", "ppo_vllm.py")}}
 
 
 def train_metrics(out) -> list[dict]:
@@ -43,7 +40,7 @@ def k1_runs(request, tmp_path_factory):
     checkpoint 4."""
     script = request.module.SCRIPT
     return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("k1"), script,
-                                          [*K1_RUN.get(script, TOY_RUN), "--async_steps", "1"],
+                                          [*K1_RUN[script], "--async_steps", "1"],
                                           INTERRUPTIONS)
 
 
