@@ -142,8 +142,10 @@ class Args:
     """K: how many updates the sampling weights may lag behind the trained weights (0: synchronous)"""
     vllm_device: str | None = None
     """device of the vLLM engine: "cpu" (its own cores), "cuda:<i>", or "shared": the single training rank's
-    own device (its GPU, or all its cores), engine and trainer taking turns; default: the GPU after the
-    training ranks, else cpu"""
+    own device (its GPU, or all its cores), engine and trainer taking turns; default: the GPU after this
+    node's training GPUs, else cpu. <i> counts the GPUs the ranks see (through an inherited
+    CUDA_VISIBLE_DEVICES: under SLURM's "4,5,6,7", cuda:3 is GPU 7); under deepspeed --num_gpus/--include,
+    which shows each rank only the training GPUs, it is a physical GPU id"""
     vllm_cpu_threads: int = 1
     """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
     vllm_cpu_kv_cache_gib: int = 1

@@ -21,6 +21,7 @@ import queue
 import random
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,48 @@ class Placement:
         return "cuda" if self.weights_over_nccl else "cpu"
 
 
+def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, str], visible_gpus: int) -> str:
+    """The engine's GPU, as its process's CUDA_VISIBLE_DEVICES, for `--vllm_device` `device` ("cuda:<i>",
+    or None: the default), from a training rank's `environment` and the number of GPUs it sees.
+
+    The ranks of a node train on its first visible GPUs, one each (cuda:LOCAL_RANK); their number is
+    LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (DeepSpeed's launcher), else the world size. The engine
+    takes the GPU after them, or cuda:<i>, a logical index: through an inherited CUDA_VISIBLE_DEVICES
+    (a SLURM job's "4,5,6,7": cuda:3 is GPU 7). DeepSpeed's launcher, given --num_gpus or --include,
+    shows each rank only the node's training GPUs; there the engine's GPU is one the ranks do not see,
+    and cuda:<i> a physical GPU id (default: the one after the highest training GPU)."""
+    local_ranks = int(environment.get("LOCAL_WORLD_SIZE") or environment.get("LOCAL_SIZE") or world_size)
+    mask = environment.get("CUDA_VISIBLE_DEVICES")
+    visible = mask.split(",") if mask else [str(i) for i in range(visible_gpus)]
+    seen = f"CUDA_VISIBLE_DEVICES={mask}" if mask else f"{visible_gpus} GPUs"
+    if not visible:
+        common.fail(f"--vllm_device {device} needs a GPU, and this machine has none; use cpu or shared")
+    index = local_ranks if device is None else device.removeprefix("cuda:")
+    if not str(index).isdigit():
+        common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
+    index = int(index)
+    if "LOCAL_SIZE" in environment and len(visible) == local_ranks and mask:  # DeepSpeed's launcher
+        engine = str(max(map(int, visible)) + 1) if device is None else str(index)
+        if engine in visible:
+            common.fail(f"--vllm_device {device} is a training GPU (the ranks of this node train on "
+                        f"{seen}); name another GPU, or use --vllm_device shared with one rank")
+        return engine
+    if index < local_ranks:
+        common.fail(f"--vllm_device cuda:{index} is a training GPU (the {local_ranks} ranks of this node train on "
+                    f"cuda:0-{local_ranks - 1} of {seen}); name a later one, or use --vllm_device shared with one "
+                    "rank")
+    if index >= len(visible):
+        common.fail(f"the vLLM engine's GPU cuda:{index} does not exist: the {local_ranks} ranks of this node "
+                    f"see {seen}, and train on the first {local_ranks}; give the job one more GPU, start one "
+                    "rank fewer, or use --vllm_device shared with one rank")
+    return visible[index]
+
+
 def engine_placement(args, world_size: int) -> Placement:
-    """Where the engine runs. GPU: it sees only `--vllm_device` (default the GPU after the training
-    ranks'). CPU: it runs on the last `--vllm_cpu_threads` cores and the trainer keeps the others.
-    "shared" (one training rank): the engine on the trainer's own device, its GPU or all its cores."""
-    device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else f"cuda:{world_size}")
+    """Where the engine runs. GPU: it sees only its own GPU (engine_gpu: by default the one after the
+    node's training GPUs). CPU: it runs on the last `--vllm_cpu_threads` cores and the trainer keeps the
+    others. "shared" (one training rank): the engine on the trainer's own device, its GPU or all its cores."""
+    device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else "cuda")
     # the engine runs inside the generator process: no further processes, no inter-process polling
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cores = engine_cores = trainer_cores = sorted(os.sched_getaffinity(0))
@@ -78,8 +116,11 @@ def engine_placement(args, world_size: int) -> Placement:
         engine_cores, trainer_cores = cores[-args.vllm_cpu_threads:], cores[:-args.vllm_cpu_threads]
         environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)),
                            VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
-    elif device.startswith("cuda:"):
-        environment["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+    elif device == "cuda" or device.startswith("cuda:"):
+        device_index = None if device == "cuda" else device
+        environment["CUDA_VISIBLE_DEVICES"] = engine_gpu(device_index, world_size, os.environ,
+                                                         torch.cuda.device_count())
+        device = f"cuda:{environment['CUDA_VISIBLE_DEVICES']}"
     else:
         common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
     return Placement(device, environment, engine_cores, trainer_cores)
@@ -204,6 +245,9 @@ def load_engine_weights(llm, model):
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
 
 
+CONNECTING = "connecting"  # the trainer's first message on the queue of weight versions
+
+
 class WeightReceiver:
     """The generator process's end of the weight channel: a thread receives each version the trainer
     sends, while the engine samples, into buffers of its own (one set per version not yet loaded:
@@ -222,7 +266,11 @@ class WeightReceiver:
         try:
             from datetime import timedelta
 
-            # the trainer connects once it has seen the engine start, maybe after its first evaluation
+            # The trainer connects once it has seen the engine start and has made its first evaluation,
+            # minutes later on a large policy, and says so first: both ends then build the channel at once
+            # (an end that waits alone for its peer can be given up on by gloo before the peer comes).
+            if published.get() != CONNECTING:
+                raise RuntimeError("the trainer announced weights before connecting the weight channel")
             store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(days=1))
             channel = weight_channel(self.placement, store, 1, self.args.generator_timeout)
             device, dtype = self.placement.weight_device, self.parameters[0].dtype
@@ -469,8 +517,12 @@ class AsyncGenerator:
         if self.rank == 0:
             timeout = self.args.engine_start_timeout
             self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
-            # the process waits for it by now
-            self.channel = weight_channel(self.placement, self.store, 0, self.args.generator_timeout)
+            self.published.put(CONNECTING)  # the generator process builds its end now
+            try:
+                self.channel = weight_channel(self.placement, self.store, 0, self.args.generator_timeout)
+            except RuntimeError as error:
+                common.fail(f"connecting the weight channel to the vLLM engine process failed: "
+                            f"{' '.join(str(error).split())[:300]}")
 
     def batch_for(self, update: int) -> dict:
         """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then

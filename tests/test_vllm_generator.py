@@ -2,9 +2,11 @@
 rule) and what the engine's placement decides."""
 
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import vllm_generator
 
@@ -30,6 +32,9 @@ def test_the_placement_decides_cores_turns_and_transport(monkeypatch):
     assert own_cores.environment["VLLM_CPU_OMP_THREADS_BIND"] == "3" and not own_cores.takes_turns
     shared = vllm_generator.engine_placement(placement_args(vllm_device="shared"), world_size=1)
     assert shared.engine_cores == shared.trainer_cores == [0, 1, 2, 3] and shared.takes_turns
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # a node of 4 GPUs, as plain python sees it
+    for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     gpu = vllm_generator.engine_placement(placement_args(vllm_device="cuda:3"), world_size=3)
     assert gpu.environment["CUDA_VISIBLE_DEVICES"] == "3" and not gpu.takes_turns
     # weights over NCCL only between two GPUs: gloo on a CPU and within the trainer's own device
@@ -46,3 +51,39 @@ def test_a_bad_placement_fails_on_one_line(monkeypatch, overrides, world_size, m
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     with pytest.raises(SystemExit, match=message):
         vllm_generator.engine_placement(placement_args(**overrides), world_size)
+
+
+@pytest.mark.parametrize(("device", "world_size", "environment", "visible_gpus", "engine"), [
+    (None, 1, {}, 2, "1"),  # python script.py on a 2-GPU machine: the GPU after the trainer's
+    ("cuda:3", 1, {}, 4, "3"),
+    # a SLURM job's GPUs 4-7, torchrun with 3 ranks (it keeps the mask): logical indices through it
+    (None, 3, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "LOCAL_WORLD_SIZE": "3"}, 4, "7"),
+    ("cuda:3", 3, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "LOCAL_WORLD_SIZE": "3"}, 4, "7"),
+    # two nodes of 8 GPUs, 7 ranks each: the node's 8th GPU, not cuda:14
+    (None, 14, {"LOCAL_WORLD_SIZE": "7"}, 8, "7"),
+    # deepspeed --num_gpus 3 shows each rank only the training GPUs 0-2: the engine takes physical GPU 3
+    (None, 3, {"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 3, "3"),
+    # deepspeed --include localhost:4,5,6 on a SLURM job's GPUs 4-7: GPU 7, or the one named
+    (None, 3, {"CUDA_VISIBLE_DEVICES": "4,5,6", "LOCAL_SIZE": "3"}, 3, "7"),
+    ("cuda:7", 3, {"CUDA_VISIBLE_DEVICES": "4,5,6", "LOCAL_SIZE": "3"}, 3, "7"),
+])
+def test_the_engines_gpu_follows_the_jobs_mask_and_the_nodes_ranks(device, world_size, environment, visible_gpus,
+                                                                   engine):
+    assert vllm_generator.engine_gpu(device, world_size, environment, visible_gpus) == engine
+
+
+@pytest.mark.parametrize(("device", "world_size", "environment", "visible_gpus", "message"), [
+    ("cuda:1", 3, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "LOCAL_WORLD_SIZE": "3"}, 4,
+     "--vllm_device cuda:1 is a training GPU (the 3 ranks of this node train on cuda:0-2 of "
+     "CUDA_VISIBLE_DEVICES=4,5,6,7)"),
+    (None, 4, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "LOCAL_WORLD_SIZE": "4"}, 4,
+     "the vLLM engine's GPU cuda:4 does not exist: the 4 ranks of this node see CUDA_VISIBLE_DEVICES=4,5,6,7"),
+    ("cuda:8", 1, {}, 8, "the vLLM engine's GPU cuda:8 does not exist: the 1 ranks of this node see 8 GPUs"),
+    ("cuda:5", 3, {"CUDA_VISIBLE_DEVICES": "4,5,6", "LOCAL_SIZE": "3"}, 3,
+     "--vllm_device cuda:5 is a training GPU (the ranks of this node train on CUDA_VISIBLE_DEVICES=4,5,6)"),
+    ("cuda:0", 1, {}, 0, "--vllm_device cuda:0 needs a GPU, and this machine has none"),
+    ("cuda:x", 1, {}, 2, "--vllm_device 'cuda:x' is none of 'cpu', 'cuda:<index>' and 'shared'"),
+])
+def test_a_bad_engine_gpu_fails_on_one_line_naming_the_mask(device, world_size, environment, visible_gpus, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        vllm_generator.engine_gpu(device, world_size, environment, visible_gpus)
