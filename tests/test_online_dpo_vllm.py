@@ -34,6 +34,19 @@ def test_with_top_p_the_trainers_log_probs_are_the_engines(tmp_path):
     assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
 
 
+def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_start(tmp_path):
+    """A large policy's first evaluation takes minutes while the engine starts beside it (here 45 s longer):
+    the weight channel still connects after it, the engine takes every version, and batch 1, sampled during
+    the evaluation, is waiting when the trainer needs it."""
+    out = tmp_path / "run"
+    run_script("online_dpo_vllm", "45", *QUICK, "--total_episodes", "64", "--eval_every", "100", "--output_dir", out,
+               script="tests/run_with_slow_evaluation.py")
+    train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
+    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
+    assert max(m["async/logprob_diff"] for m in train) < 1e-5 and train[0]["time/wait"] < 1.0, train
+    assert (out / "policy").is_dir()
+
+
 def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_runs):
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1"]

@@ -46,12 +46,16 @@ def k1_runs(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_rank_k2_run(request, tmp_path_factory):
-    """Two training ranks (ZeRO-2) and one engine, K=2: 4 updates of 16 prompts per rank."""
+    """Two training ranks (ZeRO-2) and one engine, K=2: 4 updates of 16 prompts per rank. Online DPO's under
+    torchrun (the README's SLURM recipe: it keeps the job's CUDA_VISIBLE_DEVICES), the others' under the
+    deepspeed launcher."""
     out = tmp_path_factory.mktemp("two_ranks") / "run"
-    port = 29610 + ["online_dpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py"].index(request.module.SCRIPT)
+    port = str(29610 + ["online_dpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py"].index(request.module.SCRIPT))
+    launcher = ("torchrun", "--nproc_per_node", "2", "--master_port", port)
+    if request.module.SCRIPT != "online_dpo_vllm.py":
+        launcher = ("deepspeed", "--num_gpus", "2", "--master_port", port)
     run_script(*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2", "--output_dir", out,
-               script=request.module.SCRIPT, launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(port)),
-               env={"OMP_NUM_THREADS": "1"})
+               script=request.module.SCRIPT, launcher=launcher, env={"OMP_NUM_THREADS": "1"})
     return out
 
 
