@@ -17,6 +17,7 @@ asynchronous scripts (the synchronous ones never import it); math_reward.py is t
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -279,8 +280,9 @@ def toy_math_artefacts() -> dict:
 
 
 def cli(args_class, presets: dict[str, Preset]):
-    """Parse the command line into `args_class` with tyro. `--preset NAME` starts from a named
-    configuration; every other flag still overrides its values."""
+    """Parse the command line into `args_class` with tyro, in three layers: `--preset NAME` (a named
+    configuration), then `--config FILE` (config_flags), then every flag given, each overriding the one
+    before."""
     import argparse
     import io
 
@@ -288,7 +290,10 @@ def cli(args_class, presets: dict[str, Preset]):
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--preset")
-    chosen = parser.parse_known_args()[0].preset
+    parser.add_argument("--config")
+    given = parser.parse_known_args()[0]
+    file_flags, file_preset = config_flags(given.config, args_class) if given.config else ([], None)
+    chosen = given.preset or file_preset
     if chosen is not None and chosen not in presets:
         fail(f"--preset {chosen!r} is not one of this script's presets: {', '.join(presets)}")
     summary = " ".join(sys.modules[args_class.__module__].__doc__.split("\n\n")[0].split())
@@ -296,11 +301,50 @@ def cli(args_class, presets: dict[str, Preset]):
     try:
         with contextlib.redirect_stderr(errors):
             return tyro.cli(args_class, default=presets[chosen].args if chosen else None, use_underscores=True,
-                            description=f"{summary}\n\n{PREEMPTION_HELP}")
+                            args=[*file_flags, *sys.argv[1:]], description=f"{summary}\n\n{PREEMPTION_HELP}")
     except SystemExit as exit:
         if exit.code in (0, None):
             raise
         fail(" ".join(re.sub(r"[╭╮╰╯│─]+", " ", errors.getvalue()).split()))  # tyro's boxed message, on one line
+
+
+def config_flags(path: str, args_class) -> tuple[list[str], str | None]:
+    """A --config file's fields as command-line flags, which tyro then checks as it checks typed ones, and
+    the preset it names. The file is YAML (`learning_rate: 3.0e-6` per line) or a run's args.json (its
+    "args": `--config OUT/args.json --output_dir NEW` repeats OUT's run); a key that is no field of
+    `args_class` stops with a one-line error naming the nearest one."""
+    import difflib
+
+    import yaml
+
+    if not os.path.isfile(path):
+        fail(f"--config {path!r} does not exist")
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)  # JSON is YAML too
+    except yaml.YAMLError as error:
+        fail(f"--config {path!r} is neither YAML nor JSON: {' '.join(str(error).split())}")
+    if isinstance(values, dict) and isinstance(values.get("args"), dict) and "versions" in values:
+        values = values["args"]  # a run's args.json
+    if not isinstance(values, dict) or not values:
+        fail(f"--config {path!r} must map Args fields to values (one `name: value` per line)")
+    fields = [field.name for field in dataclasses.fields(args_class)]
+    flags = []
+    for name, value in values.items():
+        if name not in fields:
+            nearest = difflib.get_close_matches(str(name), fields, n=1)
+            script = os.path.basename(sys.modules[args_class.__module__].__file__)
+            fail(f"--config {path!r}: {name!r} is not a flag of {script}"
+                 + (f"; did you mean {nearest[0]!r}?" if nearest else ""))
+        if name in ("config", "local_rank"):  # a file's own --config, and the launcher's
+            continue
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no_{name}")
+        elif isinstance(value, list):
+            flags += [f"--{name}", *map(str, value)]
+        else:
+            flags += [f"--{name}", str(value)]
+    return flags, values.get("preset")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -731,10 +775,11 @@ class OnlineTrainerState:
 
 # What a resumed run may change: logging, evaluation and checkpoint frequency, timeouts, and where the
 # vLLM engine runs (the rest would mix two configurations into one run)
-RESUME_MAY_CHANGE = ("preset", "output_dir", "resume", "exp_name", "track", "wandb_project_name", "wandb_entity",
-                     "eval_every", "eval_temperature", "save_every", "local_rank", "local_rollout_forward_batch_size",
-                     "engine_start_timeout", "generator_timeout", "logprob_check_rows", "vllm_device",
-                     "vllm_cpu_threads", "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization")
+RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "track", "wandb_project_name",
+                     "wandb_entity", "eval_every", "eval_temperature", "save_every", "local_rank",
+                     "local_rollout_forward_batch_size", "engine_start_timeout", "generator_timeout",
+                     "logprob_check_rows", "vllm_device", "vllm_cpu_threads", "vllm_cpu_kv_cache_gib",
+                     "vllm_gpu_memory_utilization")
 
 
 def prepare_output_dir(args):

@@ -24,6 +24,9 @@ class Args:
     # Configuration
     preset: str | None = None
     """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+    config: str | None = None
+    """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
+    that run; applied after --preset, and the flags given override it"""
 
     # Model and data
     model_name_or_path: str = toy.SFT_POLICY

@@ -97,6 +97,20 @@ def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(r
     assert_same_weights_and_metrics(*runs, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
 
+def test_a_runs_args_json_repeats_it_exactly(tmp_path):
+    first, again = tmp_path / "first", tmp_path / "again"
+    run_script(*QUICK, "--total_episodes", "32", "--eval_every", "1", "--loss_type", "ipo", "--seed", "3",
+               "--output_dir", first)
+    run_script("--config", first / "args.json", "--output_dir", again)
+
+    def numbers(run) -> list[dict]:  # every logged number but the clock's
+        return [{name: value for name, value in m.items() if name not in ("time", "eps") and "time/" not in name}
+                for m in read_metrics(run)]
+
+    assert numbers(first) == numbers(again) and len(numbers(first)) == 5  # 2 updates, 3 evaluations
+    assert_same_weights_and_metrics(first, again, ["loss/policy_avg"])
+
+
 def test_refuses_to_overwrite_a_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     result = run_script(*QUICK, "--output_dir", tmp_path, check=False)

@@ -1,6 +1,7 @@
 """The paper's presets: each parses, its batch arithmetic divides, it names the paper's artefacts,
 and the README lists its exact launch command."""
 
+import json
 import os
 import re
 import sys
@@ -129,3 +130,43 @@ def test_the_readme_lists_every_preset_with_its_launch_command():
         readme = f.read()
     for script, name in ALL_PRESETS:
         assert SCRIPTS[script].PRESETS[name].launch in readme, (script, name)
+
+
+def test_a_config_file_sits_between_the_preset_and_the_flags(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rate: 3e-5  # YAML reads this as text: the flag's own parser makes it a float\n"
+                      "seed: 7\nbf16: false\ntrack: true\ngold_model_path: null\nresponse_length: 20\n")
+    args = parse(online_dpo, "--preset", "tldr-1b-4gpu", "--config", str(config), "--seed", "9")
+    assert (args.model_name_or_path, args.learning_rate, args.bf16, args.track) == (
+        "mnoukhov/pythia1b-sft-tldr", 3e-5, False, True)  # the preset's, then the file's
+    assert (args.seed, args.response_length, args.gold_model_path, args.config) == (9, 20, None, str(config))
+    # a file may name the preset itself; a --preset flag overrides it
+    config.write_text("preset: tldr-410m-1gpu\nseed: 7\n")
+    assert parse(online_dpo, "--config", str(config)).model_name_or_path == "mnoukhov/pythia410m-sft-tldr"
+    assert parse(online_dpo, "--config", str(config), "--preset", "tldr-1b-1gpu").model_name_or_path == (
+        "mnoukhov/pythia1b-sft-tldr")
+
+
+def test_a_runs_args_json_is_a_config(tmp_path):
+    recorded = vars(parse(rloo_vllm, "--preset", "toy-math", "--learning_rate", "1e-5", "--vllm_device", "shared"))
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"args": recorded, "ranks": 1, "versions": {}, "argv": []}))
+    again = vars(parse(rloo_vllm, "--config", str(path)))
+    assert again == {**recorded, "config": str(path)}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("learnin_rate: 1e-4\n", "'learnin_rate' is not a flag of online_dpo.py; did you mean 'learning_rate'?"),
+    ("- 1\n- 2\n", "must map Args fields to values"),
+    ("seed: [1\n", "is neither YAML nor JSON"),
+    ("learning_rate: fast\n", "Error parsing --learning_rate: could not convert string to float: 'fast'"),
+    ("preset: tldr-7b\n", "--preset 'tldr-7b' is not one of this script's presets"),
+])
+def test_a_bad_config_file_is_a_one_line_error(tmp_path, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(SystemExit, match=re.escape(message)) as stop:
+        parse(online_dpo, "--config", str(config))
+    assert "\n" not in str(stop.value.code)
+    with pytest.raises(SystemExit, match="--config '.*missing.yaml' does not exist"):
+        parse(online_dpo, "--config", str(tmp_path / "missing.yaml"))
