@@ -155,12 +155,13 @@ INTERRUPTIONS = (*PREEMPTIONS, "SIGKILL while checkpoint 4 is being written")
 SYNC_INTERRUPTIONS = ("SIGKILL during update 1, before any checkpoint", *INTERRUPTIONS)
 
 
-def assert_same_weights_and_metrics(whole, resumed, names):
-    """Bit for bit: the final weights, and the logged `names` at every update."""
+def assert_same_weights_and_metrics(whole, resumed, names, after_update=-1):
+    """Bit for bit: the final weights, and the logged `names` at every update after `after_update`."""
     whole_weights, resumed_weights = load_policy_weights(whole), load_policy_weights(resumed)
     assert all(torch.equal(whole_weights[name], resumed_weights[name]) for name in whole_weights)
     for name in names:
-        logged = [[m[name] for m in read_metrics(d) if name in m] for d in (whole, resumed)]
+        logged = [[m[name] for m in read_metrics(d) if name in m and m["update"] > after_update]
+                  for d in (whole, resumed)]
         assert logged[0] == logged[1] and logged[0], name
 
 

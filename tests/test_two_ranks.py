@@ -1,6 +1,8 @@
 """Multi-rank correctness: every script on two ranks under the deepspeed launcher (ZeRO 2 and 3,
 resume on two ranks), and the distributed helpers on two real ranks."""
 
+import shutil
+
 import pytest
 from scripts import (
     PREEMPTIONS,
@@ -15,18 +17,23 @@ from scripts import (
 )
 
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
-# each script's run is preempted one of the two ways (the preemption is common code)
-PREEMPTION_ON_TWO_RANKS = {script: list(PREEMPTIONS)[index % 2] for index, script in enumerate(SCRIPTS)}
+# The scripts whose resume on two ranks starts from a run of its own, preempted in its first update one of
+# the two ways (the preemption is common code): the synchronous and asynchronous twins of online DPO, and
+# PPO (the value model's state too). The others resume from a copy of the first run at its checkpoint 2,
+# which leaves only update 3 and the final weights to compare (a run is cut there in a second of its own).
+PREEMPTION_ON_TWO_RANKS = {"online_dpo.py": list(PREEMPTIONS)[0], "online_dpo_vllm.py": list(PREEMPTIONS)[1],
+                           "ppo.py": list(PREEMPTIONS)[1]}
 
 
 @pytest.mark.parametrize(("script", "zero_stage"), [
     (script, stage) for script in SCRIPTS for stage in (2, 3)
     if not (script in VLLM_SCRIPTS and stage == 2)])  # those are the vLLM scripts' own K=2 two-rank runs
 def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
-    """Two ranks of 16 prompts each. With ZeRO-3 a second run, preempted in its first update and resumed
-    on two ranks, ends with the same weights and metrics as the first, bit for bit: a SIGTERM to the
-    whole job (launcher, ranks and engine) as the first batch is sampled, or SIGUSR1 to the ranks while
-    the first update trains, then SIGTERM again while its checkpoint is written."""
+    """Two ranks of 16 prompts each. With ZeRO-3 a second run resumes on two ranks and ends with the same
+    weights and metrics as the first, bit for bit: after a preemption in its first update of its own (a
+    SIGTERM to the whole job, launcher, ranks and engine, as the first batch is sampled; or SIGUSR1 to the
+    ranks while the first update trains, then SIGTERM again while its checkpoint is written), or, for the
+    scripts that share all of that code, from a copy of the first run at its checkpoint 2."""
     out = tmp_path / "run"
     port = 29600 + 10 * SCRIPTS.index(script) + zero_stage
     updates = 3 if zero_stage == 3 else 2
@@ -41,9 +48,16 @@ def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
     assert_trained_policy_saved(out)  # gathered from both ranks
     if zero_stage == 3:
         resumed = tmp_path / "resumed"
-        preempt(script, args, resumed, PREEMPTION_ON_TWO_RANKS[script], launcher=launcher, env=env)
+        after_update = -1  # every update and evaluation is the resumed run's own
+        if script in PREEMPTION_ON_TWO_RANKS:
+            preempt(script, args, resumed, PREEMPTION_ON_TWO_RANKS[script], launcher=launcher, env=env)
+        else:
+            shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("policy", "wandb"))
+            assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["update-2"]
+            after_update = 2  # what the copy holds is the first run's
         run_script(*args, "--output_dir", resumed, "--resume", script=script, launcher=launcher, env=env)
-        assert_same_weights_and_metrics(out, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
+        assert_same_weights_and_metrics(out, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"],
+                                        after_update)
 
 
 def test_metrics_and_data_across_two_real_ranks():
