@@ -18,11 +18,10 @@ from scripts import (
 
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 # The scripts whose resume on two ranks starts from a run of its own, preempted in its first update one of
-# the two ways (the preemption is common code): the synchronous and asynchronous twins of online DPO, and
-# PPO (the value model's state too). The others resume from a copy of the first run at its checkpoint 2,
-# which leaves only update 3 and the final weights to compare (a run is cut there in a second of its own).
-PREEMPTION_ON_TWO_RANKS = {"online_dpo.py": list(PREEMPTIONS)[0], "online_dpo_vllm.py": list(PREEMPTIONS)[1],
-                           "ppo.py": list(PREEMPTIONS)[1]}
+# the two ways (the preemption is common code): the synchronous and asynchronous twins of online DPO. The
+# others resume from a copy of the first run at its checkpoint 2, which leaves only update 3 and the final
+# weights to compare (a run of their own would cost a minute each, for code they share).
+PREEMPTION_ON_TWO_RANKS = {"online_dpo.py": list(PREEMPTIONS)[0], "online_dpo_vllm.py": list(PREEMPTIONS)[1]}
 
 
 @pytest.mark.parametrize(("script", "zero_stage"), [
