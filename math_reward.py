@@ -15,8 +15,8 @@ The scripts call it on every training batch, and on the evaluation's near-greedy
   take the ones you need by name and leave the rest in **columns;
 
 and it must return one number per completion. It runs on every rank, in the trainer's process, on
-that rank's share of the batch; an exception, a wrong count or a NaN stops the run with a one-line
-error. Copy this file to start your own.
+that rank's share of the batch; an exception or a wrong count stops the run with a one-line error,
+and so does a NaN or infinite reward in training. Copy this file to start your own.
 """
 
 import re
