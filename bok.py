@@ -110,7 +110,10 @@ class Args:
     eval_temperature: float = 0.01
     """near-greedy temperature of evaluation completions (the paper's protocol)"""
     save_every: int = 0
-    """write a resumable checkpoint every this many updates (0: only on preemption)"""
+    """every this many updates, write a resumable checkpoint (only the latest is kept) and a policy snapshot,
+    policies/update-N, for eval_checkpoints.py (0: neither; a checkpoint on preemption only)"""
+    keep_snapshots: int | None = None
+    """keep only the newest this many policy snapshots (default: all)"""
     output_dir: str | None = None
     """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
     resume: bool = False
@@ -266,12 +269,14 @@ def main(args: Args):
             logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
+        if args.save_every and update % args.save_every == 0:
+            common.save_snapshot(args, policy, task.tokenizer, state)
         if preempted or (args.save_every and update % args.save_every == 0):
             common.save_checkpoint(args.output_dir, policy, state)
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_policy(args.output_dir, policy, task.tokenizer)
+    common.save_policy(os.path.join(args.output_dir, "policy"), policy, task.tokenizer, state)
     logger.close()
     if rank == 0:
         print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")

@@ -378,6 +378,8 @@ class Task:
 
 def resolve_output_dir(args):
     """Default run directory runs/<exp_name>__<seed>__<time>; --resume must name the run it continues."""
+    if getattr(args, "keep_snapshots", None) is not None and args.keep_snapshots < 1:
+        fail(f"--keep_snapshots must be at least 1 (or left out to keep every snapshot), got {args.keep_snapshots}")
     if args.output_dir is None:
         if args.resume:
             fail("--resume needs --output_dir, the directory of the run to continue")
@@ -780,7 +782,7 @@ class OnlineTrainerState:
 # What a resumed run may change: logging, evaluation and checkpoint frequency, timeouts, and where the
 # vLLM engine runs (the rest would mix two configurations into one run)
 RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "track", "wandb_project_name",
-                     "wandb_entity", "eval_every", "eval_temperature", "save_every", "local_rank",
+                     "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "local_rank",
                      "local_rollout_forward_batch_size", "engine_start_timeout", "generator_timeout",
                      "logprob_check_rows", "vllm_device", "vllm_cpu_threads", "vllm_cpu_kv_cache_gib",
                      "vllm_gpu_memory_utilization")
@@ -903,23 +905,37 @@ def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
     return state
 
 
-def save_policy(output_dir: str, engine, tokenizer, part: str | None = None):
-    """The trained policy in Hugging Face format (loadable by `from_pretrained` and vLLM), written atomically.
+def save_policy(folder: str, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
+    """The trained policy in Hugging Face format (loadable by `from_pretrained` and vLLM) in `folder`, written
+    atomically, with trained.json: the update and episode it was trained to (eval_checkpoints.py reads it).
 
     `part`: the policy's attribute name when the engine trains more than the policy (PPO).
     """
     rank = torch.distributed.get_rank()
-    final, partial = os.path.join(output_dir, "policy"), os.path.join(output_dir, ".partial-policy")
-    with stop_if_writing_fails(final, partial), full_parameters(engine, part) as model:
+    partial = os.path.join(os.path.dirname(folder), ".partial-" + os.path.basename(folder))
+    with stop_if_writing_fails(folder, partial), full_parameters(engine, part) as model:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial)  # save_pretrained would only log an error if a file were in the way
             state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
             model.save_pretrained(partial, state_dict=state_dict)
             tokenizer.save_pretrained(partial)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(partial, final)
+            with open(os.path.join(partial, "trained.json"), "w") as f:
+                json.dump({"update": state.update, "episode": state.episode}, f)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.rename(partial, folder)
     torch.distributed.barrier()
+
+
+def save_snapshot(args, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
+    """The policy of this update in policies/update-N (save_policy), for eval_checkpoints.py; only the newest
+    --keep_snapshots stay (all when it is None). Unlike checkpoints, snapshots hold no optimizer state."""
+    folder = os.path.join(args.output_dir, "policies")
+    save_policy(os.path.join(folder, f"update-{state.update}"), engine, tokenizer, state, part)
+    if torch.distributed.get_rank() == 0 and args.keep_snapshots is not None:
+        snapshots = sorted((n for n in os.listdir(folder) if n.startswith("update-")), key=lambda n: int(n[7:]))
+        for name in snapshots[:-args.keep_snapshots]:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,14 +16,18 @@ import torch
 import common
 
 
-def load_tokenizer(path: str, policy: bool = True):
+def load_tokenizer(path: str, policy: bool = True, base_model: bool = False):
     """A tokenizer with a pad token. The policy's is left-padded and needs a stop token; a reward
-    model's keeps the padding side it was saved with, and needs no stop token."""
+    model's keeps the padding side it was saved with, and needs no stop token. A `base_model`'s (a
+    pretrained model that SFT or reward modelling starts from) may have no pad token: its stop token pads,
+    and the model saved from it keeps that."""
     from transformers import AutoTokenizer
 
     if not os.path.exists(path) and path.count("/") != 1:
         common.fail(f"model path {path!r} does not exist (give a local directory or an owner/name hub id)")
     tokenizer = AutoTokenizer.from_pretrained(path, **({"padding_side": "left"} if policy else {}))
+    if tokenizer.pad_token_id is None and base_model and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.pad_token_id is None:
         common.fail(f"tokenizer of {path!r} has no pad token; save it with one "
              "(e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and resize the model)")
@@ -228,19 +232,25 @@ def is_toy_dataset(args) -> bool:
     return os.path.abspath(args.dataset_name) == os.path.abspath(toy.DATASET)
 
 
+def build_named_toys(paths: list[str], rank: int):
+    """Build the embedded toy artefacts that any of `paths` lies in (on rank 0; the other ranks wait)."""
+    import toy
+
+    for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math), (toy.LARGE_DIR, toy.build_large),
+                          (toy.PIPELINE_DIR, toy.build_pipeline)):
+        if folder in map(os.path.dirname, paths):
+            if rank == 0:
+                build()
+            torch.distributed.barrier()
+
+
 def load_task(args, rank: int, dtype) -> common.Task:
     """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for.
 
     Evaluation prompts come from --eval_split, or, when the dataset has no such split, are the last
     --eval_num_prompts train prompts (at most a fifth of them), held out from training.
     """
-    import toy
-
-    for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math), (toy.LARGE_DIR, toy.build_large)):
-        if folder in (os.path.dirname(args.model_name_or_path), os.path.dirname(args.dataset_name)):
-            if rank == 0:
-                build()
-            torch.distributed.barrier()
+    build_named_toys([args.model_name_or_path, args.dataset_name], rank)
     if args.gold_model_path == "toy" and not is_toy_dataset(args):
         common.fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
              "reward model, or leave it out (evaluation then reports the proxy reward and KL)")

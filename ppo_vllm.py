@@ -132,7 +132,10 @@ class Args:
     eval_temperature: float = 0.01
     """near-greedy temperature of evaluation completions (the paper's protocol)"""
     save_every: int = 0
-    """write a resumable checkpoint every this many updates (0: only on preemption)"""
+    """every this many updates, write a resumable checkpoint (only the latest is kept) and a policy snapshot,
+    policies/update-N, for eval_checkpoints.py (0: neither; a checkpoint on preemption only)"""
+    keep_snapshots: int | None = None
+    """keep only the newest this many policy snapshots (default: all)"""
     output_dir: str | None = None
     """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
     resume: bool = False
@@ -473,6 +476,8 @@ def main(args: Args):
                                   common.evaluate(args, task, agent, ref_policy, reward_model, part="policy"))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
+        if args.save_every and update % args.save_every == 0:
+            common.save_snapshot(args, agent, task.tokenizer, state, part="policy")
         if preempted or (args.save_every and update % args.save_every == 0):
             # the batches already sampled for the next K updates, with weights this checkpoint no longer
             # has, are saved with it: a resumed run trains on exactly the same samples
@@ -481,7 +486,7 @@ def main(args: Args):
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_policy(args.output_dir, agent, task.tokenizer, part="policy")
+    common.save_policy(os.path.join(args.output_dir, "policy"), agent, task.tokenizer, state, part="policy")
     generator.stop()
     logger.close()
     if rank == 0:

@@ -48,6 +48,11 @@ MATH_POLICY = os.path.join(MATH_DIR, "sft_policy")
 MATH_DATASET = os.path.join(MATH_DIR, "dataset")
 LARGE_DIR = TOY_DIR + "-large"  # the same world with a larger SFT policy (build_large)
 LARGE_SFT_POLICY = os.path.join(LARGE_DIR, "sft_policy")
+PIPELINE_DIR = TOY_DIR + "-pipeline"  # what the steps before RL start from (build_pipeline)
+BASE_POLICY = os.path.join(PIPELINE_DIR, "base_policy")
+SFT_DATASET = os.path.join(PIPELINE_DIR, "sft_dataset")
+PREFERENCE_DATASET = os.path.join(PIPELINE_DIR, "preference_dataset")
+LABEL_NOISE = 0.25  # of the preference pairs, those whose "human" label disagrees with the gold judge
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Policy shapes. Heads of size 32: vLLM's CPU backend rejects 16. The reward model always has the small shape.
@@ -355,6 +360,42 @@ def make_large(folder: str, seed: int, rng: random.Random, start: float) -> dict
     policy.save_pretrained(os.path.join(folder, "sft_policy"))
     tokenizer.save_pretrained(os.path.join(folder, "sft_policy"))
     return measure(os.path.join(folder, "sft_policy"), REWARD_MODEL, DATASET, seed)
+
+
+def build_pipeline(seed: int = 0) -> None:
+    """Build the pipeline's starting points into PIPELINE_DIR unless they are there (the toy world first)."""
+    build()
+    built_once(PIPELINE_DIR, make_pipeline, seed, "the pipeline's data")
+
+
+def make_pipeline(folder: str, seed: int, rng: random.Random, start: float) -> dict:
+    """What sft.py and reward_model.py start from, on the toy world's prompts: an untrained policy of the
+    small shape (the "pretrained" model; with the world's tokenizer), SFT data (prompt, completion: the
+    rambling targets the toy's own SFT policy learned from) and human-like preference pairs (prompt, chosen,
+    rejected: candidate pairs ordered by the gold judge, LABEL_NOISE of them swapped, as human labels
+    disagree with a gold judge; relabelling with the gold scorer undoes that)."""
+    toy_splits = load_from_disk(DATASET)
+    splits = {"sft_dataset": {}, "preference_dataset": {}}
+    for split in ("train", "validation"):
+        queries = list(toy_splits[split]["query"])
+        splits["sft_dataset"][split] = Dataset.from_dict(
+            {"prompt": queries, "completion": [rambling_target(q, rng) for q in queries]})
+        prompts, chosen, rejected = gold_labelled_pairs(queries, rng, len(queries) // 2)
+        swapped = [rng.random() < LABEL_NOISE for _ in prompts]
+        splits["preference_dataset"][split] = Dataset.from_dict({
+            "prompt": prompts,
+            "chosen": [r if swap else c for c, r, swap in zip(chosen, rejected, swapped)],
+            "rejected": [c if swap else r for c, r, swap in zip(chosen, rejected, swapped)]})
+    for name, dataset in splits.items():
+        DatasetDict(dataset).save_to_disk(os.path.join(folder, name))
+    tokenizer = AutoTokenizer.from_pretrained(SFT_POLICY)
+    policy = LlamaForCausalLM(model_config(SMALL_SHAPE, tokenizer))
+    policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    policy.save_pretrained(os.path.join(folder, "base_policy"))
+    tokenizer.save_pretrained(os.path.join(folder, "base_policy"))
+    return {"sft_examples": {split: len(d) for split, d in splits["sft_dataset"].items()},
+            "preference_pairs": {split: len(d) for split, d in splits["preference_dataset"].items()},
+            "label_noise": LABEL_NOISE}
 
 
 # ---------------------------------------------------------------- the arithmetic task
