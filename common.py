@@ -905,11 +905,12 @@ def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
     return state
 
 
-def save_policy(folder: str, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
-    """The trained policy in Hugging Face format (loadable by `from_pretrained` and vLLM) in `folder`, written
-    atomically, with trained.json: the update and episode it was trained to (eval_checkpoints.py reads it).
+def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
+    """The trained model (a policy or a reward model) in Hugging Face format (loadable by `from_pretrained`, a
+    policy by vLLM too) in `folder`, written atomically, with trained.json: the update and episode it was
+    trained to (eval_checkpoints.py reads it).
 
-    `part`: the policy's attribute name when the engine trains more than the policy (PPO).
+    `part`: the model's attribute name when the engine trains more than the policy (PPO).
     """
     rank = torch.distributed.get_rank()
     partial = os.path.join(os.path.dirname(folder), ".partial-" + os.path.basename(folder))
@@ -928,10 +929,10 @@ def save_policy(folder: str, engine, tokenizer, state: OnlineTrainerState, part:
 
 
 def save_snapshot(args, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
-    """The policy of this update in policies/update-N (save_policy), for eval_checkpoints.py; only the newest
+    """The policy of this update in policies/update-N (save_model), for eval_checkpoints.py; only the newest
     --keep_snapshots stay (all when it is None). Unlike checkpoints, snapshots hold no optimizer state."""
     folder = os.path.join(args.output_dir, "policies")
-    save_policy(os.path.join(folder, f"update-{state.update}"), engine, tokenizer, state, part)
+    save_model(os.path.join(folder, f"update-{state.update}"), engine, tokenizer, state, part)
     if torch.distributed.get_rank() == 0 and args.keep_snapshots is not None:
         snapshots = sorted((n for n in os.listdir(folder) if n.startswith("update-")), key=lambda n: int(n[7:]))
         for name in snapshots[:-args.keep_snapshots]:

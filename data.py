@@ -226,6 +226,53 @@ def load_prompts(args, tokenizer, split: str):
     return kept
 
 
+def load_examples(args, tokenizer, rank: int, completion_columns: list[str], eval_size: int, append_eos: bool = True):
+    """Train and evaluation examples of a dataset of prompts and completions (sft.py, reward_model.py):
+    "input_ids", the prompt built as the RL scripts build it (load_prompts), and for each of
+    `completion_columns` "<column>_ids", its tokens, ending in the stop token with `append_eos` (unless the
+    text ends with it); examples with a completion longer than --max_completion_length are dropped. Without
+    an --eval_split in the dataset, the last `eval_size` train examples (at most a fifth) are held out."""
+    build_named_toys([args.model_name_or_path, args.dataset_name], rank)
+    eos = tokenizer.eos_token_id
+
+    def tokenized(split: str):
+        rows = load_prompts(args, tokenizer, split)
+        for column in completion_columns:
+            if column not in rows.column_names:
+                common.fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
+                            f"it has {rows.column_names}")
+
+        def tokenize(row):
+            completions = {}
+            for column in completion_columns:
+                ids = tokenizer(row[column], add_special_tokens=False)["input_ids"]
+                completions[f"{column}_ids"] = ids + [eos] if append_eos and ids[-1:] != [eos] else ids
+            return completions
+
+        rows = rows.map(tokenize, desc=f"tokenizing {split} completions", keep_in_memory=True)
+        kept = rows.filter(lambda row: all(0 < len(row[f"{column}_ids"]) <= args.max_completion_length
+                                           for column in completion_columns), keep_in_memory=True)
+        if len(kept) < len(rows) and rank == 0:
+            print(f"{split}: dropped {len(rows) - len(kept)} of {len(rows)} examples with an empty completion or one "
+                  f"longer than max_completion_length={args.max_completion_length} tokens")
+        if len(kept) == 0:
+            common.fail(f"every example of {args.dataset_name!r} split {split!r} has an empty completion or one longer "
+                        f"than max_completion_length={args.max_completion_length}; raise --max_completion_length")
+        return kept
+
+    train = tokenized(args.train_split)
+    if args.eval_split in split_names(args.dataset_name):
+        evaluation = tokenized(args.eval_split)
+    else:  # held out even when nothing is evaluated: the training data never depends on it
+        held_out = min(eval_size, len(train) // 5)
+        evaluation = train.select(range(len(train) - held_out, len(train)))
+        train = train.select(range(len(train) - held_out))
+        if rank == 0:
+            print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
+                  f"{args.train_split!r} examples are held out for evaluation")
+    return train, evaluation.select(range(min(eval_size, len(evaluation))))
+
+
 def is_toy_dataset(args) -> bool:
     import toy
 

@@ -414,7 +414,7 @@ def main(args: Args):
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_policy(os.path.join(args.output_dir, "policy"), agent, task.tokenizer, state, part="policy")
+    common.save_model(os.path.join(args.output_dir, "policy"), agent, task.tokenizer, state, part="policy")
     logger.close()
     if rank == 0:
         print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")

@@ -486,7 +486,7 @@ def main(args: Args):
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_policy(os.path.join(args.output_dir, "policy"), agent, task.tokenizer, state, part="policy")
+    common.save_model(os.path.join(args.output_dir, "policy"), agent, task.tokenizer, state, part="policy")
     generator.stop()
     logger.close()
     if rank == 0:

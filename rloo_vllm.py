@@ -390,7 +390,7 @@ def main(args: Args):
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_policy(os.path.join(args.output_dir, "policy"), policy, task.tokenizer, state)
+    common.save_model(os.path.join(args.output_dir, "policy"), policy, task.tokenizer, state)
     generator.stop()
     logger.close()
     if rank == 0:

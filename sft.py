@@ -140,52 +140,14 @@ def check_args(args: Args, world_size: int) -> int:
     return args.per_device_train_batch_size * args.gradient_accumulation_steps
 
 
-def load_examples(args: Args, tokenizer, rank: int):
-    """Train and evaluation examples with "input_ids" (the prompt, built as the RL scripts build it) and
-    "completion_ids" (ending in the stop token); too long ones are dropped."""
-    data.build_named_toys([args.model_name_or_path, args.dataset_name], rank)
-    eos = tokenizer.eos_token_id
-
-    def tokenized(split: str):
-        rows = data.load_prompts(args, tokenizer, split)
-        if args.completion_column not in rows.column_names:
-            common.fail(f"dataset {args.dataset_name!r} split {split!r} has no column {args.completion_column!r}; "
-                        f"it has {rows.column_names}")
-
-        def tokenize(row):
-            ids = tokenizer(row[args.completion_column], add_special_tokens=False)["input_ids"]
-            return {"completion_ids": ids if ids[-1:] == [eos] else ids + [eos]}
-
-        rows = rows.map(tokenize, desc=f"tokenizing {split} completions", keep_in_memory=True)
-        kept = rows.filter(lambda row: len(row["completion_ids"]) <= args.max_completion_length, keep_in_memory=True)
-        if len(kept) < len(rows) and rank == 0:
-            print(f"{split}: dropped {len(rows) - len(kept)} of {len(rows)} examples whose completion is longer "
-                  f"than max_completion_length={args.max_completion_length} tokens")
-        if len(kept) == 0:
-            common.fail(f"every completion of {args.dataset_name!r} split {split!r} is longer than "
-                        f"max_completion_length={args.max_completion_length}; raise --max_completion_length")
-        return kept
-
-    train = tokenized(args.train_split)
-    if args.eval_split in data.split_names(args.dataset_name):
-        evaluation = tokenized(args.eval_split)
-    else:  # held out of training even with --eval_every 0: the training data never depends on it
-        held_out = min(args.eval_num_examples, len(train) // 5)
-        evaluation = train.select(range(len(train) - held_out, len(train)))
-        train = train.select(range(len(train) - held_out))
-        if rank == 0:
-            print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
-                  f"{args.train_split!r} examples are held out for the evaluation loss")
-    return train, evaluation.select(range(min(args.eval_num_examples, len(evaluation))))
-
-
-def batch_inputs(rows: dict, pad_token_id: int, device):
+def batch_inputs(args: Args, rows: dict, pad_token_id: int, device):
     """Prompt + completion, left-padded, and which target tokens are completion tokens.
     -> input_ids, attention_mask: (batch, length); is_target: (batch, length - 1), 1 where input_ids[:, 1:]
     is a completion token"""
-    sequences = [p + c for p, c in zip(rows["input_ids"], rows["completion_ids"])]
+    completions = rows[f"{args.completion_column}_ids"]
+    sequences = [p + c for p, c in zip(rows["input_ids"], completions)]
     input_ids, attention_mask = common.left_pad(sequences, pad_token_id, device)
-    completion_masks = [[0] * len(p) + [1] * len(c) for p, c in zip(rows["input_ids"], rows["completion_ids"])]
+    completion_masks = [[0] * len(p) + [1] * len(c) for p, c in zip(rows["input_ids"], completions)]
     is_completion, _ = common.left_pad(completion_masks, 0, device)
     return input_ids, attention_mask, is_completion[:, 1:]
 
@@ -206,7 +168,7 @@ def evaluation_loss(args: Args, model, examples, pad_token_id: int) -> dict[str,
     rows = examples.select(range(rank, len(examples), world_size))
     totals = torch.zeros(2, dtype=torch.float64, device=common.local_device())  # summed nll, completion tokens
     for start in range(0, len(rows), args.eval_batch_size):
-        input_ids, attention_mask, is_target = batch_inputs(rows[start:start + args.eval_batch_size], pad_token_id,
+        input_ids, attention_mask, is_target = batch_inputs(args, rows[start:start + args.eval_batch_size], pad_token_id,
                                                             totals.device)
         totals[0] += completion_nll(model, input_ids, attention_mask, is_target).sum().item()
         totals[1] += is_target.sum().item()
@@ -221,7 +183,8 @@ def main(args: Args):
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     tokenizer = data.load_tokenizer(args.model_name_or_path, base_model=True)
-    train_examples, eval_examples = load_examples(args, tokenizer, rank)
+    train_examples, eval_examples = data.load_examples(args, tokenizer, rank, [args.completion_column],
+                                                       args.eval_num_examples)
     sampler = data.PromptSampler(len(train_examples), local_batch_size, rank, world_size, args.seed)
     num_steps = args.num_epochs * sampler.batches_per_epoch
     if rank == 0:  # only now, so that bad input leaves no output directory behind
@@ -248,7 +211,7 @@ def main(args: Args):
     start_time, start_episode = time.time(), state.episode
     for step in range(state.update + 1, num_steps + 1):
         rows = train_examples[sampler.next_indices()]  # {column: values}, this rank's share of the step
-        input_ids, attention_mask, is_target = batch_inputs(rows, tokenizer.pad_token_id, model.device)
+        input_ids, attention_mask, is_target = batch_inputs(args, rows, tokenizer.pad_token_id, model.device)
         # The step's loss is the mean over every completion token of the step, on all ranks (not a mean of
         # micro-batch means, which would weigh the tokens of short completions more): each micro-batch's
         # summed nll over the step's token count, times what DeepSpeed divides by (accumulation, ranks).
@@ -277,7 +240,7 @@ def main(args: Args):
         if preempted:
             common.exit_preempted(step, logger)
 
-    common.save_policy(os.path.join(args.output_dir, "policy"), model, tokenizer, state)
+    common.save_model(os.path.join(args.output_dir, "policy"), model, tokenizer, state)
     logger.close()
     if rank == 0:
         print(f"saved the SFT policy to {os.path.join(args.output_dir, 'policy')}")
