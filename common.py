@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gc
 import json
+import math
 import os
 import random
 import re
@@ -202,7 +203,13 @@ def gathered(engine, parameters: list):
 @contextlib.contextmanager
 def full_parameters(engine, part: str | None = None):
     """The engine's model (or its attribute `part`, e.g. PPO's "policy") with ZeRO-3 partitioned
-    parameters gathered: one gather for a whole generation, not one per step."""
+    parameters gathered: one gather for a whole generation, not one per step. `engine` may also be a plain
+    model (eval_checkpoints.py's), whole already."""
+    import deepspeed
+
+    if not isinstance(engine, deepspeed.DeepSpeedEngine):
+        yield engine if part is None else getattr(engine, part)
+        return
     model = engine.module if part is None else getattr(engine.module, part)
     with gathered(engine, list(model.parameters())):
         yield model
@@ -283,10 +290,11 @@ def toy_math_artefacts() -> dict:
                 missing_eos_penalty=False, response_length=toy.MATH_RESPONSE_LENGTH, max_prompt_length=16)
 
 
-def cli(args_class, presets: dict[str, Preset]):
+def cli(args_class, presets: dict[str, Preset], run_fields: tuple[str, ...] = ()):
     """Parse the command line into `args_class` with tyro, in three layers: `--preset NAME` (a named
     configuration), then `--config FILE` (config_flags), then every flag given, each overriding the one
-    before."""
+    before. `run_fields` (eval_checkpoints.py): with `--run_dir RUN`, these fields start from RUN's
+    args.json, under the other layers."""
     import argparse
     import io
 
@@ -295,8 +303,13 @@ def cli(args_class, presets: dict[str, Preset]):
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--preset")
     parser.add_argument("--config")
+    parser.add_argument("--run_dir")
     given = parser.parse_known_args()[0]
     file_flags, file_preset = config_flags(given.config, args_class) if given.config else ([], None)
+    if run_fields and given.run_dir:
+        if not os.path.isfile(os.path.join(given.run_dir, "args.json")):
+            fail(f"--run_dir {given.run_dir!r} has no args.json: give the output directory of a training run")
+        file_flags = config_flags(os.path.join(given.run_dir, "args.json"), args_class, run_fields)[0] + file_flags
     chosen = given.preset or file_preset
     if chosen is not None and chosen not in presets:
         fail(f"--preset {chosen!r} is not one of this script's presets: {', '.join(presets)}")
@@ -312,11 +325,12 @@ def cli(args_class, presets: dict[str, Preset]):
         fail(" ".join(re.sub(r"[╭╮╰╯│─]+", " ", errors.getvalue()).split()))  # tyro's boxed message, on one line
 
 
-def config_flags(path: str, args_class) -> tuple[list[str], str | None]:
+def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> tuple[list[str], str | None]:
     """A --config file's fields as command-line flags, which tyro then checks as it checks typed ones, and
     the preset it names. The file is YAML (`learning_rate: 3.0e-6` per line) or a run's args.json (its
     "args": `--config OUT/args.json --output_dir NEW` repeats OUT's run); a key that is no field of
-    `args_class` stops with a one-line error naming the nearest one."""
+    `args_class` stops with a one-line error naming the nearest one. With `only`, the keys of those fields
+    are taken and the others skipped."""
     import difflib
 
     import yaml
@@ -335,6 +349,8 @@ def config_flags(path: str, args_class) -> tuple[list[str], str | None]:
     fields = [field.name for field in dataclasses.fields(args_class)]
     flags = []
     for name, value in values.items():
+        if only is not None and name not in only:
+            continue
         if name not in fields:
             nearest = difflib.get_close_matches(str(name), fields, n=1)
             script = os.path.basename(sys.modules[args_class.__module__].__file__)
@@ -693,7 +709,8 @@ def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> d
 def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | None = None) -> dict[str, float]:
     """Near-greedy completions of the evaluation prompts: their proxy reward, their gold score and gold
     win-rate against the references (where there are a gold scorer and references), their accuracy
-    (with --answer_column: the share whose final answer `#### N` is the solution's), and KL to the SFT
+    (with --answer_column: the share whose final answer `#### N` is the solution's), their perplexity
+    under the SFT policy (per token, at temperature 1: the paper's measure of drift), and KL to the SFT
     policy.
 
     Each rank evaluates its own share of the eval prompts; the numbers are averaged over ranks.
@@ -702,7 +719,7 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
     tokenizer, eos_ids, gold_score = task.tokenizer, task.eos_ids, task.gold_score
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rows = task.eval_prompts.select(range(rank, len(task.eval_prompts), world_size))
-    totals = {"proxy_score": 0.0, "kl": 0.0, "num_eos_tokens": 0.0, "response_length": 0.0}
+    totals = {"proxy_score": 0.0, "kl": 0.0, "num_eos_tokens": 0.0, "response_length": 0.0, "ref_nll": 0.0}
     if args.answer_column:
         totals["accuracy"] = 0.0
     if gold_score is not None:
@@ -741,13 +758,18 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
             proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)
         ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
                                          args.temperature)
+        greedy_ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, greedy, lengths, 1.0)
+        totals["ref_nll"] -= masked_sum(greedy_ref_logprobs, response_mask(lengths, greedy.shape[1])).sum().item()
         totals["proxy_score"] += proxy.sum().item()
         totals["kl"] += masked_sum(logprobs - ref_logprobs, mask).sum().item()
         totals["num_eos_tokens"] += contains_eos.float().sum().item()
         totals["response_length"] += lengths.float().sum().item()
     counts = torch.tensor([float(len(rows))] + list(totals.values()), dtype=torch.float64, device=policy.device)
     torch.distributed.all_reduce(counts)
-    return {f"eval/{name}": value / counts[0].item() for name, value in zip(totals, counts[1:].tolist())}
+    means = {name: value / counts[0].item() for name, value in zip(totals, counts[1:].tolist())}
+    # per token over every completion's tokens (not a mean of per-completion perplexities)
+    means["ref_perplexity"] = math.exp(means.pop("ref_nll") / max(means["response_length"], 1e-9))
+    return {f"eval/{name}": value for name, value in means.items()}
 
 
 # ----------------------------------------------------------------------------------------------

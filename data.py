@@ -291,8 +291,9 @@ def build_named_toys(paths: list[str], rank: int):
             torch.distributed.barrier()
 
 
-def load_task(args, rank: int, dtype) -> common.Task:
+def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
     """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for.
+    `evaluation`: whether the run evaluates (else Task.eval_prompts is None).
 
     Evaluation prompts come from --eval_split, or, when the dataset has no such split, are the last
     --eval_num_prompts train prompts (at most a fifth of them), held out from training.
@@ -322,9 +323,9 @@ def load_task(args, rank: int, dtype) -> common.Task:
         if rank == 0:
             print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
                   f"{args.train_split!r} prompts are held out for evaluation")
-    elif args.eval_every:
+    elif evaluation:
         eval_prompts = load_prompts(args, tokenizer, args.eval_split)
-    if not args.eval_every:
+    if not evaluation:
         eval_prompts = None
     else:
         eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))

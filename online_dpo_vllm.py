@@ -254,7 +254,7 @@ def main(args: Args):
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    task = data.load_task(args, rank, dtype)
+    task = data.load_task(args, rank, dtype, evaluation=args.eval_every > 0)
     # the engine samples whole global batches; each rank trains on its share of one
     sampler = data.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
