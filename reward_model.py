@@ -9,6 +9,7 @@ pipeline: sft.py -> reward_model.py -> an RL script -> eval_checkpoints.py.
 """
 
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -151,31 +152,39 @@ def check_args(args: Args) -> int:
 def relabelled_dataset(args: Args, rank: int, tokenizer, dtype) -> str:
     """Write OUTPUT_DIR/relabelled_dataset: the train and evaluation splits with chosen and rejected swapped
     where the gold scorer (--relabel_with) scores them the other way round (ties keep their label), and
-    return its path. A resumed run reads the one it wrote."""
-    from datasets import DatasetDict, load_from_disk
+    return its path. Each rank scores its share of the pairs; a resumed run reads what its first run wrote."""
+    from datasets import DatasetDict
 
     path = os.path.join(args.output_dir, "relabelled_dataset")
-    if rank == 0 and not os.path.isdir(path):
-        data.build_named_toys([args.dataset_name], rank)
-        gold_score = data.load_gold_scorer(args.relabel_with, dtype, tokenizer)
-        splits = {}
-        for split in dict.fromkeys(s for s in (args.train_split, args.eval_split) if s in data.split_names(args.dataset_name)):
-            rows = data.load_split(args.dataset_name, split)
-            prompts = [args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
-                       for row in rows]
-            chosen, rejected = rows[args.chosen_column], rows[args.rejected_column]
-            swap = [False] * len(rows)
-            for start in range(0, len(rows), 256):
-                window = slice(start, start + 256)
-                chosen_gold = gold_score(prompts[window], chosen[window])
-                rejected_gold = gold_score(prompts[window], rejected[window])
-                swap[window] = [c < r for c, r in zip(chosen_gold, rejected_gold)]
-            splits[split] = rows.remove_columns([args.chosen_column, args.rejected_column]).add_column(
-                args.chosen_column, [r if s else c for c, r, s in zip(chosen, rejected, swap)]).add_column(
-                args.rejected_column, [c if s else r for c, r, s in zip(chosen, rejected, swap)])
+    if os.path.isdir(path):
+        return path
+    world_size = torch.distributed.get_world_size()
+    gold_score = data.load_gold_scorer(args.relabel_with, dtype, tokenizer)
+    splits = {}
+    for split in dict.fromkeys(s for s in (args.train_split, args.eval_split) if s in data.split_names(args.dataset_name)):
+        rows = data.load_split(args.dataset_name, split)
+        mine = rows.select(range(rank, len(rows), world_size))
+        prompts = [args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
+                   for row in mine]
+        swap_mine = []
+        for start in range(0, len(mine), 256):
+            window = slice(start, start + 256)
+            chosen_gold = gold_score(prompts[window], mine[args.chosen_column][window])
+            rejected_gold = gold_score(prompts[window], mine[args.rejected_column][window])
+            swap_mine += [c < r for c, r in zip(chosen_gold, rejected_gold)]
+        swaps = [None] * world_size
+        torch.distributed.all_gather_object(swaps, swap_mine)
+        swap = [swaps[i % world_size][i // world_size] for i in range(len(rows))]  # back in the dataset's order
+        chosen, rejected = rows[args.chosen_column], rows[args.rejected_column]
+        splits[split] = rows.remove_columns([args.chosen_column, args.rejected_column]).add_column(
+            args.chosen_column, [r if s else c for c, r, s in zip(chosen, rejected, swap)]).add_column(
+            args.rejected_column, [c if s else r for c, r, s in zip(chosen, rejected, swap)])
+        if rank == 0:
             print(f"relabelled {split}: {sum(swap)} of {len(swap)} pairs ({sum(swap) / len(swap):.1%}) swapped, "
                   f"where {args.relabel_with} prefers the rejected completion")
+    if rank == 0:
         partial = path + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while writing it
         DatasetDict(splits).save_to_disk(partial)
         os.rename(partial, path)
     torch.distributed.barrier()
@@ -183,19 +192,20 @@ def relabelled_dataset(args: Args, rank: int, tokenizer, dtype) -> str:
 
 
 def pair_scores(args: Args, model, tokenizer, rows: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of the chosen and of the rejected completions.  -> (pairs,), (pairs,)
+    """Scores of the chosen and of the rejected completions, as the RL scripts read them.  -> (pairs,), (pairs,)
 
-    A decoder reads its score head at the last real token (the stop token) of prompt + completion,
-    left-padded, as the RL scripts do; an encoder pools its first token in its own forward, on its special
-    tokens around prompt + completion, as the RL scripts' score_texts gives it."""
-    sequences = [p + c for column in (args.chosen_column, args.rejected_column)
-                 for p, c in zip(rows["input_ids"], rows[f"{column}_ids"])]
+    A decoder reads its score head at the last real token (the stop token) of prompt + completion tokens,
+    left-padded; an encoder scores the text, prompt + completion, with its own special tokens and padding
+    (common.score_texts)."""
+    columns = (args.chosen_column, args.rejected_column)
     if common.is_decoder_classifier(model):
+        sequences = [p + c for column in columns for p, c in zip(rows["input_ids"], rows[f"{column}_ids"])]
         scores = common.reward_scores(model, *common.left_pad(sequences, tokenizer.pad_token_id, device))
     else:
-        encoded = tokenizer.pad({"input_ids": [tokenizer.build_inputs_with_special_tokens(s) for s in sequences]},
-                                return_tensors="pt").to(device)
-        scores = model(**encoded).logits[:, 0].float()
+        prompts = [args.prompt_template.format(**dict(zip(rows, values))) for values in zip(*rows.values())] \
+            if args.prompt_template else rows[args.prompt_column]
+        texts = [p + c for column in columns for p, c in zip(prompts, rows[column])]
+        scores = common.score_texts(model, tokenizer, texts, [True] * len(texts))
     return scores.chunk(2)
 
 
@@ -226,9 +236,13 @@ def main(args: Args):
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     data.build_named_toys([args.model_name_or_path, args.dataset_name], rank)
     tokenizer = data.load_tokenizer(args.model_name_or_path, policy=False, base_model=True)
-    if args.relabel_with == "toy" and not os.path.abspath(args.dataset_name).startswith(toy.TOY_DIR):
-        common.fail(f"--relabel_with toy scores the embedded toy world's pairs only, not {args.dataset_name!r}; "
-                    "give a gold reward model's path")
+    if args.relabel_with == "toy":
+        first = data.load_split(args.dataset_name, args.train_split)[0]
+        try:
+            toy.parse_query(args.prompt_template.format(**first) if args.prompt_template else first[args.prompt_column])
+        except (ValueError, KeyError):
+            common.fail(f"--relabel_with toy scores the embedded toy world's posts only, and {args.dataset_name!r} "
+                        "holds others; give a gold reward model's path")
     if args.relabel_with and args.relabel_with != "toy":
         data.check_reward_model(args.relabel_with)
     from transformers import AutoModelForSequenceClassification, get_scheduler

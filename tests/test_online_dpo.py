@@ -1,6 +1,7 @@
 """online_dpo.py: pair selection and the losses on hand-computed numbers (for both DPO scripts, which
 each carry their own copy), and the script end to end on the toy task."""
 
+import json
 import math
 
 import pytest
@@ -91,6 +92,29 @@ def test_short_run_beats_the_sft_policy(tmp_path):
     # DPO at lr 1e-4 needs about 10 updates to learn to stop (the 5 of the shared run give +9 points)
     run_script("--total_episodes", "640", "--eval_every", "1000", "--output_dir", tmp_path / "run")
     assert_learns(tmp_path / "run")
+
+
+def test_eval_checkpoints_evaluates_every_snapshot_as_training_did(runs, tmp_path):
+    # the run evaluated after every update and kept policies/update-2 and -4 and its final policy (5): the
+    # table has the SFT start and those three, each as the run's own evaluation (near-greedy: the same
+    # completions), but KL, which is estimated on samples of another seed
+    out = tmp_path / "eval"
+    run_script("--run_dir", runs[0], "--output_dir", out, script="eval_checkpoints.py")
+    table = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    trained = {m["update"]: m for m in read_metrics(runs[0]) if "eval/gold_win_rate" in m}
+    assert [(row["update"], row["episode"]) for row in table] == [(0, 0), (2, 128), (4, 256), (5, 320)]
+    for row in table:
+        for name in ("eval/gold_win_rate", "eval/gold_score", "eval/proxy_score", "eval/ref_perplexity",
+                     "eval/response_length"):
+            assert row[name] == pytest.approx(trained[row["update"]][name], rel=1e-5, abs=1e-6), (row["update"], name)
+        assert row["eval/kl"] == pytest.approx(trained[row["update"]]["eval/kl"], abs=0.05)
+    assert table[-1]["eval/gold_win_rate"] > table[0]["eval/gold_win_rate"] + 0.1
+    assert (out / "eval.png").stat().st_size > 10_000 and len((out / "eval.csv").read_text().splitlines()) == 5
+    # stopped after two policies: a second call evaluates only the other two, to the same table
+    (out / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in table[:2]))
+    result = run_script("--run_dir", runs[0], "--output_dir", out, script="eval_checkpoints.py")
+    assert "4 policies, 2 evaluated already" in result.stdout
+    assert [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()] == table
 
 
 def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):

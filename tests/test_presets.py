@@ -12,12 +12,15 @@ from scripts import ROOT
 
 import bok
 import common
+import eval_checkpoints
 import online_dpo
 import online_dpo_vllm
 import ppo
 import ppo_vllm
+import reward_model
 import rloo
 import rloo_vllm
+import sft
 
 SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "ppo.py": ppo, "rloo.py": rloo,
            "rloo_vllm.py": rloo_vllm, "ppo_vllm.py": ppo_vllm,
@@ -25,11 +28,14 @@ SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "
 ALL_PRESETS = [(script, name) for script, module in SCRIPTS.items() for name in module.PRESETS]
 TLDR_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("tldr-")]
 GSM8K_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("gsm8k-")]
+PIPELINE_SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model}
+PIPELINE_PRESETS = [(script, name) for script, module in PIPELINE_SCRIPTS.items() for name in module.PRESETS]
 
 
 def parse(module, *argv):
+    """The command line as the script's `__main__` parses it (eval_checkpoints.py: no presets, the run's fields)."""
     with mock.patch.object(sys, "argv", ["script.py", *argv]):
-        return common.cli(module.Args, module.PRESETS)
+        return common.cli(module.Args, getattr(module, "PRESETS", {}), getattr(module, "RUN_FIELDS", ()))
 
 
 def test_the_paper_runs_are_all_there():
@@ -128,8 +134,44 @@ def test_unknown_preset_is_a_one_line_error():
 def test_the_readme_lists_every_preset_with_its_launch_command():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    for script, name in ALL_PRESETS:
-        assert SCRIPTS[script].PRESETS[name].launch in readme, (script, name)
+    for script, name in ALL_PRESETS + PIPELINE_PRESETS:
+        assert {**SCRIPTS, **PIPELINE_SCRIPTS}[script].PRESETS[name].launch in readme, (script, name)
+
+
+@pytest.mark.parametrize(("script", "name"), PIPELINE_PRESETS)
+def test_pipeline_presets_divide_and_name_the_artefacts(script, name):
+    args = parse(PIPELINE_SCRIPTS[script], "--preset", name)
+    size = re.match(r"tldr-(410m|1b|2\.8b)-", name).group(1)
+    world_size = world_size_of(PIPELINE_SCRIPTS[script].PRESETS[name])
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    if script == "sft.py":  # the pretrained model, the TL;DR references, 128 examples a step
+        assert (args.model_name_or_path, args.completion_column, per_step) == (
+            f"EleutherAI/pythia-{size}-deduped", "reference_response", 128)
+    else:  # the SFT policy, the preference pairs relabelled by the gold model, 64 pairs a step
+        assert (args.model_name_or_path, args.relabel_with, per_step) == (
+            f"mnoukhov/pythia{size}-sft-tldr", "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr", 64)
+    assert args.prompt_column == "query" and args.learning_rate == 3e-6 and args.num_epochs == 1
+
+
+@pytest.mark.parametrize("module", [*SCRIPTS.values(), *PIPELINE_SCRIPTS.values(), eval_checkpoints],
+                         ids=lambda module: module.__name__)
+def test_every_script_takes_a_config_file(tmp_path, module):
+    config = tmp_path / "run.yaml"
+    config.write_text("seed: 7\ndataset_name: my/prompts\n")
+    args = parse(module, "--config", str(config), "--seed", "9")
+    assert (args.seed, args.dataset_name, args.config) == (9, "my/prompts", str(config))
+
+
+def test_eval_checkpoints_takes_the_runs_evaluation_settings(tmp_path):
+    recorded = vars(parse(online_dpo, "--preset", "toy-math", "--response_length", "20", "--learning_rate", "1e-5"))
+    (tmp_path / "args.json").write_text(json.dumps({"args": recorded, "ranks": 1, "versions": {}, "argv": []}))
+    config = tmp_path / "eval.yaml"
+    config.write_text("eval_num_prompts: 64\n")
+    args = parse(eval_checkpoints, "--run_dir", str(tmp_path), "--config", str(config), "--seed", "3")
+    # the run's evaluation fields (not its training ones), then the file, then the flags
+    assert (args.dataset_name, args.answer_column, args.reward_fn, args.response_length) == (
+        recorded["dataset_name"], "answer", "math_reward:gsm8k_reward", 20)
+    assert (args.eval_num_prompts, args.seed, args.run_dir) == (64, 3, str(tmp_path))
 
 
 def test_a_config_file_sits_between_the_preset_and_the_flags(tmp_path):

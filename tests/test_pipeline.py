@@ -1,0 +1,176 @@
+"""The steps around RL: the README's whole pipeline on the toy world (sft.py -> reward_model.py ->
+online_dpo.py -> eval_checkpoints.py), SFT's resume, and sft.py and reward_model.py on a researcher's own
+models (an untrained Qwen2 with a chat template, a BERT encoder reward model); eval_checkpoints.py's errors
+(its tables are checked against a training run's own evaluations in test_online_dpo.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from own_inputs import bert_wordpiece_tokenizer, policies, questions, write_jsonl
+from scripts import PREEMPTED_EXIT_CODE, ROOT, environment, read_metrics, run_script
+
+
+def evaluations(run_dir, name: str) -> list[float]:
+    return [m[name] for m in read_metrics(run_dir) if name in m]
+
+
+# The README's whole pipeline, shortened: one SFT epoch, one reward-model epoch, 10 RL updates
+SHORTER = {"sft.py": ["--num_epochs", "1", "--eval_every", "64"], "reward_model.py": ["--num_epochs", "1"],
+           "online_dpo.py": ["--total_episodes", "640", "--eval_every", "1000", "--save_every", "5"],
+           "eval_checkpoints.py": ["--eval_num_prompts", "128"]}
+
+
+def readme_pipeline() -> list[list[str]]:
+    """The commands of the README's "The whole pipeline" section, as argument lists."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("## The whole pipeline")[1]
+    block = section.split("```bash\n")[1].split("```")[0]
+    return [line.split() for line in block.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """The README's four commands run in a fresh folder, each shortened (flags appended override)."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    outputs = {}
+    for python, script, *args in readme_pipeline():
+        assert python == "python", script
+        outputs[script] = subprocess.run([sys.executable, os.path.join(ROOT, script), *args, *SHORTER[script]],
+                                         cwd=folder, env=environment(), text=True, capture_output=True, timeout=600)
+        assert outputs[script].returncode == 0, outputs[script].stderr[-3000:]
+    return folder, outputs
+
+
+def test_the_readmes_pipeline_runs_and_its_rl_step_learns(pipeline):
+    import toy
+    from datasets import load_from_disk
+
+    folder, outputs = pipeline
+    assert list(outputs) == ["sft.py", "reward_model.py", "online_dpo.py", "eval_checkpoints.py"]
+    losses = evaluations(folder / "runs" / "sft", "eval/loss")
+    assert len(losses) == 5 and losses[-1] < 0.3 * losses[0], losses  # steps 0, 64, 128, 192, 256
+    # relabelling: every pair now ordered as the gold judge orders it; about LABEL_NOISE of them swapped
+    relabelled = load_from_disk(str(folder / "runs" / "rm" / "relabelled_dataset"))
+    for split, size in (("train", 4096), ("validation", 256)):
+        rows = relabelled[split]
+        gold_chosen, gold_rejected = (toy.gold_score(rows["prompt"], rows[c]) for c in ("chosen", "rejected"))
+        assert len(rows) == size and all(c >= r for c, r in zip(gold_chosen, gold_rejected))
+        swapped = sum(a != b for a, b in zip(load_from_disk(toy.PREFERENCE_DATASET)[split]["chosen"], rows["chosen"]))
+        assert 0.15 * size < swapped < 0.35 * size
+        assert f"relabelled {split}: {swapped} of {size} pairs" in outputs["reward_model.py"].stdout
+    assert evaluations(folder / "runs" / "rm", "eval/accuracy")[-1] > 0.85
+    # the RL step on the pipeline's own SFT policy and reward model: snapshots at updates 5 and 10 (the final
+    # policy is update 10 too), each evaluated; the gold score rises (the SFT policy of one epoch rambles
+    # more than the toy's, so the win-rate moves later than the gold score)
+    table = [json.loads(line) for line in (folder / "runs" / "dpo" / "eval" / "eval.jsonl").read_text().splitlines()]
+    assert [(row["policy"], row["update"]) for row in table] == [
+        ("runs/sft/policy", 0), ("runs/dpo/policies/update-5", 5), ("runs/dpo/policies/update-10", 10)]
+    assert table[-1]["eval/gold_score"] > table[0]["eval/gold_score"] + 0.5, table
+    assert table[-1]["eval/num_eos_tokens"] > table[0]["eval/num_eos_tokens"] + 0.2, table
+
+
+def test_sft_resumes_exactly_after_a_preemption(pipeline, tmp_path):
+    # the pipeline's SFT run again, preempted (SIGTERM) once it logged step 5: it finishes the step,
+    # checkpoints it and exits 75; resumed, it ends with the same weights and losses
+    folder, _ = pipeline
+    args = [*readme_pipeline()[0][2:], *SHORTER["sft.py"], "--output_dir", tmp_path / "resumed"]
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *args], cwd=folder, env=environment(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "resumed" / "metrics.jsonl"
+    while not (metrics.exists() and '"update": 5,' in metrics.read_text()):
+        assert process.poll() is None, "the run ended before it could be preempted"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE
+    run_script(*args, "--resume", script="sft.py")
+
+    from transformers import AutoModelForCausalLM
+
+    whole, resumed = (AutoModelForCausalLM.from_pretrained(run / "policy").state_dict()
+                      for run in (folder / "runs" / "sft", tmp_path / "resumed"))
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+    assert evaluations(folder / "runs" / "sft", "train/loss") == evaluations(tmp_path / "resumed", "train/loss")
+    assert evaluations(folder / "runs" / "sft", "eval/loss") == evaluations(tmp_path / "resumed", "eval/loss")
+
+
+def test_sft_loss_is_the_token_mean_of_a_chat_policy_and_falls(tmp_path):
+    # a Qwen2 policy with a byte-level BPE tokenizer and a chat template, on a .jsonl of its own
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config, tokenizer = policies()["qwen2"]
+    torch.manual_seed(0)  # untrained, as a pretrained base model would be for this data
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "qwen2")
+    tokenizer.save_pretrained(tmp_path / "qwen2")
+    rows = [{"question": q, "answer": f" the answer is {a} ."} for q, a in questions()]
+    data_file = write_jsonl(tmp_path / "qa.jsonl", rows)
+    out = tmp_path / "run"
+    run_script("--model_name_or_path", tmp_path / "qwen2", "--dataset_name", data_file, "--prompt_column", "question",
+               "--completion_column", "answer", "--chat_template", "--eval_num_examples", "8", "--num_epochs", "8",
+               "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3",
+               "--eval_every", "4", "--output_dir", out, script="sft.py")
+
+    # by hand: the prompt through the chat template, the completion and the stop token; the mean
+    # negative log-likelihood over the completion tokens of the 8 held-out examples (the last 8 rows)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "qwen2")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen2")
+    total_nll, total_tokens = 0.0, 0
+    for row in rows[-8:]:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False)
+        completion = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        total_nll += F.cross_entropy(logits, torch.tensor(completion), reduction="sum").item()
+        total_tokens += len(completion)
+    losses = evaluations(out, "eval/loss")
+    assert losses[0] == pytest.approx(total_nll / total_tokens, rel=1e-5)
+    assert losses[-1] < 0.5 * losses[0], losses
+    # 32 training rows, 8 a step: 4 steps an epoch
+    assert [m["update"] for m in read_metrics(out) if "eval/loss" in m] == list(range(0, 33, 4))
+    policy, info = AutoModelForCausalLM.from_pretrained(out / "policy", output_loading_info=True)
+    assert not any(info.values()) and json.loads((out / "policy" / "trained.json").read_text())["update"] == 32
+
+
+def test_reward_model_on_an_encoder_scores_what_the_rl_scripts_read(tmp_path):
+    # a BERT classifier with a WordPiece tokenizer and no stop token: its training score of a pair is the
+    # score the RL scripts give the same prompt + completion text (common.score_texts)
+    import common
+    from transformers import BertConfig, BertForSequenceClassification
+
+    tokenizer = bert_wordpiece_tokenizer()
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                             pad_token_id=0)).save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    answers = [a for _, a in questions()]
+    rows = [{"prompt": q, "chosen": f" the answer is {a} .", "rejected": f" the answer is {answers[i - 1]} ?"}
+            for i, (q, a) in enumerate(questions())]
+    out = tmp_path / "run"
+    run_script("--model_name_or_path", tmp_path / "bert", "--dataset_name", write_jsonl(tmp_path / "pairs.jsonl", rows),
+               "--eval_num_examples", "8", "--num_epochs", "10", "--per_device_train_batch_size", "8",
+               "--learning_rate", "1e-3", "--eval_every", "20", "--output_dir", out, script="reward_model.py")
+    before = read_metrics(out)[0]
+    model = BertForSequenceClassification.from_pretrained(tmp_path / "bert").eval()
+    with torch.no_grad():
+        chosen, rejected = (common.score_texts(model, tokenizer, [r["prompt"] + r[c] for r in rows[-8:]], [True] * 8)
+                            for c in ("chosen", "rejected"))
+    assert before["eval/chosen_score"] == pytest.approx(chosen.mean().item(), rel=1e-4, abs=1e-6)
+    assert before["eval/rejected_score"] == pytest.approx(rejected.mean().item(), rel=1e-4, abs=1e-6)
+    losses = evaluations(out, "eval/loss")
+    assert evaluations(out, "eval/accuracy")[-1] == 1.0 and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_eval_checkpoints_of_a_run_without_saved_policies_is_a_one_line_error(tmp_path):
+    (tmp_path / "args.json").write_text(json.dumps({"args": {"dataset_name": "x"}, "versions": {}}))
+    result = run_script("--run_dir", tmp_path, script="eval_checkpoints.py", check=False)
+    assert result.returncode != 0 and "has no saved policy" in result.stderr.strip().splitlines()[-1]
+    result = run_script("--run_dir", tmp_path / "nothing", script="eval_checkpoints.py", check=False)
+    assert result.returncode != 0 and "has no args.json" in result.stderr.strip().splitlines()[-1]
