@@ -706,14 +706,18 @@ def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> d
 # Evaluation (ALGORITHMS.md, "Evaluation")
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | None = None) -> dict[str, float]:
+def evaluate(args, task: Task, policy, ref_policy, reward_model, update: int,
+             part: str | None = None) -> dict[str, float]:
     """Near-greedy completions of the evaluation prompts: their proxy reward, their gold score and gold
     win-rate against the references (where there are a gold scorer and references), their accuracy
     (with --answer_column: the share whose final answer `#### N` is the solution's), their perplexity
     under the SFT policy (per token, at temperature 1: the paper's measure of drift), and KL to the SFT
     policy.
 
-    Each rank evaluates its own share of the eval prompts; the numbers are averaged over ranks.
+    Each rank evaluates its own share of the eval prompts; the numbers are averaged over ranks. Sampling
+    has a random state of its own, seeded from (--seed, `update`, rank), and leaves the training's as it
+    was: how often a run evaluates does not change its training, and eval_checkpoints.py gets the numbers
+    the run logged for the same update (on as many ranks).
     `part`: the policy's attribute name when the engine trains more than the policy (PPO).
     """
     tokenizer, eos_ids, gold_score = task.tokenizer, task.eos_ids, task.gold_score
@@ -724,46 +728,49 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, part: str | Non
         totals["accuracy"] = 0.0
     if gold_score is not None:
         totals.update(gold_score=0.0, **({"gold_win_rate": 0.0} if task.has_references else {}))
-    for start in range(0, len(rows), args.local_rollout_forward_batch_size):
-        batch = rows[start:start + args.local_rollout_forward_batch_size]  # {column: values}
-        query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id, policy.device)
-        with full_parameters(policy, part) as model:
-            greedy = generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
-                              eos_ids, tokenizer.pad_token_id)
-            # KL is estimated on samples at the training temperature: near-greedy samples say little about it
-            sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
-                               eos_ids, tokenizer.pad_token_id, args.top_p)
-            sampled, sampled_lengths, _ = truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
-            logprobs = response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths, args.temperature,
-                                         args.top_p)
-        mask = response_mask(sampled_lengths, sampled.shape[1])
-        greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
-        if args.answer_column:
-            _, completions = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, True)
-            totals["accuracy"] += sum(map(math_reward.same_final_answer, completions, batch[args.answer_column]))
-        if gold_score is not None:
-            queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
-            policy_gold = torch.tensor(gold_score(queries, responses))
-            totals["gold_score"] += policy_gold.sum().item()
-            if task.has_references:
-                reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
-                totals["gold_win_rate"] += (policy_gold > reference_gold).float().sum().item()
-        if task.reward_fn is not None:
-            proxy = function_rewards(task, args, Rollout(query_ids, query_mask, greedy, lengths, contains_eos), batch,
-                                     "evaluation")
-        else:
-            proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos, tokenizer,
-                                    task.reward_tokenizer)
-        if args.missing_eos_penalty:  # as in training
-            proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)
-        ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
-                                         args.temperature)
-        greedy_ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, greedy, lengths, 1.0)
-        totals["ref_nll"] -= masked_sum(greedy_ref_logprobs, response_mask(lengths, greedy.shape[1])).sum().item()
-        totals["proxy_score"] += proxy.sum().item()
-        totals["kl"] += masked_sum(logprobs - ref_logprobs, mask).sum().item()
-        totals["num_eos_tokens"] += contains_eos.float().sum().item()
-        totals["response_length"] += lengths.float().sum().item()
+    cuda_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(hash((args.seed, update, rank)))  # a tuple of ints hashes the same in every process
+        for start in range(0, len(rows), args.local_rollout_forward_batch_size):
+            batch = rows[start:start + args.local_rollout_forward_batch_size]  # {column: values}
+            query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id, policy.device)
+            with full_parameters(policy, part) as model:
+                greedy = generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
+                                  eos_ids, tokenizer.pad_token_id)
+                # KL is estimated on samples at the training temperature: near-greedy samples say little about it
+                sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
+                                   eos_ids, tokenizer.pad_token_id, args.top_p)
+                sampled, sampled_lengths, _ = truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
+                logprobs = response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths, args.temperature,
+                                             args.top_p)
+            mask = response_mask(sampled_lengths, sampled.shape[1])
+            greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
+            if args.answer_column:
+                _, completions = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, True)
+                totals["accuracy"] += sum(map(math_reward.same_final_answer, completions, batch[args.answer_column]))
+            if gold_score is not None:
+                queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
+                policy_gold = torch.tensor(gold_score(queries, responses))
+                totals["gold_score"] += policy_gold.sum().item()
+                if task.has_references:
+                    reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
+                    totals["gold_win_rate"] += (policy_gold > reference_gold).float().sum().item()
+            if task.reward_fn is not None:
+                proxy = function_rewards(task, args, Rollout(query_ids, query_mask, greedy, lengths, contains_eos),
+                                         batch, "evaluation")
+            else:
+                proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos, tokenizer,
+                                        task.reward_tokenizer)
+            if args.missing_eos_penalty:  # as in training
+                proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)
+            ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
+                                             args.temperature)
+            greedy_ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, greedy, lengths, 1.0)
+            totals["ref_nll"] -= masked_sum(greedy_ref_logprobs, response_mask(lengths, greedy.shape[1])).sum().item()
+            totals["proxy_score"] += proxy.sum().item()
+            totals["kl"] += masked_sum(logprobs - ref_logprobs, mask).sum().item()
+            totals["num_eos_tokens"] += contains_eos.float().sum().item()
+            totals["response_length"] += lengths.float().sum().item()
     counts = torch.tensor([float(len(rows))] + list(totals.values()), dtype=torch.float64, device=policy.device)
     torch.distributed.all_reduce(counts)
     means = {name: value / counts[0].item() for name, value in zip(totals, counts[1:].tolist())}

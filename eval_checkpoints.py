@@ -80,16 +80,18 @@ class Args:
     bf16: bool = False
     """evaluate in bfloat16 (GPU runs)"""
     seed: int = 1
-    """seed of the sampling, the same for every policy"""
+    """seed of the sampling (with --run_dir, the run's); each policy samples with the seed its run's evaluation
+    of the same update had, so a run's own numbers come out again (on as many ranks)"""
     local_rank: int = -1
     """set by the deepspeed launcher"""
 
 
 # the fields that --run_dir takes from the run's args.json
-RUN_FIELDS = ("model_name_or_path", "reward_model_path", "reward_fn", "gold_model_path", "dataset_name", "train_split",
-              "eval_split", "prompt_column", "prompt_template", "answer_column", "reference_column", "chat_template",
-              "max_prompt_length", "response_length", "temperature", "top_p", "eval_temperature", "missing_eos_penalty",
-              "penalty_reward_value", "eval_num_prompts", "local_rollout_forward_batch_size", "bf16")
+RUN_FIELDS = ("seed", "model_name_or_path", "reward_model_path", "reward_fn", "gold_model_path", "dataset_name",
+              "train_split", "eval_split", "prompt_column", "prompt_template", "answer_column", "reference_column",
+              "chat_template", "max_prompt_length", "response_length", "temperature", "top_p", "eval_temperature",
+              "missing_eos_penalty", "penalty_reward_value", "eval_num_prompts", "local_rollout_forward_batch_size",
+              "bf16")
 
 
 def policies_to_evaluate(args: Args) -> list[dict]:
@@ -171,6 +173,7 @@ def plot_table(output_dir: str, rows: list[dict]):
 
 def main(args: Args):
     rank, _ = common.init_distributed()
+    common.seed_everything(args.seed + rank, torch_deterministic=True)  # as the training runs are
     if args.output_dir is None:
         if args.run_dir is None:
             common.fail("--model_paths without --run_dir needs --output_dir, where the table goes")
@@ -196,12 +199,12 @@ def main(args: Args):
     for entry in to_evaluate:
         if entry["policy"] in done:
             continue
-        common.seed_everything(args.seed + rank, torch_deterministic=True)  # every policy sees the same seed
         policy = AutoModelForCausalLM.from_pretrained(entry["policy"], dtype=dtype).to(device).eval()
         if not data.same_vocabulary(task.tokenizer, data.load_tokenizer(entry["policy"])):
             common.fail(f"policy {entry['policy']!r} has another vocabulary than the SFT policy "
                         f"{args.model_name_or_path!r}; KL and perplexity need the same one")
-        rows.append({**entry, **common.evaluate(args, task, policy, ref_policy, reward_model)})
+        metrics = common.evaluate(args, task, policy, ref_policy, reward_model, entry["update"] or 0)
+        rows.append({**entry, **metrics})
         if rank == 0:
             write_table(args.output_dir, rows)
             print(" ".join(f"{name.removeprefix('eval/')}={value:.4g}" if isinstance(value, float) else

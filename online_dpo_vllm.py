@@ -286,7 +286,7 @@ def main(args: Args):
     # and samples from the checkpoint's weights after them.
     generator = vllm_generator.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
     if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
+        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model, 0))
     generator.wait_for_engine()
     if state.update > 0:  # the engine samples from the checkpoint's weights
         generator.publish_weights(policy, state.update)
@@ -382,7 +382,8 @@ def main(args: Args):
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
-            logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
+            logger.log_evaluation(update, state.episode,
+                                  common.evaluate(args, task, policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
         if args.save_every and update % args.save_every == 0:

@@ -161,7 +161,8 @@ def relabelled_dataset(args: Args, rank: int, tokenizer, dtype) -> str:
     world_size = torch.distributed.get_world_size()
     gold_score = data.load_gold_scorer(args.relabel_with, dtype, tokenizer)
     splits = {}
-    for split in dict.fromkeys(s for s in (args.train_split, args.eval_split) if s in data.split_names(args.dataset_name)):
+    existing = data.split_names(args.dataset_name)
+    for split in dict.fromkeys(s for s in (args.train_split, args.eval_split) if s in existing):
         rows = data.load_split(args.dataset_name, split)
         mine = rows.select(range(rank, len(rows), world_size))
         prompts = [args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
@@ -215,7 +216,8 @@ def validation(args: Args, model, tokenizer, examples) -> dict[str, float]:
     over every evaluation pair (each rank takes its share)."""
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rows = examples.select(range(rank, len(examples), world_size))
-    totals = torch.zeros(5, dtype=torch.float64, device=common.local_device())  # count, loss, accuracy, chosen, rejected
+    # pairs, summed loss, accuracy, chosen and rejected scores
+    totals = torch.zeros(5, dtype=torch.float64, device=common.local_device())
     for start in range(0, len(rows), args.eval_batch_size):
         chosen, rejected = pair_scores(args, model, tokenizer, rows[start:start + args.eval_batch_size], totals.device)
         margin = chosen - rejected
@@ -280,7 +282,8 @@ def main(args: Args):
         rows = train_pairs[sampler.next_indices()]  # {column: values}, this rank's share of the step
         losses, margins = [], []
         for start in range(0, local_batch_size, args.per_device_train_batch_size):
-            micro_batch = {name: values[start:start + args.per_device_train_batch_size] for name, values in rows.items()}
+            end = start + args.per_device_train_batch_size
+            micro_batch = {name: values[start:end] for name, values in rows.items()}
             chosen, rejected = pair_scores(args, model, tokenizer, micro_batch, model.device)  # (pairs,) each
             loss = -F.logsigmoid(chosen - rejected).mean()  # Bradley-Terry: P(chosen > rejected) = sigmoid(margin)
             model.backward(loss)

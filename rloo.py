@@ -239,7 +239,7 @@ def main(args: Args):
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
     if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model))
+        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model, 0))
     k = args.num_samples
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
@@ -308,7 +308,8 @@ def main(args: Args):
                         "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
-            logger.log_evaluation(update, state.episode, common.evaluate(args, task, policy, ref_policy, reward_model))
+            logger.log_evaluation(update, state.episode,
+                                  common.evaluate(args, task, policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
         if args.save_every and update % args.save_every == 0:

@@ -168,8 +168,8 @@ def evaluation_loss(args: Args, model, examples, pad_token_id: int) -> dict[str,
     rows = examples.select(range(rank, len(examples), world_size))
     totals = torch.zeros(2, dtype=torch.float64, device=common.local_device())  # summed nll, completion tokens
     for start in range(0, len(rows), args.eval_batch_size):
-        input_ids, attention_mask, is_target = batch_inputs(args, rows[start:start + args.eval_batch_size], pad_token_id,
-                                                            totals.device)
+        batch = rows[start:start + args.eval_batch_size]
+        input_ids, attention_mask, is_target = batch_inputs(args, batch, pad_token_id, totals.device)
         totals[0] += completion_nll(model, input_ids, attention_mask, is_target).sum().item()
         totals[1] += is_target.sum().item()
     torch.distributed.all_reduce(totals)

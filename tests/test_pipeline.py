@@ -49,8 +49,9 @@ def pipeline(tmp_path_factory):
 
 
 def test_the_readmes_pipeline_runs_and_its_rl_step_learns(pipeline):
-    import toy
     from datasets import load_from_disk
+
+    import toy
 
     folder, outputs = pipeline
     assert list(outputs) == ["sft.py", "reward_model.py", "online_dpo.py", "eval_checkpoints.py"]
@@ -141,8 +142,9 @@ def test_sft_loss_is_the_token_mean_of_a_chat_policy_and_falls(tmp_path):
 def test_reward_model_on_an_encoder_scores_what_the_rl_scripts_read(tmp_path):
     # a BERT classifier with a WordPiece tokenizer and no stop token: its training score of a pair is the
     # score the RL scripts give the same prompt + completion text (common.score_texts)
-    import common
     from transformers import BertConfig, BertForSequenceClassification
+
+    import common
 
     tokenizer = bert_wordpiece_tokenizer()
     torch.manual_seed(0)
