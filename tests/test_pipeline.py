@@ -139,6 +139,45 @@ def test_sft_loss_is_the_token_mean_of_a_chat_policy_and_falls(tmp_path):
     assert not any(info.values()) and json.loads((out / "policy" / "trained.json").read_text())["update"] == 32
 
 
+def test_sfts_step_is_the_gradient_of_the_token_mean_over_the_whole_step(tmp_path):
+    # one step of 32 examples in 4 micro-batches, completions of 1 to 16 tokens: AdamW's first step moves each
+    # weight by lr * g / (|g| + eps) (after weight decay), g the clipped gradient of the mean negative
+    # log-likelihood over every completion token of the step; a mean of micro-batch means flips the sign of
+    # some of g's coordinates
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import toy
+
+    toy.build_pipeline()
+    rows = load_from_disk(toy.SFT_DATASET)["train"].select(range(40)).to_list()  # 32 to train, 8 held out
+    for row in rows[::3]:
+        row["completion"] = " <eos>"
+    run_script("--dataset_name", write_jsonl(tmp_path / "sft.jsonl", rows), "--num_epochs", "1", "--eval_every", "0",
+               "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4", "--learning_rate", "1e-3",
+               "--output_dir", tmp_path / "run", script="sft.py")
+    tokenizer = AutoTokenizer.from_pretrained(toy.BASE_POLICY)
+    model = AutoModelForCausalLM.from_pretrained(toy.BASE_POLICY)
+    total_nll, total_tokens = 0.0, 0
+    for row in rows[:32]:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        completion = tokenizer(row["completion"])["input_ids"]  # ends with <eos> already
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        total_nll = total_nll + F.cross_entropy(logits, torch.tensor(completion), reduction="sum")
+        total_tokens += len(completion)
+    (total_nll / total_tokens).backward()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    clip = min(1.0, 1.0 / (norm.item() + 1e-6))  # --max_grad_norm 1
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").state_dict()
+    for name, weight in model.named_parameters():
+        g = weight.grad * clip
+        expected = weight.detach() * (1 - 1e-3 * 0.01) - 1e-3 * g / (g.abs() + 1e-8)  # AdamW's defaults
+        # where |g| is near eps (1e-8) the step depends on g's last bits: float summation order decides
+        decided = g.abs() > 1e-6
+        assert torch.allclose(trained[name][decided], expected[decided], atol=1e-6), name
+    assert read_metrics(tmp_path / "run")[0]["train/loss"] == pytest.approx(total_nll.item() / total_tokens, rel=1e-5)
+
+
 def test_reward_model_on_an_encoder_scores_what_the_rl_scripts_read(tmp_path):
     # a BERT classifier with a WordPiece tokenizer and no stop token: its training score of a pair is the
     # score the RL scripts give the same prompt + completion text (common.score_texts)

@@ -64,3 +64,33 @@ def test_metrics_and_data_across_two_real_ranks():
                         launcher=("torchrun", "--nproc_per_node", "2", "--master_port", "29699"),
                         env={"OMP_NUM_THREADS": "1"})
     assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
+
+
+def test_sft_on_two_ranks_takes_the_one_rank_step(tmp_path):
+    """The same 32 examples a step on one rank (4 micro-batches of 8) or split over two (2 each, ZeRO-2):
+    the same losses and weights, up to the order of float sums. The step's loss is the mean over every
+    completion token of the step, so each micro-batch's share must be scaled by the whole step's token
+    count on both ranks, and by what DeepSpeed divides by (accumulation, ranks)."""
+    from datasets import load_from_disk
+    from own_inputs import write_jsonl
+    from transformers import AutoModelForCausalLM
+
+    import toy
+
+    toy.build_pipeline()
+    rows = load_from_disk(toy.SFT_DATASET)["train"].select(range(80)).to_list()  # 64 to train, 16 held out
+    for row in rows[::3]:  # completions of 1 to 16 tokens: micro-batches with unequal token counts
+        row["completion"] = " <eos>"
+    args = ["--dataset_name", write_jsonl(tmp_path / "sft.jsonl", rows), "--num_epochs", "3", "--eval_every", "3",
+            "--per_device_train_batch_size", "8"]
+    run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script="sft.py")
+    run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script="sft.py",
+               launcher=(*TWO_RANKS, "29690"), env={"OMP_NUM_THREADS": "1"})
+    for name in ("train/loss", "tokens", "eval/loss"):
+        one, two = ([m[name] for m in read_metrics(tmp_path / run) if name in m] for run in ("one", "two"))
+        assert len(one) >= 3 and one == pytest.approx(two, rel=1e-5), name
+    # 6 Adam steps of 3e-3 move the weights by about 1e-2; the two runs differ by float noise (2e-5 measured)
+    one, two, base = (AutoModelForCausalLM.from_pretrained(path).state_dict()
+                      for path in (tmp_path / "one" / "policy", tmp_path / "two" / "policy", toy.BASE_POLICY))
+    assert max((one[name] - two[name]).abs().max().item() for name in one) < 1e-4
+    assert max((one[name] - base[name]).abs().max().item() for name in one) > 5e-3
