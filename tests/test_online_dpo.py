@@ -123,8 +123,10 @@ def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(r
 def test_a_runs_args_json_repeats_it_exactly(tmp_path):
     first, again = tmp_path / "first", tmp_path / "again"
     run_script(*QUICK, "--total_episodes", "32", "--eval_every", "1", "--loss_type", "ipo", "--seed", "3",
-               "--output_dir", first)
+               "--save_every", "1", "--keep_snapshots", "1", "--output_dir", first)
     run_script("--config", first / "args.json", "--output_dir", again)
+    for run in (first, again):  # snapshots of updates 1 and 2, the newest kept
+        assert [p.name for p in (run / "policies").iterdir()] == ["update-2"]
 
     def numbers(run) -> list[dict]:  # every logged number but the clock's
         return [{name: value for name, value in m.items() if name not in ("time", "eps") and "time/" not in name}

@@ -147,8 +147,13 @@ def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_w
                            launcher=("deepspeed", "--num_gpus", "2", "--master_port", "29690"))
     assert two_ranks.returncode != 0 and "was trained with other settings: ranks 1 -> 2;" in two_ranks.stderr
     assert files() == before
-    # evaluation, checkpoint frequency and logging may change
-    run_script(*run_args, "--resume", "--eval_every", "1", "--save_every", "2", "--track")
+    # evaluation, checkpoint frequency, snapshots kept and logging may change; a bad --keep_snapshots stops first
+    bad = run_script(*run_args, "--resume", "--keep_snapshots", "0", check=False)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
+        "error: --keep_snapshots must be at least 1 (or left out to keep every snapshot), got 0")
+    assert files() == before
+    assert sorted(p.name for p in (out / "policies").iterdir()) == ["update-1", "update-2"]  # every one by default
+    run_script(*run_args, "--resume", "--eval_every", "1", "--save_every", "2", "--track", "--keep_snapshots", "1")
 
 
 def test_a_checkpoint_or_policy_that_cannot_be_written_stops_the_run_and_the_last_checkpoint_stays_usable(tmp_path):
