@@ -170,6 +170,12 @@ def load_split(name_or_path: str, split: str):
         return datasets.load_dataset(name, config or None, split=split)
     except ValueError as error:  # datasets says which splits exist
         common.fail(f"dataset {name_or_path!r}: {str(error).splitlines()[0]}")
+    except datasets.exceptions.DataFilesNotFoundError:
+        common.fail(f"dataset directory {name_or_path!r} holds no data files (.jsonl, .json, .parquet, .csv) and no "
+                    "save_to_disk dataset")
+    except datasets.exceptions.DatasetGenerationError as error:  # files that are no table of one schema
+        cause = error.__cause__ or error
+        common.fail(f"dataset {name_or_path!r} split {split!r} could not be read: {' '.join(str(cause).split())[:300]}")
 
 
 def split_names(name_or_path: str) -> list[str]:

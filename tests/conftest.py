@@ -13,7 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # makes both workers finish at about the same time. test_math.py second: one worker builds the arithmetic
 # task while the other builds the TL;DR toy.
 SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_math.py", "test_two_ranks.py", "test_own_inputs_vllm.py",
-                 "test_rloo_bok.py", "test_ppo.py", "test_reliability.py", "test_online_dpo.py", "test_own_inputs.py",
+                 "test_rloo_bok.py", "test_ppo.py", "test_pipeline.py", "test_reliability.py", "test_online_dpo.py",
+                 "test_own_inputs.py",
                  "test_bench.py"]
 
 
