@@ -706,8 +706,8 @@ def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> d
 # Evaluation (ALGORITHMS.md, "Evaluation")
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(args, task: Task, policy, ref_policy, reward_model, update: int,
-             part: str | None = None) -> dict[str, float]:
+def evaluate(args, task: Task, policy, ref_policy, reward_model, update: int, part: str | None = None,
+             generated: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
     """Near-greedy completions of the evaluation prompts: their proxy reward, their gold score and gold
     win-rate against the references (where there are a gold scorer and references), their accuracy
     (with --answer_column: the share whose final answer `#### N` is the solution's), their perplexity
@@ -719,6 +719,9 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, update: int,
     was: how often a run evaluates does not change its training, and eval_checkpoints.py gets the numbers
     the run logged for the same update (on as many ranks).
     `part`: the policy's attribute name when the engine trains more than the policy (PPO).
+    `generated`: the near-greedy and the sampled completions of this rank's prompts, (rows, response_length)
+    each, from elsewhere (eval_checkpoints.py's vLLM engine); by default the policy samples them with HF
+    `generate`.
     """
     tokenizer, eos_ids, gold_score = task.tokenizer, task.eos_ids, task.gold_score
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -735,11 +738,15 @@ def evaluate(args, task: Task, policy, ref_policy, reward_model, update: int,
             batch = rows[start:start + args.local_rollout_forward_batch_size]  # {column: values}
             query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id, policy.device)
             with full_parameters(policy, part) as model:
-                greedy = generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
-                                  eos_ids, tokenizer.pad_token_id)
-                # KL is estimated on samples at the training temperature: near-greedy samples say little about it
-                sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
-                                   eos_ids, tokenizer.pad_token_id, args.top_p)
+                if generated is None:
+                    greedy = generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
+                                      eos_ids, tokenizer.pad_token_id)
+                    # KL is estimated on samples at the training temperature: near-greedy ones say little about it
+                    sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
+                                       eos_ids, tokenizer.pad_token_id, args.top_p)
+                else:
+                    greedy, sampled = (responses[start:start + len(query_ids)].to(policy.device)
+                                       for responses in generated)
                 sampled, sampled_lengths, _ = truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
                 logprobs = response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths, args.temperature,
                                              args.top_p)

@@ -79,6 +79,14 @@ class Args:
     """rows per generation / scoring forward pass"""
     bf16: bool = False
     """evaluate in bfloat16 (GPU runs)"""
+    vllm: bool = False
+    """generate the completions with a vLLM engine in this process (one engine, each policy's weights loaded
+    into it) instead of HF `generate`: faster, and the same numbers in distribution (not the run's own
+    samples); one process only, and the policies must have the SFT policy's architecture"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """with --vllm on a GPU: the share of its memory the engine may take (the HF models share the GPU)"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """with --vllm on a CPU: GiB of memory for the engine's KV cache"""
     seed: int = 1
     """seed of the sampling (with --run_dir, the run's); each policy samples with the seed its run's evaluation
     of the same update had, so a run's own numbers come out again (on as many ranks)"""
@@ -171,6 +179,35 @@ def plot_table(output_dir: str, rows: list[dict]):
     os.replace(partial, os.path.join(output_dir, "eval.png"))
 
 
+def start_engine(args: Args):
+    """A vLLM engine for the SFT policy's architecture in this process, on this process's device (its GPU, or
+    all its cores), as the RL scripts' `--vllm_device shared` places it."""
+    if torch.distributed.get_world_size() != 1:
+        common.fail("--vllm evaluates in one process; leave out the launcher, or --vllm")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: no other process to place
+    if not torch.cuda.is_available():
+        os.environ.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                          VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
+    import vllm_generator
+
+    return vllm_generator.start_vllm(args)
+
+
+def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The near-greedy and the sampled completions of every evaluation prompt by `policy`'s weights in the
+    engine, each row with its own seed from (--seed, `update`, row).  -> (prompts, response_length) each"""
+    import dataclasses
+
+    import vllm_generator
+
+    vllm_generator.load_engine_weights(llm, policy)
+    prompts = task.eval_prompts["input_ids"]
+    seeds = [hash((args.seed, update, row)) % 2**63 for row in range(len(prompts))]
+    near_greedy = dataclasses.replace(args, temperature=args.eval_temperature, top_p=1.0)
+    return tuple(vllm_generator.vllm_generate(llm, prompts, seeds, sampling, task.eos_ids,
+                                              task.tokenizer.pad_token_id)[0] for sampling in (near_greedy, args))
+
+
 def main(args: Args):
     rank, _ = common.init_distributed()
     common.seed_everything(args.seed + rank, torch_deterministic=True)  # as the training runs are
@@ -196,6 +233,7 @@ def main(args: Args):
     device = common.local_device()
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype).to(device).eval()
+    llm = start_engine(args) if args.vllm else None
     for entry in to_evaluate:
         if entry["policy"] in done:
             continue
@@ -203,7 +241,9 @@ def main(args: Args):
         if not data.same_vocabulary(task.tokenizer, data.load_tokenizer(entry["policy"])):
             common.fail(f"policy {entry['policy']!r} has another vocabulary than the SFT policy "
                         f"{args.model_name_or_path!r}; KL and perplexity need the same one")
-        metrics = common.evaluate(args, task, policy, ref_policy, reward_model, entry["update"] or 0)
+        update = entry["update"] or 0
+        generated = engine_completions(args, llm, policy, task, update) if llm is not None else None
+        metrics = common.evaluate(args, task, policy, ref_policy, reward_model, update, generated=generated)
         rows.append({**entry, **metrics})
         if rank == 0:
             write_table(args.output_dir, rows)

@@ -92,8 +92,10 @@ def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path, bad_artef
 @pytest.mark.parametrize("script", MID_RUN)
 def test_non_finite_reward_stops_with_the_update_and_keeps_the_last_checkpoint(tmp_path, script):
     out = tmp_path / "run"
+    # no missing-EOS penalty: it would replace the NaN of a completion that did not stop
     result = run_script(script, *QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2",
-                        "--output_dir", out, script="tests/run_with_nan_reward.py", check=False, timeout=600)
+                        "--no_missing_eos_penalty", "--output_dir", out, script="tests/run_with_nan_reward.py",
+                        check=False, timeout=600)
     assert result.returncode != 0
     completions = 16 if script.startswith("ppo") else 32  # 16 prompts, 1 or 2 completions each
     assert result.stderr.strip().splitlines()[-1] == (
