@@ -9,6 +9,7 @@ eval_checkpoints.py.
     python eval_checkpoints.py --model_paths A/policy B/policy --output_dir cmp  # any HF policies
 """
 
+import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -249,6 +250,9 @@ def main(args: Args):
             write_table(args.output_dir, rows)
             print(" ".join(f"{name.removeprefix('eval/')}={value:.4g}" if isinstance(value, float) else
                            f"{name}={value}" for name, value in rows[-1].items()), flush=True)
+    if llm is not None:  # shut the engine down now, not at exit, after the process group it leans on has gone
+        del llm
+        gc.collect()
     if rank == 0:
         print(f"wrote {table} ({len(rows)} rows), eval.csv and eval.png beside it")
 

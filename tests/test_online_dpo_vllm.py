@@ -3,11 +3,13 @@ measured staleness, resume, inline generation, a shared device, two ranks, fault
 generator that all three share, run here once: greedy after a weight sync, a hanging or dying engine,
 Ctrl-C."""
 
+import json
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
 from scripts import QUICK, ROOT, assert_same_weights_and_metrics, read_metrics, run_script
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 from vllm_script_tests import FAULTY
@@ -23,6 +25,24 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync():
     result = run_script(toy.SFT_POLICY, toy.DATASET, "query", "validation",
                         script="tests/weight_sync_check.py", env=ENGINE_ENVIRONMENT, timeout=600)
     assert "greedy completions equal after weight sync" in result.stdout
+
+
+def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_hf(tmp_path, k1_runs):
+    # greedy (--eval_temperature 0): the engine, started once and given each policy's weights in turn,
+    # completes every prompt as HF generate does, so every number but KL (from samples) agrees
+    tables = {}
+    for name, engine in (("hf", []), ("vllm", ["--vllm"])):
+        run_script("--run_dir", k1_runs[0], "--eval_temperature", "0", *engine, "--output_dir", tmp_path / name,
+                   script="eval_checkpoints.py")
+        tables[name] = [json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+    assert [row["update"] for row in tables["vllm"]] == [row["update"] for row in tables["hf"]] == [0, 2, 4]
+    for hf, vllm in zip(tables["hf"], tables["vllm"]):
+        assert vllm["policy"] == hf["policy"]
+        assert {name: value for name, value in vllm.items() if name.startswith("eval/") and name != "eval/kl"} == (
+            pytest.approx({name: value for name, value in hf.items() if name.startswith("eval/") and name != "eval/kl"},
+                          rel=1e-5, abs=1e-6))
+    # the SFT policy's greedy completions differ from the trained ones: the engine took each policy's weights
+    assert tables["hf"][0]["eval/ref_perplexity"] != tables["hf"][2]["eval/ref_perplexity"]
 
 
 def test_with_top_p_the_trainers_log_probs_are_the_engines(tmp_path):
