@@ -183,8 +183,6 @@ def plot_table(output_dir: str, rows: list[dict]):
 def start_engine(args: Args):
     """A vLLM engine for the SFT policy's architecture in this process, on this process's device (its GPU, or
     all its cores), as the RL scripts' `--vllm_device shared` places it."""
-    if torch.distributed.get_world_size() != 1:
-        common.fail("--vllm evaluates in one process; leave out the launcher, or --vllm")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: no other process to place
     if not torch.cuda.is_available():
         os.environ.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, sorted(os.sched_getaffinity(0)))),
@@ -210,7 +208,9 @@ def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torc
 
 
 def main(args: Args):
-    rank, _ = common.init_distributed()
+    rank, world_size = common.init_distributed()
+    if args.vllm and world_size != 1:  # an in-process engine would build its world on the ranks' group, and hang
+        common.fail(f"--vllm evaluates in one process, not {world_size}; leave out the launcher, or --vllm")
     common.seed_everything(args.seed + rank, torch_deterministic=True)  # as the training runs are
     if args.output_dir is None:
         if args.run_dir is None:

@@ -115,7 +115,7 @@ def test_sft_loss_is_the_token_mean_of_a_chat_policy_and_falls(tmp_path):
     run_script("--model_name_or_path", tmp_path / "qwen2", "--dataset_name", data_file, "--prompt_column", "question",
                "--completion_column", "answer", "--chat_template", "--eval_num_examples", "8", "--num_epochs", "8",
                "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3",
-               "--eval_every", "4", "--output_dir", out, script="sft.py")
+               "--eval_every", "4", "--warmup_steps", "4", "--output_dir", out, script="sft.py")
 
     # by hand: the prompt through the chat template, the completion and the stop token; the mean
     # negative log-likelihood over the completion tokens of the 8 held-out examples (the last 8 rows)
@@ -133,6 +133,8 @@ def test_sft_loss_is_the_token_mean_of_a_chat_policy_and_falls(tmp_path):
     losses = evaluations(out, "eval/loss")
     assert losses[0] == pytest.approx(total_nll / total_tokens, rel=1e-5)
     assert losses[-1] < 0.5 * losses[0], losses
+    lr = {m["update"]: m["lr"] for m in read_metrics(out) if "lr" in m}
+    assert (lr[1], lr[4], lr[18]) == pytest.approx((3e-3 / 4, 3e-3, 3e-3 * 14 / 28))  # warm-up, then linear decay
     # 32 training rows, 8 a step: 4 steps an epoch
     assert [m["update"] for m in read_metrics(out) if "eval/loss" in m] == list(range(0, 33, 4))
     policy, info = AutoModelForCausalLM.from_pretrained(out / "policy", output_loading_info=True)
