@@ -225,14 +225,23 @@ def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, stacked.tolist()))
 
 
+def check_signs(args, positive: tuple[str, ...], non_negative: tuple[str, ...] = ()):
+    """A one-line error for the first of the `positive` flags that is not above 0, or of the `non_negative`
+    ones that is below 0."""
+    for name in positive:
+        if getattr(args, name) <= 0:
+            fail(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in non_negative:
+        if getattr(args, name) < 0:
+            fail(f"--{name} must be 0 or positive, got {getattr(args, name)}")
+
+
 def batch_sizes(args, world_size: int) -> tuple[int, int]:
     """(local_batch_size, num_updates) from the batch arithmetic of ALGORITHMS.md; fails loudly when it does
     not divide."""
-    for name in ("response_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "num_mini_batches", "num_epochs", "total_episodes", "eval_num_prompts",
-                 "local_rollout_forward_batch_size"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name} must be positive, got {getattr(args, name)}")
+    check_signs(args, ("response_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+                       "num_mini_batches", "num_epochs", "total_episodes", "eval_num_prompts",
+                       "local_rollout_forward_batch_size"))
     if args.eval_every < 0:
         fail(f"--eval_every must be 0 (no evaluation) or positive, got {args.eval_every}")
     if not 0 < args.top_p <= 1:

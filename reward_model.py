@@ -137,13 +137,9 @@ PRESETS = {
 
 def check_args(args: Args) -> int:
     """The pairs per optimizer step on this rank."""
-    for name in ("num_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
-                 "eval_num_examples", "eval_batch_size", "max_prompt_length", "max_completion_length"):
-        if getattr(args, name) <= 0:
-            common.fail(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("eval_every", "save_every"):
-        if getattr(args, name) < 0:
-            common.fail(f"--{name} must be 0 or positive, got {getattr(args, name)}")
+    common.check_signs(args, ("num_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
+                              "learning_rate", "eval_num_examples", "eval_batch_size", "max_prompt_length",
+                              "max_completion_length"), ("eval_every", "save_every"))
     if args.chosen_column == args.rejected_column:
         common.fail(f"--chosen_column and --rejected_column are both {args.chosen_column!r}; they must differ")
     return args.per_device_train_batch_size * args.gradient_accumulation_steps

@@ -128,15 +128,11 @@ PRESETS = {
 }
 
 
-def check_args(args: Args, world_size: int) -> int:
+def check_args(args: Args) -> int:
     """The examples per optimizer step on this rank."""
-    for name in ("num_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
-                 "eval_num_examples", "eval_batch_size", "max_prompt_length", "max_completion_length"):
-        if getattr(args, name) <= 0:
-            common.fail(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("eval_every", "save_every", "warmup_steps"):
-        if getattr(args, name) < 0:
-            common.fail(f"--{name} must be 0 or positive, got {getattr(args, name)}")
+    common.check_signs(args, ("num_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
+                              "learning_rate", "eval_num_examples", "eval_batch_size", "max_prompt_length",
+                              "max_completion_length"), ("eval_every", "save_every", "warmup_steps"))
     return args.per_device_train_batch_size * args.gradient_accumulation_steps
 
 
@@ -179,7 +175,7 @@ def evaluation_loss(args: Args, model, examples, pad_token_id: int) -> dict[str,
 
 def main(args: Args):
     rank, world_size = common.init_distributed()
-    local_batch_size = check_args(args, world_size)
+    local_batch_size = check_args(args)
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     tokenizer = data.load_tokenizer(args.model_name_or_path, base_model=True)

@@ -211,7 +211,18 @@ def test_reward_model_on_an_encoder_scores_what_the_rl_scripts_read(tmp_path):
     assert evaluations(out, "eval/accuracy")[-1] == 1.0 and losses[-1] < 0.8 * losses[0], losses
 
 
-def test_eval_checkpoints_of_a_run_without_saved_policies_is_a_one_line_error(tmp_path):
+def test_bad_input_to_the_pipeline_scripts_is_a_one_line_error_and_writes_nothing(tmp_path):
+    for script, args, message in [
+            ("sft.py", ["--warmup_steps", "-1"], "error: --warmup_steps must be 0 or positive, got -1"),
+            ("sft.py", ["--completion_column", "answer"], "has no column 'answer'; it has ['prompt', 'completion'"),
+            ("reward_model.py", ["--rejected_column", "chosen"],
+             "error: --chosen_column and --rejected_column are both 'chosen'; they must differ"),
+            ("reward_model.py", ["--relabel_with", "toy", "--dataset_name", str(tmp_path / "pairs.jsonl")],
+             "--relabel_with toy scores the embedded toy world's posts only")]:
+        write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "hello", "chosen": " a", "rejected": " b"}])
+        result = run_script(*args, "--output_dir", tmp_path / "run", script=script, check=False)
+        assert result.returncode != 0 and message in result.stderr.strip().splitlines()[-1], (script, result.stderr)
+        assert not (tmp_path / "run").exists()
     (tmp_path / "args.json").write_text(json.dumps({"args": {"dataset_name": "x"}, "versions": {}}))
     result = run_script("--run_dir", tmp_path, script="eval_checkpoints.py", check=False)
     assert result.returncode != 0 and "has no saved policy" in result.stderr.strip().splitlines()[-1]
