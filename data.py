@@ -238,7 +238,6 @@ def load_examples(args, tokenizer, rank: int, completion_columns: list[str], eva
     `completion_columns` "<column>_ids", its tokens, ending in the stop token with `append_eos` (unless the
     text ends with it); examples with a completion longer than --max_completion_length are dropped. Without
     an --eval_split in the dataset, the last `eval_size` train examples (at most a fifth) are held out."""
-    build_named_toys([args.model_name_or_path, args.dataset_name], rank)
     eos = tokenizer.eos_token_id
 
     def tokenized(split: str):
@@ -270,13 +269,18 @@ def load_examples(args, tokenizer, rank: int, completion_columns: list[str], eva
     if args.eval_split in split_names(args.dataset_name):
         evaluation = tokenized(args.eval_split)
     else:  # held out even when nothing is evaluated: the training data never depends on it
-        held_out = min(eval_size, len(train) // 5)
-        evaluation = train.select(range(len(train) - held_out, len(train)))
-        train = train.select(range(len(train) - held_out))
-        if rank == 0:
-            print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
-                  f"{args.train_split!r} examples are held out for evaluation")
+        train, evaluation = held_out_for_evaluation(args, train, eval_size, rank, "examples")
     return train, evaluation.select(range(min(eval_size, len(evaluation))))
+
+
+def held_out_for_evaluation(args, train, size: int, rank: int, rows_are: str):
+    """(train, held out): the last `size` rows of `train` (at most a fifth of them) held out of training, for
+    a dataset without --eval_split."""
+    held_out = min(size, len(train) // 5)
+    if rank == 0:
+        print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
+              f"{args.train_split!r} {rows_are} are held out for evaluation")
+    return train.select(range(len(train) - held_out)), train.select(range(len(train) - held_out, len(train)))
 
 
 def is_toy_dataset(args) -> bool:
@@ -323,12 +327,9 @@ def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
     train_prompts = load_prompts(args, tokenizer, args.train_split)
     eval_prompts = None
     if args.eval_split not in split_names(args.dataset_name):  # held out even with --eval_every 0: the
-        held_out = min(args.eval_num_prompts, len(train_prompts) // 5)  # training prompts never depend on it
-        eval_prompts = train_prompts.select(range(len(train_prompts) - held_out, len(train_prompts)))
-        train_prompts = train_prompts.select(range(len(train_prompts) - held_out))
-        if rank == 0:
-            print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
-                  f"{args.train_split!r} prompts are held out for evaluation")
+        # training prompts never depend on it
+        train_prompts, eval_prompts = held_out_for_evaluation(args, train_prompts, args.eval_num_prompts, rank,
+                                                              "prompts")
     elif evaluation:
         eval_prompts = load_prompts(args, tokenizer, args.eval_split)
     if not evaluation:
