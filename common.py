@@ -18,6 +18,7 @@ asynchronous scripts (the synchronous ones never import it); math_reward.py is t
 import atexit
 import contextlib
 import dataclasses
+import datetime
 import functools
 import gc
 import json
@@ -99,9 +100,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed():
+def init_distributed(timeout_seconds: float = 1800):
     """Start torch.distributed through DeepSpeed (a plain `python script.py` becomes a 1-rank world), and
-    catch the preemption signals."""
+    catch the preemption signals. A collective fails after `timeout_seconds` (DeepSpeed's default, 10
+    minutes, is shorter than rank 0 may take to save an 8B policy while the others wait)."""
     for preemption_signal in PREEMPTION_SIGNALS:
         signal.signal(preemption_signal, record_preemption)
     if "RANK" not in os.environ:  # not under the deepspeed launcher
@@ -111,7 +113,7 @@ def init_distributed():
 
     if torch.cuda.is_available():  # before any CUDA work, so that each rank's tensors and NCCL use its own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed()
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_seconds))
     atexit.unregister(end_distributed)  # once, however many runs one process makes (the tests do)
     atexit.register(end_distributed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

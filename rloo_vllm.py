@@ -253,7 +253,7 @@ def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: fl
 # rows (each prompt's k adjacent), P prompt tokens (left-padded), R response tokens (the batch's longest
 # response, at most --response_length).
 def main(args: Args):
-    rank, world_size = common.init_distributed()
+    rank, world_size = common.init_distributed(vllm_generator.process_group_timeout(args))
     local_batch_size, num_updates = check_args(args, world_size)
     batch_size = local_batch_size * world_size
     common.resolve_output_dir(args)
@@ -364,15 +364,16 @@ def main(args: Args):
             "time/wait": t1 - t0,
             "time/score": t2 - t1,
             "time/train": t3 - t2,
-        })
-        metrics.update({
-            "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
+            # each node's engine's, averaged over the nodes
             "async/logprob_diff": batch["async/logprob_diff"],
             "time/generate": batch["time/generate"],
             "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
             "time/weight_send": t4 - t3,  # the trainer waits for it
             "time/weight_load": batch["time/weight_load"],  # the generator, before the batch
             "time/weight_sync": t4 - t3 + batch["time/weight_load"],
+        })
+        metrics.update({
+            "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)

@@ -14,6 +14,7 @@ everything they need that the synchronous scripts do not. Nothing here imports v
 import atexit
 import collections
 import contextlib
+import datetime
 import functools
 import multiprocessing
 import os
@@ -57,6 +58,17 @@ class Placement:
         return "cuda" if self.weights_over_nccl else "cpu"
 
 
+def ranks_per_node(world_size: int, environment: Mapping[str, str]) -> int:
+    """The training ranks of this node, from a rank's `environment`: LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE
+    (DeepSpeed's launcher), else all `world_size` (a single node). Both launchers number a node's ranks
+    consecutively, so node n holds ranks n*ranks_per_node to (n+1)*ranks_per_node - 1."""
+    local_ranks = int(environment.get("LOCAL_WORLD_SIZE") or environment.get("LOCAL_SIZE") or world_size)
+    if world_size % local_ranks:
+        common.fail(f"{world_size} ranks do not fill nodes of {local_ranks} ranks each (LOCAL_WORLD_SIZE or "
+                    "LOCAL_SIZE): start the same number of ranks on every node")
+    return local_ranks
+
+
 def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, str], visible_gpus: int) -> str:
     """The engine's GPU, as its process's CUDA_VISIBLE_DEVICES, for `--vllm_device` `device` ("cuda:<i>",
     or None: the default), from a training rank's `environment` and the number of GPUs it sees.
@@ -67,7 +79,7 @@ def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, st
     (a SLURM job's "4,5,6,7": cuda:3 is GPU 7). DeepSpeed's launcher, given --num_gpus or --include,
     shows each rank only the node's training GPUs; there the engine's GPU is one the ranks do not see,
     and cuda:<i> a physical GPU id (default: the one after the highest training GPU)."""
-    local_ranks = int(environment.get("LOCAL_WORLD_SIZE") or environment.get("LOCAL_SIZE") or world_size)
+    local_ranks = ranks_per_node(world_size, environment)
     mask = environment.get("CUDA_VISIBLE_DEVICES")
     visible = mask.split(",") if mask else [str(i) for i in range(visible_gpus)]
     seen = f"CUDA_VISIBLE_DEVICES={mask}" if mask else f"{visible_gpus} GPUs"
@@ -97,15 +109,16 @@ def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, st
 def engine_placement(args, world_size: int) -> Placement:
     """Where the engine runs. GPU: it sees only its own GPU (engine_gpu: by default the one after the
     node's training GPUs). CPU: it runs on the last `--vllm_cpu_threads` cores and the trainer keeps the
-    others. "shared" (one training rank): the engine on the trainer's own device, its GPU or all its cores."""
+    others. "shared" (one training rank per node): the engine on the trainer's own device, its GPU or all its
+    cores."""
     device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else "cuda")
     # the engine runs inside the generator process: no further processes, no inter-process polling
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cores = engine_cores = trainer_cores = sorted(os.sched_getaffinity(0))
     if device == "shared":
-        if world_size != 1:
-            common.fail(f"--vllm_device shared puts the engine on the device of a single training rank, "
-                        f"not {world_size}")
+        if ranks_per_node(world_size, os.environ) != 1:
+            common.fail(f"--vllm_device shared puts the engine on the device of a single training rank per node, "
+                        f"not {ranks_per_node(world_size, os.environ)}")
         if not torch.cuda.is_available():  # on a GPU it sees the trainer's GPUs, and takes the first, as the trainer
             environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
                                VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
@@ -124,6 +137,13 @@ def engine_placement(args, world_size: int) -> Placement:
     else:
         common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
     return Placement(device, environment, engine_cores, trainer_cores)
+
+
+def process_group_timeout(args) -> float:
+    """Seconds a training rank may wait in a collective: a node's other ranks wait for its leader, which waits
+    for the engine to start and then for its first batch. The kit's own timeouts, with their one-line
+    errors, then end a run before the process group's does."""
+    return args.engine_start_timeout + args.generator_timeout + 60
 
 
 def sampling_version(update: int, async_steps: int, first_version: int = 0) -> int:
@@ -218,12 +238,10 @@ def weight_buckets(sizes: list[int], element_bytes: int) -> list[range]:
 
 
 def weight_channel(placement: Placement, store, rank: int, timeout_seconds: float):
-    """The process group of two that carries the weights: trainer rank 0 (rank 0, whose TCP store
-    `store` is) and the generator process (rank 1), over NCCL or gloo as `placement` says. Its
+    """The process group of two that carries the weights: the node's leader (rank 0, whose TCP store
+    `store` is) and its generator process (rank 1), over NCCL or gloo as `placement` says. Its
     operations fail after `timeout_seconds`."""
-    from datetime import timedelta
-
-    timeout = timedelta(seconds=timeout_seconds)
+    timeout = datetime.timedelta(seconds=timeout_seconds)
     if placement.weights_over_nccl:
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -233,9 +251,7 @@ def weight_channel(placement: Placement, store, rank: int, timeout_seconds: floa
 
 def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
     """Rank 0's `flat` into rank 1's (the same size and dtype), waited for at most `timeout` seconds."""
-    from datetime import timedelta
-
-    channel.broadcast([flat], torch.distributed.BroadcastOptions()).wait(timedelta(seconds=timeout))
+    channel.broadcast([flat], torch.distributed.BroadcastOptions()).wait(datetime.timedelta(seconds=timeout))
 
 
 def load_engine_weights(llm, model):
@@ -264,14 +280,13 @@ class WeightReceiver:
 
     def _receive(self, port: int, published):
         try:
-            from datetime import timedelta
-
             # The trainer connects once it has seen the engine start and has made its first evaluation,
             # minutes later on a large policy, and says so first: both ends then build the channel at once
             # (an end that waits alone for its peer can be given up on by gloo before the peer comes).
             if published.get() != CONNECTING:
                 raise RuntimeError("the trainer announced weights before connecting the weight channel")
-            store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(days=1))
+            store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False,
+                                               timeout=datetime.timedelta(days=1))
             channel = weight_channel(self.placement, store, 1, self.args.generator_timeout)
             device, dtype = self.placement.weight_device, self.parameters[0].dtype
             while True:
@@ -333,20 +348,25 @@ def check_async_args(args, world_size: int):
 ENGINE_STARTED = {"engine": "started"}  # the generator process's first message (errors are text)
 
 
-@torch.no_grad()
-def sample_batch(llm, sampling_policy, queries: list[list[int]], update: int, args, eos_ids, pad_token_id) -> dict:
-    """One completion per row of `queries` from the engine, and the check behind async/logprob_diff.
+def row_seeds(seed: int, update: int, rows: range) -> list[int]:
+    """The sampling seeds of rows `rows` of the global batch of `update`. They depend on (seed, update, row)
+    alone: the samples do not depend on how vLLM batches them, on a resume, nor on how many engines
+    share the batch."""
+    rng = random.Random(seed * 1_000_003 + update)
+    return [rng.getrandbits(63) for _ in range(rows.stop)][rows.start:]
 
-    Per-row seeds depend on (seed, update, row) alone: the samples do not depend on how vLLM batches
-    them, nor on a resume. async/logprob_diff is the mean |engine log-prob - trainer log-prob| over the
-    first --logprob_check_rows rows, the trainer's recomputed with `sampling_policy`, an HF model that
-    holds the weights the engine sampled with. Arrays are numpy: they cross processes by value (torch
-    tensors would be shared, and vanish with the process that made them).
+
+@torch.no_grad()
+def sample_batch(llm, sampling_policy, queries: list[list[int]], seeds: list[int], update: int, args, eos_ids,
+                 pad_token_id) -> dict:
+    """One completion per row of `queries` from the engine (row_seeds), and the check behind
+    async/logprob_diff: the mean |engine log-prob - trainer log-prob| over the first --logprob_check_rows
+    rows, the trainer's recomputed with `sampling_policy`, an HF model that holds the weights the engine
+    sampled with. Arrays are numpy: they cross processes by value (torch tensors would be shared, and
+    vanish with the process that made them).
     """
     t0 = time.time()
-    rng = random.Random(args.seed * 1_000_003 + update)
-    responses, logprobs = vllm_generate(llm, queries, [rng.getrandbits(63) for _ in queries], args, eos_ids,
-                                        pad_token_id)  # (N, R) each
+    responses, logprobs = vllm_generate(llm, queries, seeds, args, eos_ids, pad_token_id)  # (N, R) each
     t1 = time.time()
     checked, device = slice(0, args.logprob_check_rows), sampling_policy.device
     query_ids, query_mask = common.left_pad(queries[checked], pad_token_id, device)
@@ -365,9 +385,11 @@ ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the las
                "--resume continues from it")
 
 
-def generate_ahead(args, placement: Placement, prompts, sampler, updates: range, first_version: int,
-                   num_samples: int, eos_ids, pad_token_id, weight_port: int, published, batches, requests):
-    """The generator process (rank 0's), which holds the vLLM engine: batch t is sampled with exactly the
+def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int, int], updates: range,
+                   first_version: int, num_samples: int, eos_ids, pad_token_id, weight_port: int, published, batches,
+                   requests):
+    """The generator process of node `node` = (index, nodes), beside its first rank, which holds the node's
+    vLLM engine: for update t it samples the node's ranks' shares of the global batch, with exactly the
     weights sampling_version(t) names.
 
     The trainer announces each weight version on the queue `published` and sends it over the weight
@@ -415,13 +437,18 @@ def generate_ahead(args, placement: Placement, prompts, sampler, updates: range,
             if version != loaded:
                 receiver.load(version, llm)
             weight_load = time.time() - t0
-            indices = sampler.next_indices()
+            indices = sampler.next_indices()  # the global batch's prompts; this node's share of them:
+            index, nodes = node
+            indices = indices[index * len(indices) // nodes:(index + 1) * len(indices) // nodes]
             queries = [prompts[i] for i in indices for _ in range(num_samples)]
-            batch = sample_batch(llm, sampling_policy, queries, update, args, eos_ids, pad_token_id)
+            rows = range(index * len(queries), (index + 1) * len(queries))  # in the global batch
+            batch = sample_batch(llm, sampling_policy, queries, row_seeds(args.seed, update, rows), update, args,
+                                 eos_ids, pad_token_id)
             if version != loaded:  # the proof that the engine took the new weights
                 check_engine_took_weights(batch["async/logprob_diff"], version, args)
                 loaded = version
-            batches.put({**batch, "prompt_indices": indices, "version": version, "time/weight_load": weight_load})
+            batches.put({**batch, "prompt_indices": indices, "node": node, "version": version,
+                         "time/weight_load": weight_load})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         batches.put(f"{type(error).__name__}: {error}")
 
@@ -445,30 +472,40 @@ def check_engine_took_weights(logprob_diff: float, version: int, args):
 
 
 class AsyncGenerator:
-    """The trainer's side of the generator process (generate_ahead, placed by start_generator).
+    """The trainer's side of its node's generator process (generate_ahead, placed by start_generator).
 
-    Every rank makes one and makes each call; only rank 0 talks to the process and hands each rank
-    its share. Weights reach the engine in memory, over a process group of rank 0 and the process (gloo
-    or NCCL), announced by version number. Batches an interrupted run had sampled ahead
-    (`state.pending_batches`) come first; the process carries on drawing prompts from `sampler` (whole
-    global batches) after them. The process is stopped when the trainer exits, however it exits.
+    One engine per node: every rank makes an AsyncGenerator and makes each call; the node's first rank
+    (its leader) talks to the node's process and hands each rank of the node its share. Weights reach the
+    engine in memory, over a process group of the leader and the process (gloo or NCCL), announced by
+    version number; under ZeRO-3 every rank gathers each bucket, so no weights cross nodes for it. Batches
+    an interrupted run had sampled ahead (the leader's `state.pending_batches`) come first; the process
+    carries on drawing prompts from `sampler` (whole global batches, of which it samples its node's share)
+    after them. The process is stopped when the trainer exits, however it exits.
     """
 
     def __init__(self, args, task: common.Task, sampler: data.PromptSampler, state: common.OnlineTrainerState,
                  num_updates: int, num_samples: int):
-        self.args, self.rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.args, rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.num_updates, self.num_samples = num_updates, num_samples
+        node_ranks = ranks_per_node(world_size, os.environ)
+        self.node = (rank // node_ranks, world_size // node_ranks)  # (index, nodes)
+        self.leader = rank % node_ranks == 0
+        # each rank's batch comes from its leader
+        self.node_group, _ = torch.distributed.new_subgroups(
+            node_ranks, timeout=datetime.timedelta(seconds=process_group_timeout(args)))
         self.prompts_per_rank = sampler.global_batch_size // world_size
         self.sampled_ahead = collections.deque(state.pending_batches)
+        if any(batch["node"] != self.node for batch in self.sampled_ahead):
+            common.fail(f"--resume: the checkpoint's sampled-ahead batches are node {self.sampled_ahead[0]['node'][0]} "
+                        f"of {self.sampled_ahead[0]['node'][1]}'s, and this rank is on node {self.node[0]} of "
+                        f"{self.node[1]}: resume with the nodes and ranks per node of the interrupted run")
         sampler.position = state.data_position + len(self.sampled_ahead)
         self.published = self.batches = self.requests = self.process = self.channel = self.placement = None
         self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
-        if self.rank == 0:
-            from datetime import timedelta
-
+        if self.leader:
             # the weight channel's rendezvous, on a free port; the channel itself once the engine has started
             self.store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                                                    timeout=timedelta(seconds=args.generator_timeout))
+                                                    timeout=datetime.timedelta(seconds=args.generator_timeout))
             context = multiprocessing.get_context("spawn")
             self.published, self.batches = context.Queue(), context.Queue()
             self.placement = engine_placement(args, world_size)
@@ -477,9 +514,9 @@ class AsyncGenerator:
             first_update = state.update + len(self.sampled_ahead) + 1
             # generate_ahead is looked up now, so that tests can put a faulty one in its place
             self.process = start_generator(self.placement, generate_ahead, (
-                args, self.placement, task.train_prompts["input_ids"], sampler, range(first_update, num_updates + 1),
-                state.update, num_samples, task.eos_ids, task.tokenizer.pad_token_id, self.store.port,
-                self.published, self.batches, self.requests))
+                args, self.placement, task.train_prompts["input_ids"], sampler, self.node,
+                range(first_update, num_updates + 1), state.update, num_samples, task.eos_ids,
+                task.tokenizer.pad_token_id, self.store.port, self.published, self.batches, self.requests))
             atexit.register(self.stop)  # however the trainer exits
             common.STOP_BEFORE_FAILING.append(self.stop)
 
@@ -514,7 +551,7 @@ class AsyncGenerator:
 
     def wait_for_engine(self):
         """Wait until the engine has started (it loads the model and warms up while the trainer sets up)."""
-        if self.rank == 0:
+        if self.leader:
             timeout = self.args.engine_start_timeout
             self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
             self.published.put(CONNECTING)  # the generator process builds its end now
@@ -527,17 +564,17 @@ class AsyncGenerator:
     def batch_for(self, update: int) -> dict:
         """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
         per sample (each prompt's adjacent) "queries" (token lists), "responses" and the engine's "logprobs"
-        (N, R); the weight "version" it was sampled with, and the generator's timings."""
+        (N, R); the weight "version" it was sampled with, and its engine's timings."""
         shares = None
-        if self.rank == 0:
+        if self.leader:
             batch = self.sampled_ahead.popleft() if self.sampled_ahead else self._next_batch()
             assert batch["update"] == update
             prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
             shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
                        **{name: batch[name][r * rows:(r + 1) * rows] for name in ("queries", "responses", "logprobs")}}
-                      for r in range(torch.distributed.get_world_size())]
+                      for r in range(torch.distributed.get_world_size(self.node_group))]
         received = [None]
-        torch.distributed.scatter_object_list(received, shares, src=0)
+        torch.distributed.scatter_object_list(received, shares, group=self.node_group, group_src=0)
         return received[0]
 
     def publish_weights(self, engine, version: int, part: str | None = None):
@@ -548,12 +585,12 @@ class AsyncGenerator:
             return  # no batch samples with these weights (and the process may have ended)
         model = engine.module if part is None else getattr(engine.module, part)
         parameters = [p for _, p in model.named_parameters()]  # the order the receiver expects
-        if self.rank == 0:
+        if self.leader:
             self.published.put(version)
         sizes = [getattr(p, "ds_numel", p.numel()) for p in parameters]  # ZeRO-3 shards: their whole size
         for bucket in weight_buckets(sizes, parameters[0].element_size()):
             with common.gathered(engine, [parameters[i] for i in bucket]):
-                if self.rank == 0:
+                if self.leader:
                     flat = torch.cat([parameters[i].detach().reshape(-1) for i in bucket])
                     self._send(flat.to(self.placement.weight_device), version)
 
@@ -568,11 +605,12 @@ class AsyncGenerator:
 
     def sample_ahead(self, update: int) -> list[dict]:
         """The batches for the updates after `update` that the process samples with weights older than
-        update's (min(K, updates left)), waited for: a checkpoint saves them, so that a resumed run trains
-        on exactly these samples. Rank 0's list; empty on the other ranks."""
+        update's (min(K, updates left)), waited for: a checkpoint saves them (each leader's in its rank's
+        state), so that a resumed run trains on exactly these samples. The node's share on a leader; empty on
+        the other ranks."""
         older = [later for later in range(update + 1, self.num_updates + 1)
                  if sampling_version(later, self.args.async_steps) < update]
-        while self.rank == 0 and len(self.sampled_ahead) < len(older):
+        while self.leader and len(self.sampled_ahead) < len(older):
             self.sampled_ahead.append(self._next_batch())
         return list(self.sampled_ahead)
 
