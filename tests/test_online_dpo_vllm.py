@@ -4,13 +4,15 @@ generator that all three share, run here once: greedy after a weight sync, a han
 Ctrl-C."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from scripts import QUICK, ROOT, assert_same_weights_and_metrics, read_metrics, run_script
+import torch
+from scripts import QUICK, ROOT, assert_same_weights_and_metrics, environment, read_metrics, run_script
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 from vllm_script_tests import FAULTY
 from weight_sync_check import ENGINE_ENVIRONMENT
@@ -149,3 +151,40 @@ def test_a_weight_send_that_hangs_stops_the_run_within_the_timeout(tmp_path):
                          "error: sending the weights of update 1 to the vLLM engine failed or took longer than "
                          "--generator_timeout 10 s"), last_line
     assert time.time() - start < 300
+
+
+def start_two_nodes(launcher: tuple, args: list, out) -> list[subprocess.Popen]:
+    """The two nodes of a job, each started with `launcher` and its node rank, each in a session of its own."""
+    return [subprocess.Popen([*launcher, str(node), "online_dpo_vllm.py", *map(str, args), "--output_dir", str(out)],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env=environment({"OMP_NUM_THREADS": "1"}))
+            for node in (0, 1)]
+
+
+def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_path, two_rank_k2_run):
+    """Two nodes of one rank on localhost, each node's engine sampling its node's share of every global batch
+    with the global rows' seeds: killed once checkpoint 2 is written (started by torchrun, as a SLURM job
+    script does), then resumed (by DeepSpeed's own multi-node launcher, without ssh), they train exactly as
+    one node of two ranks and one engine (two_rank_k2_run): the same losses and scores at every update and
+    the same final weights, bit for bit. The checkpoint holds both engines' sampled-ahead batches (K=2)."""
+    out = tmp_path / "run"
+    args = [*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2", "--save_every", "2"]
+    (tmp_path / "hostfile").write_text("localhost slots=1\n127.0.0.1 slots=1\n")  # two "nodes" of one rank
+    torchrun = ("torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+                "--master_port", "29820", "--node_rank")
+    deepspeed = ("deepspeed", "--hostfile", str(tmp_path / "hostfile"), "--no_ssh", "--master_addr", "127.0.0.1",
+                 "--master_port", "29821", "--node_rank")
+    nodes = start_two_nodes(torchrun, args, out)
+    while not (out / "checkpoints" / "update-2").exists():
+        assert all(node.poll() is None for node in nodes), nodes[0].stderr.read()[-3000:]
+        time.sleep(0.01)
+    for node in nodes:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+    assert not (out / "policy").exists()
+    pending = [torch.load(out / "checkpoints" / "update-2" / f"trainer_state_rank{rank}.pt",
+                          weights_only=False)["pending_batches"] for rank in (0, 1)]
+    assert [[batch["node"] for batch in batches] for batches in pending] == [[(0, 2)] * 2, [(1, 2)] * 2]
+    for node in start_two_nodes(deepspeed, [*args, "--resume"], out):
+        assert node.wait(timeout=600) == 0, node.stderr.read()[-3000:]
+    assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])
