@@ -189,7 +189,7 @@ def start_engine(args: Args):
                           VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
     import vllm_generator
 
-    return vllm_generator.start_vllm(args)
+    return vllm_generator.start_vllm(args, args.vllm_gpu_memory_utilization)
 
 
 def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torch.Tensor, torch.Tensor]:

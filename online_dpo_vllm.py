@@ -156,9 +156,11 @@ class Args:
     """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
     vllm_cpu_kv_cache_gib: int = 1
     """CPU only: RAM reserved for the engine's KV cache"""
-    vllm_gpu_memory_utilization: float = 0.8
-    """GPU only: share of the engine's GPU memory vLLM may use; the rest holds the copy of the policy that
-    checks async/logprob_diff"""
+    vllm_gpu_memory_utilization: float | None = None
+    """GPU only: share of the engine's GPU memory vLLM may take (weights, KV cache); default 0.8 on a GPU of its
+    own (the rest holds the copy of the policy that checks async/logprob_diff), 0.3 with --vllm_device shared
+    (the rest is the trainer's; there the engine frees its memory while the trainer trains). Checked against
+    the GPU's free memory before the engine starts"""
     logprob_check_rows: int = 16
     """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
     their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""

@@ -40,6 +40,13 @@ class Placement:
     environment: dict[str, str]  # the generator process's: the GPU it sees, or its cores and KV cache on a CPU
     engine_cores: list[int]
     trainer_cores: list[int]
+    gpu_memory_utilization: float  # on a GPU: the share of its memory the engine may take
+
+    @property
+    def sleeps_between_turns(self) -> bool:
+        """The engine on the trainer's GPU frees its memory (KV cache, and its weights to the CPU) while
+        the trainer trains (vLLM's sleep mode, GPU only)."""
+        return self.takes_turns and torch.cuda.is_available()
 
     @property
     def takes_turns(self) -> bool:
@@ -136,7 +143,9 @@ def engine_placement(args, world_size: int) -> Placement:
         device = f"cuda:{environment['CUDA_VISIBLE_DEVICES']}"
     else:
         common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
-    return Placement(device, environment, engine_cores, trainer_cores)
+    # beside a trainer on the same GPU the engine gets less by default: the trainer needs the rest
+    utilization = args.vllm_gpu_memory_utilization or (0.3 if device == "shared" else 0.8)
+    return Placement(device, environment, engine_cores, trainer_cores, utilization)
 
 
 def process_group_timeout(args) -> float:
@@ -183,14 +192,24 @@ def start_generator(placement: Placement, target, target_args: tuple):
     return generator
 
 
-def start_vllm(args):
-    """A vLLM engine for the policy, in this process: the generator process, placed on the engine's
-    device by the environment of its Placement."""
+def start_vllm(args, gpu_memory_utilization: float, sleep_mode: bool = False):
+    """A vLLM engine for the policy, in this process (the generator process, placed on the engine's device
+    by the environment of its Placement), which on a GPU may take `gpu_memory_utilization` of its memory;
+    with `sleep_mode`, one that can free it (LLM.sleep, GPU only)."""
     from vllm import LLM
 
+    if torch.cuda.is_available():  # vLLM's own error would not name the flag
+        free, total = torch.cuda.mem_get_info()
+        if gpu_memory_utilization * total > free:
+            raise RuntimeError(
+                f"--vllm_gpu_memory_utilization {gpu_memory_utilization:g} asks for "
+                f"{gpu_memory_utilization * total / 2**30:.1f} GiB of the engine's GPU ({total / 2**30:.1f} GiB), and "
+                f"{free / 2**30:.1f} GiB are free (the rest holds the trainer's models or the copy of the policy that "
+                f"checks async/logprob_diff): lower it to at most {free / total:.2f}")
     return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                max_model_len=args.max_prompt_length + args.response_length,
-               enforce_eager=not torch.cuda.is_available(), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+               enforce_eager=not torch.cuda.is_available(), gpu_memory_utilization=gpu_memory_utilization,
+               enable_sleep_mode=sleep_mode,
                logprobs_mode="processed_logprobs",  # after temperature and top_p, as the trainer computes them
                # whole prompts per engine step: a prompt split across steps rewinds its seeded generator,
                # which vLLM 0.32 cannot do on a CPU ("CPU Generator does not use offset")
@@ -339,6 +358,9 @@ def check_async_args(args, world_size: int):
             common.fail(f"--{name} must be positive (seconds), got {getattr(args, name)}")
     if args.max_logprob_diff is not None and args.max_logprob_diff <= 0:
         common.fail(f"--max_logprob_diff must be positive, got {args.max_logprob_diff}")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        common.fail(f"--vllm_gpu_memory_utilization is a share of the GPU's memory, in (0, 1], got "
+                    f"{args.vllm_gpu_memory_utilization}")
     if args.logprob_check_rows < 1:
         common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
                     f"got {args.logprob_check_rows}")
@@ -414,13 +436,15 @@ def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int
         sampling_policy = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
         sampling_policy.to("cuda" if torch.cuda.is_available() else "cpu")
-        llm = start_vllm(args)
+        llm = start_vllm(args, placement.gpu_memory_utilization, placement.sleeps_between_turns)
         # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
         # backend, which decorates their HF classes in this process for torch.compile: an HF model of
         # that class can then only be made before the engine (as above), and must opt out of it
         for module in sampling_policy.modules():
             module.do_not_compile = True
         receiver = WeightReceiver(args, placement, weight_port, sampling_policy, published)
+        if placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
+            llm.sleep(level=1)
         batches.put(ENGINE_STARTED)
         loaded = 0  # the engine starts with the SFT weights, version 0
         requested = 0
@@ -434,6 +458,8 @@ def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int
                 with contextlib.suppress(queue.Empty):
                     requested = requests.get(timeout=0.1)
             t0 = time.time()
+            if placement.sleeps_between_turns:
+                llm.wake_up()
             if version != loaded:
                 receiver.load(version, llm)
             weight_load = time.time() - t0
@@ -447,6 +473,8 @@ def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int
             if version != loaded:  # the proof that the engine took the new weights
                 check_engine_took_weights(batch["async/logprob_diff"], version, args)
                 loaded = version
+            if placement.sleeps_between_turns:
+                llm.sleep(level=1)
             batches.put({**batch, "prompt_indices": indices, "node": node, "version": version,
                          "time/weight_load": weight_load})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
@@ -519,6 +547,8 @@ class AsyncGenerator:
                 task.tokenizer.pad_token_id, self.store.port, self.published, self.batches, self.requests))
             atexit.register(self.stop)  # however the trainer exits
             common.STOP_BEFORE_FAILING.append(self.stop)
+            if self.placement.takes_turns:  # on the trainer's GPU, it measures its memory before the trainer's
+                self.wait_for_engine()      # first evaluation takes some
 
     def _receive(self, timeout: float, timeout_error: str):
         """The process's next message; stops within a second when it has failed or died, and with
@@ -550,8 +580,9 @@ class AsyncGenerator:
                 "logprobs": torch.from_numpy(item["logprobs"])}
 
     def wait_for_engine(self):
-        """Wait until the engine has started (it loads the model and warms up while the trainer sets up)."""
-        if self.leader:
+        """Wait until the engine has started (it loads the model and warms up while the trainer sets up and
+        makes its first evaluation; on the trainer's own device, before that evaluation: see __init__)."""
+        if self.leader and self.channel is None:
             timeout = self.args.engine_start_timeout
             self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
             self.published.put(CONNECTING)  # the generator process builds its end now

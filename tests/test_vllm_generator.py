@@ -22,7 +22,7 @@ def test_the_staleness_rule_is_the_papers():
 
 def placement_args(**overrides):
     return SimpleNamespace(**{"vllm_device": "cpu", "vllm_cpu_threads": 1, "vllm_cpu_kv_cache_gib": 1,
-                              **overrides})
+                              "vllm_gpu_memory_utilization": None, **overrides})
 
 
 def test_the_placement_decides_cores_turns_and_transport(monkeypatch):
@@ -40,10 +40,31 @@ def test_the_placement_decides_cores_turns_and_transport(monkeypatch):
     # weights over NCCL only between two GPUs: gloo on a CPU and within the trainer's own device
     assert [p.weights_over_nccl for p in (own_cores, shared, gpu)] == [False, False, True]
     assert [p.weight_device for p in (own_cores, shared, gpu)] == ["cpu", "cpu", "cuda"]
+    # beside the trainer on its GPU the engine takes less memory by default
+    assert [p.gpu_memory_utilization for p in (shared, gpu)] == [0.3, 0.8]
+    named = vllm_generator.engine_placement(placement_args(vllm_device="shared", vllm_gpu_memory_utilization=0.5), 1)
+    assert named.gpu_memory_utilization == 0.5
+    # two nodes of one rank: each node's rank shares its device with its node's engine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert vllm_generator.engine_placement(placement_args(vllm_device="shared"), world_size=2).takes_turns
+
+
+def test_nodes_split_the_global_batchs_rows_and_seeds():
+    """Each node's engine samples its node's rows of the global batch with the seeds one engine would give
+    them; the nodes of a launcher's environment."""
+    one_engine = vllm_generator.row_seeds(1, 7, range(0, 12))
+    assert vllm_generator.row_seeds(1, 7, range(0, 6)) + vllm_generator.row_seeds(1, 7, range(6, 12)) == one_engine
+    assert len(set(one_engine)) == 12 and vllm_generator.row_seeds(1, 8, range(0, 12)) != one_engine
+    assert vllm_generator.ranks_per_node(16, {"LOCAL_WORLD_SIZE": "8"}) == 8  # torchrun
+    assert vllm_generator.ranks_per_node(16, {"LOCAL_SIZE": "4"}) == 4  # deepspeed's launcher
+    assert vllm_generator.ranks_per_node(3, {}) == 3  # python script.py, or one node
+    with pytest.raises(SystemExit, match=re.escape("6 ranks do not fill nodes of 4 ranks each")):
+        vllm_generator.ranks_per_node(6, {"LOCAL_WORLD_SIZE": "4"})
 
 
 @pytest.mark.parametrize(("overrides", "world_size", "message"), [
-    ({"vllm_device": "shared"}, 2, "--vllm_device shared puts the engine on the device of a single training rank"),
+    ({"vllm_device": "shared"}, 2, "--vllm_device shared puts the engine on the device of a single training rank "
+                                   "per node, not 2"),
     ({"vllm_device": "tpu"}, 1, "--vllm_device 'tpu' is none of 'cpu', 'cuda:<index>' and 'shared'"),
     ({"vllm_cpu_threads": 4}, 1, "--vllm_cpu_threads 4 must leave the trainer at least one of the 4 cores"),
 ])
