@@ -280,6 +280,45 @@ def load_engine_weights(llm, model):
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
 
 
+def engine_parameters(worker) -> dict[str, torch.Tensor]:
+    """The engine's weights by name, as its model holds them (run in its worker, in this process, by
+    LLM.collective_rpc)."""
+    return dict(worker.model_runner.get_model().named_parameters())
+
+
+def one_to_one_tensors(llm, model) -> list[tuple[str, str]]:
+    """(engine name, `model` name) of the weights the engine holds exactly as `model` does: where vLLM keeps a
+    tensor as the checkpoint has it (embeddings, whose rows it may pad, and norms, on every architecture;
+    on a GPU most others too), not fused (q, k, v) nor repacked for its CPU kernels. Found by value, when
+    both hold the same weights (at the start), so that no architecture's naming or layout can make the
+    check of each load below fail when the load took."""
+    engine, own = llm.collective_rpc(engine_parameters)[0], dict(model.named_parameters())
+    pairs = []
+    for engine_name, engine_tensor in engine.items():
+        for own_name, own_tensor in own.items():
+            same_name = engine_name == own_name or engine_name.endswith("." + own_name) or own_name.endswith(
+                "." + engine_name)
+            if same_name and engine_tensor.shape[1:] == own_tensor.shape[1:] and \
+                    len(engine_tensor) >= len(own_tensor) > 0 and \
+                    torch.equal(engine_tensor[:len(own_tensor)].to(own_tensor.device), own_tensor.detach()):
+                pairs.append((engine_name, own_name))
+    return pairs
+
+
+def check_engine_holds(llm, model, pairs: list[tuple[str, str]], version: int):
+    """The exact check that the engine took version `version`, which `model` holds: each of its one-to-one
+    tensors (one_to_one_tensors) equals `model`'s, bit for bit. A reload that kept the old weights fails it
+    whatever the dtype; what it cannot see (fused and repacked layers) async/logprob_diff checks."""
+    engine, own = llm.collective_rpc(engine_parameters)[0], dict(model.named_parameters())
+    differ = [own_name for engine_name, own_name in pairs
+              if not torch.equal(engine[engine_name][:len(own[own_name])].to(own[own_name].device),
+                                 own[own_name].detach())]
+    if differ:
+        raise RuntimeError(f"after loading the weights of update {version}, the engine's {differ[0]} (and "
+                           f"{len(differ) - 1} more of the {len(pairs)} tensors checked) differ from the weights sent: "
+                           "the engine did not take the new weights")
+
+
 CONNECTING = "connecting"  # the trainer's first message on the queue of weight versions
 
 
@@ -442,6 +481,7 @@ def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int
         # that class can then only be made before the engine (as above), and must opt out of it
         for module in sampling_policy.modules():
             module.do_not_compile = True
+        checked = one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
         receiver = WeightReceiver(args, placement, weight_port, sampling_policy, published)
         if placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
             llm.sleep(level=1)
@@ -462,6 +502,7 @@ def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int
                 llm.wake_up()
             if version != loaded:
                 receiver.load(version, llm)
+                check_engine_holds(llm, sampling_policy, checked, version)
             weight_load = time.time() - t0
             indices = sampler.next_indices()  # the global batch's prompts; this node's share of them:
             index, nodes = node

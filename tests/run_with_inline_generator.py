@@ -36,12 +36,12 @@ class InlineGenerator:
         from transformers import AutoModelForCausalLM
 
         # the engine's model in processes of its own: run in this one, vLLM changes the trainer's numerics
-        environment = {**vllm_generator.engine_placement(self.args, world_size=1).environment,
-                       "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        placement = vllm_generator.engine_placement(self.args, world_size=1)
+        environment = {**placement.environment, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         with mock.patch.dict(os.environ, environment):
             for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 os.environ.pop(name)  # the engine's processes are not training ranks
-            self.llm = vllm_generator.start_vllm(self.args)
+            self.llm = vllm_generator.start_vllm(self.args, placement.gpu_memory_utilization)
         self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.args.model_name_or_path).eval()
 
     def batch_for(self, update: int) -> dict:
@@ -53,7 +53,8 @@ class InlineGenerator:
         prompts = self.task.train_prompts["input_ids"]
         indices = self.sampler.next_indices()
         queries = [prompts[i] for i in indices for _ in range(self.num_samples)]
-        batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, queries, update, self.args,
+        seeds = vllm_generator.row_seeds(self.args.seed, update, range(len(queries)))
+        batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, queries, seeds, update, self.args,
                                             self.task.eos_ids, self.task.tokenizer.pad_token_id)
         return {**batch, "prompt_indices": indices, "version": self.version, "time/weight_load": 0.0,
                 "responses": torch.from_numpy(batch["responses"]), "logprobs": torch.from_numpy(batch["logprobs"])}

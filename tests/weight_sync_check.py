@@ -30,7 +30,8 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
 
     args = SimpleNamespace(**{**ENGINE_ARGS, "model_name_or_path": policy_path})
     policy = AutoModelForCausalLM.from_pretrained(policy_path)  # before the engine, as in vllm_generator.generate_ahead
-    llm = vllm_generator.start_vllm(args)  # in this process, on the core ENGINE_ENVIRONMENT names
+    # in this process, on the core ENGINE_ENVIRONMENT names
+    llm = vllm_generator.start_vllm(args, args.vllm_gpu_memory_utilization)
     for module in policy.modules():
         module.do_not_compile = True  # vLLM's Transformers backend (GPT-NeoX) decorated HF classes just now
     common.init_distributed()
@@ -60,13 +61,22 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
 
     before = hf_greedy()
     assert vllm_greedy() == before
+    # the exact check of each load compares the tensors vLLM keeps as they are: on a CPU the embedding and norms
+    pairs = vllm_generator.one_to_one_tensors(llm, engine.module)
+    assert ("model.embed_tokens.weight", "model.embed_tokens.weight") in pairs and len(pairs) >= 3, pairs
     for _ in range(3):  # a few large steps that change the greedy completions
         loss = -engine(input_ids=query_ids[:8], attention_mask=query_mask[:8]).logits[:, -1, 5].mean()
         engine.backward(loss)
         engine.step()
     after = hf_greedy()
     assert after != before, "the training steps did not change the policy's greedy completions"
+    try:  # the engine still holds the weights before the steps
+        vllm_generator.check_engine_holds(llm, engine.module, pairs, version=3)
+        raise AssertionError("an engine that kept its old weights passed the exact check")
+    except RuntimeError as error:
+        assert str(error).endswith("differ from the weights sent: the engine did not take the new weights"), error
     vllm_generator.load_engine_weights(llm, engine.module)
+    vllm_generator.check_engine_holds(llm, engine.module, pairs, version=3)
     assert vllm_greedy() == after
     # seeded sampling: a row's completion depends on its prompt and seed alone, however vLLM batches
     # it, also in a batch of more prompt tokens than one engine step takes (4096 on a CPU)
