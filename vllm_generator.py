@@ -258,9 +258,10 @@ def weight_buckets(sizes: list[int], element_bytes: int) -> list[range]:
 
 def weight_channel(placement: Placement, store, rank: int, timeout_seconds: float):
     """The process group of two that carries the weights: the node's leader (rank 0, whose TCP store
-    `store` is) and its generator process (rank 1), over NCCL or gloo as `placement` says. Its
-    operations fail after `timeout_seconds`."""
-    timeout = datetime.timedelta(seconds=timeout_seconds)
+    `store` is) and its generator process (rank 1), over NCCL or gloo as `placement` says. Each end
+    watches its operations for `timeout_seconds` (AsyncGenerator._send, broadcast_bucket) and stops with the
+    kit's error; the group's own timeout, a minute later, never comes first (NCCL's would abort the process)."""
+    timeout = datetime.timedelta(seconds=timeout_seconds + 60)
     if placement.weights_over_nccl:
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -269,7 +270,8 @@ def weight_channel(placement: Placement, store, rank: int, timeout_seconds: floa
 
 
 def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
-    """Rank 0's `flat` into rank 1's (the same size and dtype), waited for at most `timeout` seconds."""
+    """The generator's end of a send: the leader's `flat` into this `flat` (the same size and dtype), waited
+    for at most `timeout` seconds."""
     channel.broadcast([flat], torch.distributed.BroadcastOptions()).wait(datetime.timedelta(seconds=timeout))
 
 
@@ -667,13 +669,19 @@ class AsyncGenerator:
                     self._send(flat.to(self.placement.weight_device), version)
 
     def _send(self, flat: torch.Tensor, version: int):
-        try:
-            broadcast_bucket(self.channel, flat, self.args.generator_timeout)
-        except RuntimeError:  # the process's own error, or its death, says more than the channel's
-            message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
-                       f"--generator_timeout {self.args.generator_timeout:g} s")
-            while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this
-                self._receive(2.0, message)
+        """Broadcast one bucket, watching the process: a send to a process that died, failed or hangs stops the
+        run with the kit's error, not with the channel's (NCCL's watchdog would abort the trainer)."""
+        work = self.channel.broadcast([flat], torch.distributed.BroadcastOptions())
+        deadline = time.time() + self.args.generator_timeout
+        while not work.is_completed() and self.process.is_alive() and time.time() < deadline:
+            time.sleep(0.001)
+        if work.is_completed() and work.is_success():
+            return
+        self.channel.abort()  # nothing more goes over it, and nothing waits for it at exit
+        message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
+                   f"--generator_timeout {self.args.generator_timeout:g} s")
+        while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this
+            self._receive(2.0, message)
 
     def sample_ahead(self, update: int) -> list[dict]:
         """The batches for the updates after `update` that the process samples with weights older than
