@@ -827,12 +827,13 @@ class OnlineTrainerState:
 
 
 # What a resumed run may change: logging, evaluation and checkpoint frequency, timeouts, and where the
-# vLLM engine runs (the rest would mix two configurations into one run)
+# vLLM engines run (the rest would mix two configurations into one run; the samples do not depend on the
+# engines, and a checkpoint's sampled-ahead batches must fit the new ones: vllm_generator.AsyncGenerator)
 RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "track", "wandb_project_name",
                      "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "local_rank",
                      "local_rollout_forward_batch_size", "engine_start_timeout", "generator_timeout",
-                     "logprob_check_rows", "vllm_device", "vllm_cpu_threads", "vllm_cpu_kv_cache_gib",
-                     "vllm_gpu_memory_utilization")
+                     "logprob_check_rows", "vllm_device", "vllm_engines_per_node", "vllm_cpu_threads",
+                     "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization")
 
 
 def prepare_output_dir(args):

@@ -152,6 +152,10 @@ class Args:
     node's training GPUs, else cpu. <i> counts the GPUs the ranks see (through an inherited
     CUDA_VISIBLE_DEVICES: under SLURM's "4,5,6,7", cuda:3 is GPU 7); under deepspeed --num_gpus/--include,
     which shows each rank only the training GPUs, it is a physical GPU id"""
+    vllm_engines_per_node: int = 1
+    """engines on each node, each sampling for an equal share of the node's training ranks (e.g. 6 training GPUs
+    and 2 engines: 3 ranks each) on the GPUs after the training ones (from --vllm_device's); on a CPU they share
+    the --vllm_cpu_threads cores"""
     vllm_cpu_threads: int = 1
     """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
     vllm_cpu_kv_cache_gib: int = 1

@@ -76,16 +76,27 @@ def ranks_per_node(world_size: int, environment: Mapping[str, str]) -> int:
     return local_ranks
 
 
-def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, str], visible_gpus: int) -> str:
-    """The engine's GPU, as its process's CUDA_VISIBLE_DEVICES, for `--vllm_device` `device` ("cuda:<i>",
-    or None: the default), from a training rank's `environment` and the number of GPUs it sees.
+def ranks_per_engine(args, world_size: int, environment: Mapping[str, str]) -> int:
+    """The training ranks each engine samples for: --vllm_engines_per_node engines share a node's ranks."""
+    node_ranks = ranks_per_node(world_size, environment)
+    if args.vllm_engines_per_node < 1 or node_ranks % args.vllm_engines_per_node:
+        common.fail(f"--vllm_engines_per_node {args.vllm_engines_per_node} does not divide the {node_ranks} training "
+                    f"ranks of a node into equal shares")
+    return node_ranks // args.vllm_engines_per_node
+
+
+def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, str], visible_gpus: int,
+               engine: int = 0) -> str:
+    """The GPU of this node's `engine`-th engine, as its process's CUDA_VISIBLE_DEVICES, for `--vllm_device`
+    `device` ("cuda:<i>", or None: the default), from a training rank's `environment` and the number of GPUs
+    it sees.
 
     The ranks of a node train on its first visible GPUs, one each (cuda:LOCAL_RANK); their number is
-    LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (DeepSpeed's launcher), else the world size. The engine
-    takes the GPU after them, or cuda:<i>, a logical index: through an inherited CUDA_VISIBLE_DEVICES
-    (a SLURM job's "4,5,6,7": cuda:3 is GPU 7). DeepSpeed's launcher, given --num_gpus or --include,
-    shows each rank only the node's training GPUs; there the engine's GPU is one the ranks do not see,
-    and cuda:<i> a physical GPU id (default: the one after the highest training GPU)."""
+    LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (DeepSpeed's launcher), else the world size. The engines
+    take the GPUs after them, or cuda:<i>, cuda:<i+1>, ..., logical indices: through an inherited
+    CUDA_VISIBLE_DEVICES (a SLURM job's "4,5,6,7": cuda:3 is GPU 7). DeepSpeed's launcher, given
+    --num_gpus or --include, shows each rank only the node's training GPUs; there an engine's GPU is one
+    the ranks do not see, and cuda:<i> a physical GPU id (default: the one after the highest training GPU)."""
     local_ranks = ranks_per_node(world_size, environment)
     mask = environment.get("CUDA_VISIBLE_DEVICES")
     visible = mask.split(",") if mask else [str(i) for i in range(visible_gpus)]
@@ -95,13 +106,13 @@ def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, st
     index = local_ranks if device is None else device.removeprefix("cuda:")
     if not str(index).isdigit():
         common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
-    index = int(index)
+    index = int(index) + engine
     if "LOCAL_SIZE" in environment and len(visible) == local_ranks and mask:  # DeepSpeed's launcher
-        engine = str(max(map(int, visible)) + 1) if device is None else str(index)
-        if engine in visible:
+        physical = str((max(map(int, visible)) + 1 + engine) if device is None else index)
+        if physical in visible:
             common.fail(f"--vllm_device {device} is a training GPU (the ranks of this node train on "
                         f"{seen}); name another GPU, or use --vllm_device shared with one rank")
-        return engine
+        return physical
     if index < local_ranks:
         common.fail(f"--vllm_device cuda:{index} is a training GPU (the {local_ranks} ranks of this node train on "
                     f"cuda:0-{local_ranks - 1} of {seen}); name a later one, or use --vllm_device shared with one "
@@ -113,11 +124,11 @@ def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, st
     return visible[index]
 
 
-def engine_placement(args, world_size: int) -> Placement:
-    """Where the engine runs. GPU: it sees only its own GPU (engine_gpu: by default the one after the
-    node's training GPUs). CPU: it runs on the last `--vllm_cpu_threads` cores and the trainer keeps the
-    others. "shared" (one training rank per node): the engine on the trainer's own device, its GPU or all its
-    cores."""
+def engine_placement(args, world_size: int, engine: int = 0) -> Placement:
+    """Where this node's `engine`-th engine runs. GPU: it sees only its own GPU (engine_gpu: by default the
+    engine-th after the node's training GPUs). CPU: it runs on the last `--vllm_cpu_threads` cores (which a
+    node's engines share) and the trainer keeps the others. "shared" (one training rank per node): the
+    engine on the trainer's own device, its GPU or all its cores."""
     device = args.vllm_device or ("cpu" if not torch.cuda.is_available() else "cuda")
     # the engine runs inside the generator process: no further processes, no inter-process polling
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -139,7 +150,7 @@ def engine_placement(args, world_size: int) -> Placement:
     elif device == "cuda" or device.startswith("cuda:"):
         device_index = None if device == "cuda" else device
         environment["CUDA_VISIBLE_DEVICES"] = engine_gpu(device_index, world_size, os.environ,
-                                                         torch.cuda.device_count())
+                                                         torch.cuda.device_count(), engine)
         device = f"cuda:{environment['CUDA_VISIBLE_DEVICES']}"
     else:
         common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
@@ -405,7 +416,9 @@ def check_async_args(args, world_size: int):
     if args.logprob_check_rows < 1:
         common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
                     f"got {args.logprob_check_rows}")
-    engine_placement(args, world_size)  # a bad --vllm_device or --vllm_cpu_threads fails here
+    ranks_per_engine(args, world_size, os.environ)
+    for engine in range(args.vllm_engines_per_node):  # a bad --vllm_device or --vllm_cpu_threads fails here
+        engine_placement(args, world_size, engine)
 
 
 ENGINE_STARTED = {"engine": "started"}  # the generator process's first message (errors are text)
@@ -448,11 +461,11 @@ ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the las
                "--resume continues from it")
 
 
-def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int, int], updates: range,
+def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[int, int], updates: range,
                    first_version: int, num_samples: int, eos_ids, pad_token_id, weight_port: int, published, batches,
                    requests):
-    """The generator process of node `node` = (index, nodes), beside its first rank, which holds the node's
-    vLLM engine: for update t it samples the node's ranks' shares of the global batch, with exactly the
+    """The generator process of engine `engine` = (index, engines), beside the first of its ranks, which
+    holds the vLLM engine: for update t it samples its ranks' share of the global batch, with exactly the
     weights sampling_version(t) names.
 
     The trainer announces each weight version on the queue `published` and sends it over the weight
@@ -506,9 +519,9 @@ def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int
                 receiver.load(version, llm)
                 check_engine_holds(llm, sampling_policy, checked, version)
             weight_load = time.time() - t0
-            indices = sampler.next_indices()  # the global batch's prompts; this node's share of them:
-            index, nodes = node
-            indices = indices[index * len(indices) // nodes:(index + 1) * len(indices) // nodes]
+            indices = sampler.next_indices()  # the global batch's prompts; this engine's share of them:
+            index, engines = engine
+            indices = indices[index * len(indices) // engines:(index + 1) * len(indices) // engines]
             queries = [prompts[i] for i in indices for _ in range(num_samples)]
             rows = range(index * len(queries), (index + 1) * len(queries))  # in the global batch
             batch = sample_batch(llm, sampling_policy, queries, row_seeds(args.seed, update, rows), update, args,
@@ -518,7 +531,7 @@ def generate_ahead(args, placement: Placement, prompts, sampler, node: tuple[int
                 loaded = version
             if placement.sleeps_between_turns:
                 llm.sleep(level=1)
-            batches.put({**batch, "prompt_indices": indices, "node": node, "version": version,
+            batches.put({**batch, "prompt_indices": indices, "engine": engine, "version": version,
                          "time/weight_load": weight_load})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         batches.put(f"{type(error).__name__}: {error}")
@@ -543,33 +556,35 @@ def check_engine_took_weights(logprob_diff: float, version: int, args):
 
 
 class AsyncGenerator:
-    """The trainer's side of its node's generator process (generate_ahead, placed by start_generator).
+    """The trainer's side of its engine's generator process (generate_ahead, placed by start_generator).
 
-    One engine per node: every rank makes an AsyncGenerator and makes each call; the node's first rank
-    (its leader) talks to the node's process and hands each rank of the node its share. Weights reach the
+    One engine per node (or --vllm_engines_per_node), each for an equal share of the node's consecutive
+    ranks: every rank makes an AsyncGenerator and makes each call; the first rank of each share (its
+    leader) talks to its engine's process and hands each rank of the share its part. Weights reach the
     engine in memory, over a process group of the leader and the process (gloo or NCCL), announced by
     version number; under ZeRO-3 every rank gathers each bucket, so no weights cross nodes for it. Batches
     an interrupted run had sampled ahead (the leader's `state.pending_batches`) come first; the process
-    carries on drawing prompts from `sampler` (whole global batches, of which it samples its node's share)
-    after them. The process is stopped when the trainer exits, however it exits.
+    carries on drawing prompts from `sampler` (whole global batches, of which it samples its share) after
+    them. The process is stopped when the trainer exits, however it exits.
     """
 
     def __init__(self, args, task: common.Task, sampler: data.PromptSampler, state: common.OnlineTrainerState,
                  num_updates: int, num_samples: int):
         self.args, rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.num_updates, self.num_samples = num_updates, num_samples
-        node_ranks = ranks_per_node(world_size, os.environ)
-        self.node = (rank // node_ranks, world_size // node_ranks)  # (index, nodes)
-        self.leader = rank % node_ranks == 0
+        engine_ranks = ranks_per_engine(args, world_size, os.environ)
+        self.engine = (rank // engine_ranks, world_size // engine_ranks)  # (index, engines)
+        self.leader = rank % engine_ranks == 0
         # each rank's batch comes from its leader
-        self.node_group, _ = torch.distributed.new_subgroups(
-            node_ranks, timeout=datetime.timedelta(seconds=process_group_timeout(args)))
+        self.engine_group, _ = torch.distributed.new_subgroups(
+            engine_ranks, timeout=datetime.timedelta(seconds=process_group_timeout(args)))
         self.prompts_per_rank = sampler.global_batch_size // world_size
         self.sampled_ahead = collections.deque(state.pending_batches)
-        if any(batch["node"] != self.node for batch in self.sampled_ahead):
-            common.fail(f"--resume: the checkpoint's sampled-ahead batches are node {self.sampled_ahead[0]['node'][0]} "
-                        f"of {self.sampled_ahead[0]['node'][1]}'s, and this rank is on node {self.node[0]} of "
-                        f"{self.node[1]}: resume with the nodes and ranks per node of the interrupted run")
+        if any(batch["engine"] != self.engine for batch in self.sampled_ahead):
+            sampled_for = self.sampled_ahead[0]["engine"]
+            common.fail(f"--resume: the checkpoint's sampled-ahead batches are engine {sampled_for[0]} of "
+                        f"{sampled_for[1]}'s, and this rank's engine would be {self.engine[0]} of {self.engine[1]}: "
+                        "resume with the nodes, ranks per node and engines per node of the interrupted run")
         sampler.position = state.data_position + len(self.sampled_ahead)
         self.published = self.batches = self.requests = self.process = self.channel = self.placement = None
         self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
@@ -579,13 +594,14 @@ class AsyncGenerator:
                                                     timeout=datetime.timedelta(seconds=args.generator_timeout))
             context = multiprocessing.get_context("spawn")
             self.published, self.batches = context.Queue(), context.Queue()
-            self.placement = engine_placement(args, world_size)
+            node_engine = (rank % ranks_per_node(world_size, os.environ)) // engine_ranks  # within the node
+            self.placement = engine_placement(args, world_size, node_engine)
             if self.placement.takes_turns:  # the engine samples a batch when the trainer asks for it
                 self.requests = context.Queue()
             first_update = state.update + len(self.sampled_ahead) + 1
             # generate_ahead is looked up now, so that tests can put a faulty one in its place
             self.process = start_generator(self.placement, generate_ahead, (
-                args, self.placement, task.train_prompts["input_ids"], sampler, self.node,
+                args, self.placement, task.train_prompts["input_ids"], sampler, self.engine,
                 range(first_update, num_updates + 1), state.update, num_samples, task.eos_ids,
                 task.tokenizer.pad_token_id, self.store.port, self.published, self.batches, self.requests))
             atexit.register(self.stop)  # however the trainer exits
@@ -646,9 +662,9 @@ class AsyncGenerator:
             prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
             shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
                        **{name: batch[name][r * rows:(r + 1) * rows] for name in ("queries", "responses", "logprobs")}}
-                      for r in range(torch.distributed.get_world_size(self.node_group))]
+                      for r in range(torch.distributed.get_world_size(self.engine_group))]
         received = [None]
-        torch.distributed.scatter_object_list(received, shares, group=self.node_group, group_src=0)
+        torch.distributed.scatter_object_list(received, shares, group=self.engine_group, group_src=0)
         return received[0]
 
     def publish_weights(self, engine, version: int, part: str | None = None):
@@ -686,8 +702,8 @@ class AsyncGenerator:
     def sample_ahead(self, update: int) -> list[dict]:
         """The batches for the updates after `update` that the process samples with weights older than
         update's (min(K, updates left)), waited for: a checkpoint saves them (each leader's in its rank's
-        state), so that a resumed run trains on exactly these samples. The node's share on a leader; empty on
-        the other ranks."""
+        state), so that a resumed run trains on exactly these samples. Its engine's share on a leader; empty
+        on the other ranks."""
         older = [later for later in range(update + 1, self.num_updates + 1)
                  if sampling_version(later, self.args.async_steps) < update]
         while self.leader and len(self.sampled_ahead) < len(older):

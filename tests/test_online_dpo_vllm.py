@@ -191,7 +191,17 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     assert not (out / "policy").exists()
     pending = [torch.load(out / "checkpoints" / "update-2" / f"trainer_state_rank{rank}.pt",
                           weights_only=False)["pending_batches"] for rank in (0, 1)]
-    assert [[batch["node"] for batch in batches] for batches in pending] == [[(0, 2)] * 2, [(1, 2)] * 2]
+    assert [[batch["engine"] for batch in batches] for batches in pending] == [[(0, 2)] * 2, [(1, 2)] * 2]
     for node in start_two_nodes(deepspeed, [*args, "--resume"], out):
         assert node.wait(timeout=600) == 0, node.stderr.read()[-3000:]
+    assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])
+
+
+def test_two_engines_on_one_node_train_as_one_engine(tmp_path, two_rank_k2_run):
+    """--vllm_engines_per_node 2: each of a node's two ranks has an engine of its own (on a CPU they share the
+    engine's core), sampling its share of every batch: the same run as with one engine, bit for bit."""
+    out = tmp_path / "run"
+    run_script(*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2",
+               "--vllm_engines_per_node", "2", "--output_dir", out, script=SCRIPT,
+               launcher=("torchrun", "--nproc_per_node", "2", "--master_port", "29822"), env={"OMP_NUM_THREADS": "1"})
     assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])

@@ -71,6 +71,8 @@ def bad_input_cases(script, folder):
         cases.append((["--logprob_check_rows", "0"], "--logprob_check_rows must be at least 1"))
         cases.append((["--max_logprob_diff", "-1"], "--max_logprob_diff must be positive, got -1.0"))
         cases.append((["--generator_timeout", "0"], "--generator_timeout must be positive (seconds), got 0.0"))
+        cases.append((["--vllm_engines_per_node", "2"],
+                      "--vllm_engines_per_node 2 does not divide the 1 training ranks of a node into equal shares"))
         cases.append((["--vllm_gpu_memory_utilization", "80"],
                       "--vllm_gpu_memory_utilization is a share of the GPU's memory, in (0, 1], got 80.0"))
     return cases

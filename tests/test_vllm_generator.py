@@ -93,6 +93,20 @@ def test_the_engines_gpu_follows_the_jobs_mask_and_the_nodes_ranks(device, world
     assert vllm_generator.engine_gpu(device, world_size, environment, visible_gpus) == engine
 
 
+def test_several_engines_per_node_take_the_gpus_after_the_training_ones():
+    """6 training ranks and 2 engines on each of two 8-GPU nodes: GPUs 6 and 7, under either launcher."""
+    torchrun = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "LOCAL_WORLD_SIZE": "6"}
+    assert [vllm_generator.engine_gpu(None, 12, torchrun, 8, engine) for engine in (0, 1)] == ["6", "7"]
+    deepspeed = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5", "LOCAL_SIZE": "6"}
+    assert [vllm_generator.engine_gpu(None, 12, deepspeed, 6, engine) for engine in (0, 1)] == ["6", "7"]
+    with pytest.raises(SystemExit, match=re.escape("the vLLM engine's GPU cuda:8 does not exist")):
+        vllm_generator.engine_gpu("cuda:7", 12, torchrun, 8, engine=1)
+    args = SimpleNamespace(vllm_engines_per_node=2)
+    assert vllm_generator.ranks_per_engine(args, 12, {"LOCAL_WORLD_SIZE": "6"}) == 3
+    with pytest.raises(SystemExit, match=re.escape("--vllm_engines_per_node 2 does not divide the 3 training ranks")):
+        vllm_generator.ranks_per_engine(args, 6, {"LOCAL_WORLD_SIZE": "3"})
+
+
 @pytest.mark.parametrize(("device", "world_size", "environment", "visible_gpus", "message"), [
     ("cuda:1", 3, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "LOCAL_WORLD_SIZE": "3"}, 4,
      "--vllm_device cuda:1 is a training GPU (the 3 ranks of this node train on cuda:0-2 of "
