@@ -16,6 +16,7 @@ import collections
 import contextlib
 import datetime
 import functools
+import itertools
 import multiprocessing
 import os
 import queue
@@ -55,14 +56,9 @@ class Placement:
 
     @property
     def weights_over_nccl(self) -> bool:
-        """Weights travel over NCCL between two GPUs, over gloo otherwise: on a CPU, and when the engine
-        shares the trainer's GPU (NCCL cannot connect a GPU with itself)."""
+        """How the weights travel: over NCCL between two GPUs; else through memory both processes map
+        (SharedWeights: the engine on a CPU, or on the trainer's own device)."""
         return self.device.startswith("cuda:")
-
-    @property
-    def weight_device(self) -> str:
-        """Where the weight buffers of the channel live."""
-        return "cuda" if self.weights_over_nccl else "cpu"
 
 
 def ranks_per_node(world_size: int, environment: Mapping[str, str]) -> int:
@@ -267,17 +263,35 @@ def weight_buckets(sizes: list[int], element_bytes: int) -> list[range]:
     return [*buckets, range(start, len(sizes))]
 
 
-def weight_channel(placement: Placement, store, rank: int, timeout_seconds: float):
-    """The process group of two that carries the weights: the node's leader (rank 0, whose TCP store
-    `store` is) and its generator process (rank 1), over NCCL or gloo as `placement` says. Each end
-    watches its operations for `timeout_seconds` (AsyncGenerator._send, broadcast_bucket) and stops with the
-    kit's error; the group's own timeout, a minute later, never comes first (NCCL's would abort the process)."""
-    timeout = datetime.timedelta(seconds=timeout_seconds + 60)
-    if placement.weights_over_nccl:
-        options = torch.distributed.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
-    return torch.distributed.ProcessGroupGloo(store, rank, 2, timeout)
+def weight_channel(store, rank: int, timeout_seconds: float):
+    """The NCCL group of two that carries the weights between two GPUs: the leader (rank 0, whose TCP store
+    `store` is) and its generator process (rank 1). Each end watches its operations for `timeout_seconds`
+    (AsyncGenerator._send, broadcast_bucket) and stops with the kit's error; the group's own timeout, a minute
+    later, never comes first (NCCL's watchdog would abort the process)."""
+    options = torch.distributed.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=timeout_seconds + 60)
+    return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+
+
+class SharedWeights:
+    """A buffer of the policy's flat weights that the trainer and its generator process both map, in
+    anonymous memory (memfd: not /dev/shm, which containers often cap at 64 MB). The trainer copies a
+    version in (one memory copy: all it waits for), the generator copies it out into its policy and hands
+    the buffer back. `handle` opens it in the other process."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, handle: tuple | None = None):
+        import mmap
+
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if handle is None:  # the trainer makes it
+            fd = os.memfd_create("async-rlhf-weights")
+            os.ftruncate(fd, nbytes)
+            handle = (os.getpid(), fd, numel, dtype)
+        else:  # the generator opens the trainer's, through /proc
+            pid, trainer_fd, _, _ = handle
+            fd = os.open(f"/proc/{pid}/fd/{trainer_fd}", os.O_RDWR)
+        self.handle, self.memory = handle, mmap.mmap(fd, nbytes)
+        self.flat = torch.frombuffer(self.memory, dtype=dtype, count=numel)  # (numel,)
 
 
 def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
@@ -332,18 +346,19 @@ def check_engine_holds(llm, model, pairs: list[tuple[str, str]], version: int):
                            "the engine did not take the new weights")
 
 
-CONNECTING = "connecting"  # the trainer's first message on the queue of weight versions
+CONNECTING = "connecting"  # the trainer's first message on the queue of weight versions, over NCCL
 
 
 class WeightReceiver:
-    """The generator process's end of the weight channel: a thread receives each version the trainer
-    sends, while the engine samples, into buffers of its own (one set per version not yet loaded:
-    K at most); `load` puts one into the sampling policy, then into the engine."""
+    """The generator process's end of the weights: a thread takes each version the trainer announces,
+    while the engine samples: a SharedWeights buffer it maps, or over NCCL into buffers of its own (one
+    set per version not yet loaded: K at most); `load` puts one into the sampling policy, then into the
+    engine, and hands a shared buffer back to the trainer (on the queue `released`)."""
 
-    def __init__(self, args, placement: Placement, port: int, sampling_policy, published):
+    def __init__(self, args, placement: Placement, port: int, sampling_policy, published, released):
         import threading
 
-        self.args, self.placement, self.sampling_policy = args, placement, sampling_policy
+        self.args, self.placement, self.sampling_policy, self.released = args, placement, sampling_policy, released
         self.parameters = [p for _, p in sampling_policy.named_parameters()]  # the trainer sends in this order
         self.buckets = weight_buckets([p.numel() for p in self.parameters], self.parameters[0].element_size())
         self.received, self.error, self.condition = {}, None, threading.Condition()
@@ -351,24 +366,31 @@ class WeightReceiver:
 
     def _receive(self, port: int, published):
         try:
-            # The trainer connects once it has seen the engine start and has made its first evaluation,
-            # minutes later on a large policy, and says so first: both ends then build the channel at once
-            # (an end that waits alone for its peer can be given up on by gloo before the peer comes).
-            if published.get() != CONNECTING:
-                raise RuntimeError("the trainer announced weights before connecting the weight channel")
-            store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False,
-                                               timeout=datetime.timedelta(days=1))
-            channel = weight_channel(self.placement, store, 1, self.args.generator_timeout)
-            device, dtype = self.placement.weight_device, self.parameters[0].dtype
+            channel, shared = None, {}  # the NCCL group; the trainer's shared buffers by handle
             while True:
-                version = published.get()  # announced just before its buckets
-                flats = []
-                for bucket in self.buckets:
-                    flat = torch.empty(sum(self.parameters[i].numel() for i in bucket), dtype=dtype, device=device)
-                    broadcast_bucket(channel, flat, self.args.generator_timeout)
-                    flats.append(flat)
+                message = published.get()
+                if message == CONNECTING:
+                    # The trainer connects once it has seen the engine start and has made its first
+                    # evaluation, minutes later on a large policy: both ends then build the group at once.
+                    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False,
+                                                       timeout=datetime.timedelta(days=1))
+                    channel = weight_channel(store, 1, self.args.generator_timeout)
+                    continue
+                version, handle = message  # announced once the shared buffer is written, or before the buckets
+                if handle is None:
+                    flats = []
+                    for bucket in self.buckets:
+                        flat = torch.empty(sum(self.parameters[i].numel() for i in bucket),
+                                           dtype=self.parameters[0].dtype, device="cuda")
+                        broadcast_bucket(channel, flat, self.args.generator_timeout)
+                        flats.append(flat)
+                else:
+                    if handle not in shared:
+                        shared[handle] = SharedWeights(handle[2], handle[3], handle)
+                    sizes = [sum(self.parameters[i].numel() for i in bucket) for bucket in self.buckets]
+                    flats = list(shared[handle].flat.split(sizes))
                 with self.condition:
-                    self.received[version] = flats
+                    self.received[version] = (flats, handle)
                     self.condition.notify_all()
         except BaseException as error:
             with self.condition:
@@ -388,16 +410,15 @@ class WeightReceiver:
 
     @torch.no_grad()
     def load(self, version: int, llm):
-        """Load the arrived `version` into the sampling policy, then into the engine, and free its buffers."""
+        """Load the arrived `version` into the sampling policy, hand a shared buffer back, then load it into
+        the engine."""
         with self.condition:
-            flats = self.received.pop(version)
+            flats, handle = self.received.pop(version)
         for bucket, flat in zip(self.buckets, flats):
             for index, values in zip(bucket, flat.split([self.parameters[i].numel() for i in bucket])):
-                parameter, values = self.parameters[index], values.view_as(self.parameters[index])
-                if values.device == parameter.device:
-                    parameter.data = values  # the received buffer becomes the weight: no copy
-                else:  # gloo carries CPU tensors to an engine on the trainer's GPU
-                    parameter.copy_(values)
+                self.parameters[index].copy_(values.view_as(self.parameters[index]))
+        if handle is not None:
+            self.released.put(handle)
         load_engine_weights(llm, self.sampling_policy)
 
 
@@ -462,14 +483,15 @@ ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the las
 
 
 def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[int, int], updates: range,
-                   first_version: int, num_samples: int, eos_ids, pad_token_id, weight_port: int, published, batches,
-                   requests):
+                   first_version: int, num_samples: int, eos_ids, pad_token_id, weight_port: int, published, released,
+                   batches, requests):
     """The generator process of engine `engine` = (index, engines), beside the first of its ranks, which
     holds the vLLM engine: for update t it samples its ranks' share of the global batch, with exactly the
     weights sampling_version(t) names.
 
-    The trainer announces each weight version on the queue `published` and sends it over the weight
-    channel (WeightReceiver, port `weight_port`); ENGINE_STARTED, then the batches (or the error that
+    The trainer announces each weight version on the queue `published`, written to a shared buffer (handed
+    back on `released` once loaded) or sent over NCCL (WeightReceiver, port `weight_port`); ENGINE_STARTED,
+    then the batches (or the error that
     stopped this process, as text) go to the queue `batches`. With `requests` (an engine sharing the
     trainer's device), batch t is sampled only once the trainer has asked for it there, so that the two
     take turns. It ends after the last batch, when the trainer kills it, or once the trainer is gone.
@@ -497,7 +519,7 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
         for module in sampling_policy.modules():
             module.do_not_compile = True
         checked = one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
-        receiver = WeightReceiver(args, placement, weight_port, sampling_policy, published)
+        receiver = WeightReceiver(args, placement, weight_port, sampling_policy, published, released)
         if placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
             llm.sleep(level=1)
         batches.put(ENGINE_STARTED)
@@ -586,16 +608,20 @@ class AsyncGenerator:
                         f"{sampled_for[1]}'s, and this rank's engine would be {self.engine[0]} of {self.engine[1]}: "
                         "resume with the nodes, ranks per node and engines per node of the interrupted run")
         sampler.position = state.data_position + len(self.sampled_ahead)
-        self.published = self.batches = self.requests = self.process = self.channel = self.placement = None
+        self.published = self.released = self.batches = self.requests = self.process = self.placement = None
+        self.store = self.channel = None  # over NCCL
+        self.shared, self.free_shared = {}, []  # SharedWeights by handle, and those the generator handed back
+        self.engine_started = False
         self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
         if self.leader:
-            # the weight channel's rendezvous, on a free port; the channel itself once the engine has started
-            self.store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                                                    timeout=datetime.timedelta(seconds=args.generator_timeout))
             context = multiprocessing.get_context("spawn")
-            self.published, self.batches = context.Queue(), context.Queue()
+            self.published, self.released, self.batches = context.Queue(), context.Queue(), context.Queue()
             node_engine = (rank % ranks_per_node(world_size, os.environ)) // engine_ranks  # within the node
             self.placement = engine_placement(args, world_size, node_engine)
+            if self.placement.weights_over_nccl:  # the group's rendezvous, on a free port; the group itself
+                self.store = torch.distributed.TCPStore(  # once the engine has started
+                    "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=args.generator_timeout))
             if self.placement.takes_turns:  # the engine samples a batch when the trainer asks for it
                 self.requests = context.Queue()
             first_update = state.update + len(self.sampled_ahead) + 1
@@ -603,7 +629,8 @@ class AsyncGenerator:
             self.process = start_generator(self.placement, generate_ahead, (
                 args, self.placement, task.train_prompts["input_ids"], sampler, self.engine,
                 range(first_update, num_updates + 1), state.update, num_samples, task.eos_ids,
-                task.tokenizer.pad_token_id, self.store.port, self.published, self.batches, self.requests))
+                task.tokenizer.pad_token_id, self.store.port if self.store else 0, self.published, self.released,
+                self.batches, self.requests))
             atexit.register(self.stop)  # however the trainer exits
             common.STOP_BEFORE_FAILING.append(self.stop)
             if self.placement.takes_turns:  # on the trainer's GPU, it measures its memory before the trainer's
@@ -641,15 +668,17 @@ class AsyncGenerator:
     def wait_for_engine(self):
         """Wait until the engine has started (it loads the model and warms up while the trainer sets up and
         makes its first evaluation; on the trainer's own device, before that evaluation: see __init__)."""
-        if self.leader and self.channel is None:
+        if self.leader and not self.engine_started:
             timeout = self.args.engine_start_timeout
             self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
-            self.published.put(CONNECTING)  # the generator process builds its end now
-            try:
-                self.channel = weight_channel(self.placement, self.store, 0, self.args.generator_timeout)
-            except RuntimeError as error:
-                common.fail(f"connecting the weight channel to the vLLM engine process failed: "
-                            f"{' '.join(str(error).split())[:300]}")
+            self.engine_started = True
+            if self.placement.weights_over_nccl:
+                self.published.put(CONNECTING)  # the generator process builds its end now
+                try:
+                    self.channel = weight_channel(self.store, 0, self.args.generator_timeout)
+                except RuntimeError as error:
+                    common.fail(f"connecting the weight channel to the vLLM engine process failed: "
+                                f"{' '.join(str(error).split())[:300]}")
 
     def batch_for(self, update: int) -> dict:
         """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
@@ -668,21 +697,45 @@ class AsyncGenerator:
         return received[0]
 
     def publish_weights(self, engine, version: int, part: str | None = None):
-        """Send the policy's weights after update `version` to the engine, announced by version number,
-        bucket by bucket (every rank calls it: under ZeRO-3 a rank gathers one bucket at a time). `part`:
-        the policy's attribute name when the engine trains more than the policy."""
+        """Hand the policy's weights after update `version` to the engine, announced by version number: one
+        memory copy into a shared buffer, or over NCCL to an engine on a GPU of its own; bucket by bucket
+        (every rank calls it: under ZeRO-3 a rank gathers one bucket at a time). `part`: the policy's
+        attribute name when the engine trains more than the policy."""
         if version > sampling_version(self.num_updates, self.args.async_steps):
             return  # no batch samples with these weights (and the process may have ended)
         model = engine.module if part is None else getattr(engine.module, part)
         parameters = [p for _, p in model.named_parameters()]  # the order the receiver expects
-        if self.leader:
-            self.published.put(version)
         sizes = [getattr(p, "ds_numel", p.numel()) for p in parameters]  # ZeRO-3 shards: their whole size
+        offsets = [0, *itertools.accumulate(sizes)]  # in the flat weights
+        shared = None
+        if self.leader and self.placement.weights_over_nccl:
+            self.published.put((version, None))  # the buckets follow
+        elif self.leader:
+            shared = self._free_shared_weights(offsets[-1], parameters[0].dtype, version)
         for bucket in weight_buckets(sizes, parameters[0].element_size()):
             with common.gathered(engine, [parameters[i] for i in bucket]):
-                if self.leader:
-                    flat = torch.cat([parameters[i].detach().reshape(-1) for i in bucket])
-                    self._send(flat.to(self.placement.weight_device), version)
+                if shared is not None:
+                    for i in bucket:
+                        shared.flat[offsets[i]:offsets[i + 1]].copy_(parameters[i].detach().reshape(-1))
+                elif self.leader:
+                    self._send(torch.cat([parameters[i].detach().reshape(-1) for i in bucket]), version)
+        if shared is not None:
+            self.published.put((version, shared.handle))
+
+    def _free_shared_weights(self, numel: int, dtype: torch.dtype, version: int) -> SharedWeights:
+        """A shared buffer the generator is not reading: a new one while there are fewer than two (the trainer
+        writes one while the generator reads the other), then the one it handed back, waited for."""
+        deadline = time.time() + self.args.generator_timeout
+        while not self.free_shared:
+            if len(self.shared) < 2:
+                weights = SharedWeights(numel, dtype)
+                self.shared[weights.handle] = weights
+                return weights
+            if not self.process.is_alive() or time.time() > deadline:
+                self._fail_sending(version)
+            with contextlib.suppress(queue.Empty):
+                self.free_shared.append(self.released.get(timeout=0.1))
+        return self.shared[self.free_shared.pop(0)]
 
     def _send(self, flat: torch.Tensor, version: int):
         """Broadcast one bucket, watching the process: a send to a process that died, failed or hangs stops the
@@ -694,6 +747,10 @@ class AsyncGenerator:
         if work.is_completed() and work.is_success():
             return
         self.channel.abort()  # nothing more goes over it, and nothing waits for it at exit
+        self._fail_sending(version)
+
+    def _fail_sending(self, version: int):
+        """Stop with the process's own error, or its death, which say more than a failed send."""
         message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
                    f"--generator_timeout {self.args.generator_timeout:g} s")
         while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this

@@ -65,6 +65,6 @@ def partly_loading_generate_ahead(*args):
 
 
 def hanging_receiver_generate_ahead(*args):
-    """Its weight receiver hangs at the first version the trainer sends."""
-    vllm_generator.broadcast_bucket = lambda channel, flat, timeout: time.sleep(3600)
+    """Its weight receiver hangs at the first version the trainer sends (opening its shared buffer)."""
+    vllm_generator.SharedWeights = lambda *args: time.sleep(3600)
     vllm_generator.generate_ahead(*args)

@@ -191,14 +191,16 @@ def test_an_engine_that_did_not_take_the_weights_stops_the_run(tmp_path, fault, 
 
 
 def test_a_weight_send_that_hangs_stops_the_run_within_the_timeout(tmp_path):
+    """The engine never takes version 1 (its receiver hangs): with K=2 it samples batches 1-3 with the starting
+    weights, and the trainer, having filled both shared buffers with versions 1 and 2, waits for one back to
+    write version 3 into, and stops with the send's error within the timeout."""
     start = time.time()
     result = run_script("online_dpo_vllm", "hanging_receiver_generate_ahead", *QUICK, "--total_episodes", "96",
-                        "--generator_timeout", "10", "--output_dir", tmp_path / "run", script=FAULTY, check=False,
-                        timeout=600)
+                        "--async_steps", "2", "--generator_timeout", "10", "--output_dir", tmp_path / "run",
+                        script=FAULTY, check=False, timeout=600)
     assert result.returncode == 1
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line in ("error: no batch from the generator within --generator_timeout 10 s",
-                         "error: sending the weights of update 1 to the vLLM engine failed or took longer than "
+    assert last_line == ("error: sending the weights of update 3 to the vLLM engine failed or took longer than "
                          "--generator_timeout 10 s"), last_line
     assert time.time() - start < 300
 

@@ -37,9 +37,8 @@ def test_the_placement_decides_cores_turns_and_transport(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     gpu = vllm_generator.engine_placement(placement_args(vllm_device="cuda:3"), world_size=3)
     assert gpu.environment["CUDA_VISIBLE_DEVICES"] == "3" and not gpu.takes_turns
-    # weights over NCCL only between two GPUs: gloo on a CPU and within the trainer's own device
+    # weights over NCCL only between two GPUs: through shared memory on a CPU and within the trainer's own device
     assert [p.weights_over_nccl for p in (own_cores, shared, gpu)] == [False, False, True]
-    assert [p.weight_device for p in (own_cores, shared, gpu)] == ["cpu", "cpu", "cuda"]
     # beside the trainer on its GPU the engine takes less memory by default
     assert [p.gpu_memory_utilization for p in (shared, gpu)] == [0.3, 0.8]
     named = vllm_generator.engine_placement(placement_args(vllm_device="shared", vllm_gpu_memory_utilization=0.5), 1)
