@@ -832,8 +832,8 @@ class OnlineTrainerState:
 RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "track", "wandb_project_name",
                      "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "local_rank",
                      "local_rollout_forward_batch_size", "engine_start_timeout", "generator_timeout",
-                     "logprob_check_rows", "vllm_device", "vllm_engines_per_node", "vllm_cpu_threads",
-                     "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization")
+                     "logprob_check_every", "logprob_check_rows", "vllm_device", "vllm_engines_per_node",
+                     "vllm_cpu_threads", "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization")
 
 
 def prepare_output_dir(args):

@@ -165,11 +165,14 @@ class Args:
     own (the rest holds the copy of the policy that checks async/logprob_diff), 0.3 with --vllm_device shared
     (the rest is the trainer's; there the engine frees its memory while the trainer trains). Checked against
     the GPU's free memory before the engine starts"""
+    logprob_check_every: int = 10
+    """check async/logprob_diff on the batch of update 1 and of every this many updates after (1: every batch);
+    a check costs the generator about as much as sampling its rows (time/logprob_check)"""
     logprob_check_rows: int = 16
-    """rows of each batch (the first ones) that async/logprob_diff checks: the generator process recomputes
-    their log-probs with the trainer's model code, on the engine's device, so each row costs generation time"""
+    """rows of each checked batch (the first ones) that async/logprob_diff covers: the generator process
+    recomputes their log-probs with the trainer's model code, on the engine's device"""
     max_logprob_diff: float | None = None
-    """the most async/logprob_diff (per token) the first batch after each weight load may show, or the
+    """the most async/logprob_diff (per token) a checked batch right after a weight load may show, or the
     engine did not take the new weights and the run stops; default 1e-3, 0.1 with --bf16 (vLLM's and the
     trainer's bf16 kernels differ more)"""
     engine_start_timeout: float = 1800.0
@@ -375,13 +378,11 @@ def main(args: Args):
             "time/wait": t1 - t0,
             "time/score": t2 - t1,
             "time/train": t3 - t2,
-            # each node's engine's, averaged over the nodes
-            "async/logprob_diff": batch["async/logprob_diff"],
-            "time/generate": batch["time/generate"],
-            "time/logprob_check": batch["time/logprob_check"],  # the generator's forward for logprob_diff
             "time/weight_send": t4 - t3,  # the trainer waits for it
-            "time/weight_load": batch["time/weight_load"],  # the generator, before the batch
-            "time/weight_sync": t4 - t3 + batch["time/weight_load"],
+            "time/weight_sync": t4 - t3 + batch["metrics"]["time/weight_load"],
+            # its engine's, averaged over the engines: time/generate, time/weight_load (before the batch), and on
+            # checked batches async/logprob_diff and its cost, time/logprob_check
+            **batch["metrics"],
         })
         metrics.update({
             "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights

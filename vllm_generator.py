@@ -434,6 +434,8 @@ def check_async_args(args, world_size: int):
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         common.fail(f"--vllm_gpu_memory_utilization is a share of the GPU's memory, in (0, 1], got "
                     f"{args.vllm_gpu_memory_utilization}")
+    if args.logprob_check_every < 1:
+        common.fail(f"--logprob_check_every must be at least 1 (1: every batch), got {args.logprob_check_every}")
     if args.logprob_check_rows < 1:
         common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
                     f"got {args.logprob_check_rows}")
@@ -453,18 +455,29 @@ def row_seeds(seed: int, update: int, rows: range) -> list[int]:
     return [rng.getrandbits(63) for _ in range(rows.stop)][rows.start:]
 
 
+def logprob_checked(update: int, args) -> bool:
+    """Whether the batch of `update` is checked (async/logprob_diff): that of update 1, then every
+    --logprob_check_every updates."""
+    return (update - 1) % args.logprob_check_every == 0
+
+
 @torch.no_grad()
 def sample_batch(llm, sampling_policy, queries: list[list[int]], seeds: list[int], update: int, args, eos_ids,
                  pad_token_id) -> dict:
-    """One completion per row of `queries` from the engine (row_seeds), and the check behind
-    async/logprob_diff: the mean |engine log-prob - trainer log-prob| over the first --logprob_check_rows
-    rows, the trainer's recomputed with `sampling_policy`, an HF model that holds the weights the engine
-    sampled with. Arrays are numpy: they cross processes by value (torch tensors would be shared, and
-    vanish with the process that made them).
+    """One completion per row of `queries` from the engine (row_seeds), and its engine's "metrics": the
+    time it took and, where logprob_checked, async/logprob_diff with its cost, time/logprob_check: the mean
+    |engine log-prob - trainer log-prob| over the first --logprob_check_rows rows, the trainer's recomputed
+    with `sampling_policy`, an HF model that holds the weights the engine sampled with. Arrays are numpy:
+    they cross processes by value (torch tensors would be shared, and vanish with the process that made
+    them).
     """
     t0 = time.time()
     responses, logprobs = vllm_generate(llm, queries, seeds, args, eos_ids, pad_token_id)  # (N, R) each
     t1 = time.time()
+    batch = {"update": update, "queries": queries, "responses": responses.numpy(), "logprobs": logprobs.numpy(),
+             "metrics": {"time/generate": t1 - t0}}
+    if not logprob_checked(update, args):
+        return batch
     checked, device = slice(0, args.logprob_check_rows), sampling_policy.device
     query_ids, query_mask = common.left_pad(queries[checked], pad_token_id, device)
     checked_responses = responses[checked].to(device)
@@ -474,8 +487,8 @@ def sample_batch(llm, sampling_policy, queries: list[list[int]], seeds: list[int
         args.local_rollout_forward_batch_size, query_ids, query_mask, checked_responses, lengths)
     mask = common.response_mask(lengths, args.response_length)
     logprob_diff = common.masked_mean((logprobs[checked].to(device) - trainer_logprobs).abs(), mask)
-    return {"update": update, "queries": queries, "responses": responses.numpy(), "logprobs": logprobs.numpy(),
-            "time/generate": t1 - t0, "time/logprob_check": time.time() - t1, "async/logprob_diff": logprob_diff}
+    batch["metrics"].update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
+    return batch
 
 
 ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
@@ -548,13 +561,13 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
             rows = range(index * len(queries), (index + 1) * len(queries))  # in the global batch
             batch = sample_batch(llm, sampling_policy, queries, row_seeds(args.seed, update, rows), update, args,
                                  eos_ids, pad_token_id)
-            if version != loaded:  # the proof that the engine took the new weights
-                check_engine_took_weights(batch["async/logprob_diff"], version, args)
-                loaded = version
+            if version != loaded and "async/logprob_diff" in batch["metrics"]:  # and the layers it cannot see
+                check_engine_took_weights(batch["metrics"]["async/logprob_diff"], version, args)
+            loaded = version
             if placement.sleeps_between_turns:
                 llm.sleep(level=1)
-            batches.put({**batch, "prompt_indices": indices, "engine": engine, "version": version,
-                         "time/weight_load": weight_load})
+            batch["metrics"]["time/weight_load"] = weight_load
+            batches.put({**batch, "prompt_indices": indices, "engine": engine, "version": version})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         batches.put(f"{type(error).__name__}: {error}")
 
@@ -567,7 +580,7 @@ def max_logprob_diff(args) -> float:
 
 
 def check_engine_took_weights(logprob_diff: float, version: int, args):
-    """vLLM has had bugs where a reload kept serving the old weights: the first batch after each load
+    """vLLM has had bugs where a reload kept serving the old weights: a checked batch right after a load
     must have the trainer's log-probs (async/logprob_diff, from the sampling policy, which holds the
     weights just sent) within --max_logprob_diff."""
     if logprob_diff > max_logprob_diff(args):
@@ -583,8 +596,8 @@ class AsyncGenerator:
     One engine per node (or --vllm_engines_per_node), each for an equal share of the node's consecutive
     ranks: every rank makes an AsyncGenerator and makes each call; the first rank of each share (its
     leader) talks to its engine's process and hands each rank of the share its part. Weights reach the
-    engine in memory, over a process group of the leader and the process (gloo or NCCL), announced by
-    version number; under ZeRO-3 every rank gathers each bucket, so no weights cross nodes for it. Batches
+    engine in memory (SharedWeights, or over NCCL between two GPUs), announced by version number; under
+    ZeRO-3 every rank gathers each bucket, so no weights cross nodes for it. Batches
     an interrupted run had sampled ahead (the leader's `state.pending_batches`) come first; the process
     carries on drawing prompts from `sampler` (whole global batches, of which it samples its share) after
     them. The process is stopped when the trainer exits, however it exits.

@@ -56,7 +56,8 @@ class InlineGenerator:
         seeds = vllm_generator.row_seeds(self.args.seed, update, range(len(queries)))
         batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, queries, seeds, update, self.args,
                                             self.task.eos_ids, self.task.tokenizer.pad_token_id)
-        return {**batch, "prompt_indices": indices, "version": self.version, "time/weight_load": 0.0,
+        batch["metrics"]["time/weight_load"] = 0.0
+        return {**batch, "prompt_indices": indices, "version": self.version,
                 "responses": torch.from_numpy(batch["responses"]), "logprobs": torch.from_numpy(batch["logprobs"])}
 
     def publish_weights(self, engine, version: int, part: str | None = None):

@@ -93,8 +93,8 @@ def test_an_engine_that_does_not_start_stops_the_trainer(tmp_path):
 def test_with_top_p_the_trainers_log_probs_are_the_engines(tmp_path):
     # the engine's log-probs are those of its nucleus (processed_logprobs): the trainer's must cut the same one
     out = tmp_path / "run"
-    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--top_p", "0.9", "--output_dir", out,
-               script="online_dpo_vllm.py")
+    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--top_p", "0.9", "--logprob_check_every", "1",
+               "--output_dir", out, script="online_dpo_vllm.py")
     diffs = [m["async/logprob_diff"] for m in read_metrics(out) if "async/logprob_diff" in m]
     assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
 
@@ -104,8 +104,8 @@ def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_
     the weight channel still connects after it, the engine takes every version, and batch 1, sampled during
     the evaluation, is waiting when the trainer needs it."""
     out = tmp_path / "run"
-    run_script("online_dpo_vllm", "20", *QUICK, "--total_episodes", "64", "--eval_every", "100", "--output_dir", out,
-               script="tests/run_with_slow_evaluation.py")
+    run_script("online_dpo_vllm", "20", *QUICK, "--total_episodes", "64", "--eval_every", "100",
+               "--logprob_check_every", "1", "--output_dir", out, script="tests/run_with_slow_evaluation.py")
     train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
     assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
     assert max(m["async/logprob_diff"] for m in train) < 1e-5 and train[0]["time/wait"] < 1.0, train
@@ -180,8 +180,8 @@ def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):
     ("partly_loading_generate_ahead", "the engine's log-probs differ from the trainer's by "),
 ])
 def test_an_engine_that_did_not_take_the_weights_stops_the_run(tmp_path, fault, message):
-    result = run_script("online_dpo_vllm", fault, *QUICK, "--total_episodes", "96", "--output_dir", tmp_path / "run",
-                        script=FAULTY, check=False, timeout=600)
+    result = run_script("online_dpo_vllm", fault, *QUICK, "--total_episodes", "96", "--logprob_check_every", "1",
+                        "--output_dir", tmp_path / "run", script=FAULTY, check=False, timeout=600)
     assert result.returncode == 1
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: generation failed: RuntimeError: after loading the weights of update 1, "

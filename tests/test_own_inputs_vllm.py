@@ -18,7 +18,7 @@ def artefacts(tmp_path_factory):
 def test_every_case_trains_evaluates_and_saves(tmp_path, artefacts, case):
     name, spec = list(cases(artefacts).items())[case]
     out = tmp_path / "run"
-    run_script(*case_argv("online_dpo_vllm.py", spec, out), script="online_dpo_vllm.py")
+    run_script(*case_argv("online_dpo_vllm.py", spec, out), "--logprob_check_every", "1", script="online_dpo_vllm.py")
     train, _ = check_case(spec, out)
     assert [m["async/staleness"] for m in train] == [0, 1], name
     assert all(m["async/logprob_diff"] < 1e-3 for m in train), (name, [m["async/logprob_diff"] for m in train])

@@ -69,6 +69,7 @@ def bad_input_cases(script, folder):
         cases.append((["--decoupled_weight_cap", "0"], "--decoupled_weight_cap must be positive"))
     if script.endswith("_vllm.py"):
         cases.append((["--logprob_check_rows", "0"], "--logprob_check_rows must be at least 1"))
+        cases.append((["--logprob_check_every", "0"], "--logprob_check_every must be at least 1 (1: every batch)"))
         cases.append((["--max_logprob_diff", "-1"], "--max_logprob_diff must be positive, got -1.0"))
         cases.append((["--generator_timeout", "0"], "--generator_timeout must be positive (seconds), got 0.0"))
         cases.append((["--vllm_engines_per_node", "2"],

@@ -18,10 +18,13 @@ from scripts import (
     uninterrupted_and_resumed_runs,
 )
 
-ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2"]  # 4 updates of 16
+# 4 updates of 16 prompts; async/logprob_diff checked at updates 1 and 3 (the first after a weight load)
+ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2",
+               "--logprob_check_every", "2"]
 # what each script's K=1 interrupt/resume chain runs: online DPO the quick run (its learning is checked on the
 # synchronous twin; it needs ~10 updates at its learning rate), RLOO and PPO the toy run, where they learn
-K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK, **{script: toy_run(script) for script in ("rloo_vllm.py", "ppo_vllm.py")}}
+K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK,
+          **{script: [*toy_run(script), "--logprob_check_every", "2"] for script in ("rloo_vllm.py", "ppo_vllm.py")}}
 # online DPO goes through every interruption; RLOO and PPO, whose loops save and restore the same state
 # through the same code, through the kill while checkpoint 4 is written (it resumes from checkpoint 2,
 # with the batch sampled ahead of it)
@@ -61,7 +64,8 @@ def two_rank_k2_run(request, tmp_path_factory):
     launcher = ("torchrun", "--nproc_per_node", "2", "--master_port", port)
     if request.module.SCRIPT != "online_dpo_vllm.py":
         launcher = ("deepspeed", "--num_gpus", "2", "--master_port", port)
-    run_script(*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2", "--output_dir", out,
+    run_script(*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2",
+               "--logprob_check_every", "2", "--output_dir", out,
                script=request.module.SCRIPT, launcher=launcher, env={"OMP_NUM_THREADS": "1"})
     return out
 
@@ -72,7 +76,8 @@ def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run
     train = train_metrics(out)
     assert [m["async/staleness"] for m in train] == [min(u, async_steps) for u in range(len(train))]
     # the engine's log-probs match the trainer's under the same weights: no stale-weight bug
-    assert all(m["async/logprob_diff"] < 1e-3 for m in train), [m["async/logprob_diff"] for m in train]
+    checked = [m["async/logprob_diff"] for m in train if "async/logprob_diff" in m]
+    assert len(checked) == (len(train) + 1) // 2 and max(checked) < 1e-3, checked  # updates 1, 3, ...
     assert_trained_policy_saved(out)
 
 
