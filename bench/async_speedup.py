@@ -9,21 +9,35 @@ overlap bound (G + T) / max(G, T) from the K=0 run's generation time G and train
     python bench/async_speedup.py                          # online DPO, about 7 minutes on 2 CPU cores
     python bench/async_speedup.py --algorithm rloo         # rloo.py vs rloo_vllm.py
     python bench/async_speedup.py --algorithm ppo --updates 10    # quicker, noisier
+    python bench/async_speedup.py --real_size --updates 6 --prompts_per_update 8 --extra='--response_length 32'
+
+With --real_size the runs use bench/real_size.py's setup (a SmolLM2-135M-shaped policy with its 49k
+vocabulary, a chat template, an encoder reward model, prompt-only data; no gold scorer, no evaluation),
+and it also prints the end-to-end times (start-up included) and the trainer's wait for each weight send
+against the floor, one memory copy of the policy's bytes.
 """
 
+import functools
 import json
+import math
 import os
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import real_size  # noqa: E402  (bench/, this script's folder, is on the path)
+
+import toy  # noqa: E402  (the kit's root on the path first)
 
 
 @dataclass
@@ -36,51 +50,92 @@ class Args:
     """prompts per update"""
     extra: str = ""
     """extra flags passed to every run, in one argument: --extra='--num_samples 4'"""
+    real_size: bool = False
+    """a researcher's setup at a real size instead of the toy (bench/real_size.py)"""
+    repeats: int = 1
+    """runs of each setting, interleaved; the table shows medians over them"""
 
 
-def run(script: str, args: Args, folder: str, *flags: str) -> list[dict]:
-    output_dir = os.path.join(folder, os.path.basename(script) + "".join(flags).replace("-", "_"))
+def run(script: str, args: Args, folder: str, *flags: str) -> tuple[list[dict], float]:
+    """The run's metrics, and its seconds end to end (start-up included)."""
+    output_dir = tempfile.mkdtemp(dir=folder)
+    setup = ["--eval_every", str(10**6)]  # evaluated before and after training, on the toy's gold scorer
+    if args.real_size:
+        artefacts = real_size.build()
+        setup = ["--model_name_or_path", artefacts["policy"], "--reward_model_path", artefacts["reward_model"],
+                 "--dataset_name", artefacts["prompts"], "--prompt_column", "prompt", "--chat_template",
+                 "--max_prompt_length", "192", "--local_rollout_forward_batch_size", "16", "--eval_every", "0"]
     command = [sys.executable, os.path.join(ROOT, script),
                "--total_episodes", str(args.updates * args.prompts_per_update),
                "--per_device_train_batch_size", str(args.prompts_per_update // 4), "--gradient_accumulation_steps", "4",
-               "--eval_every", str(10**6), "--output_dir", output_dir, *flags, *shlex.split(args.extra)]
+               *setup, "--output_dir", output_dir, *flags, *shlex.split(args.extra)]
     print("$", " ".join(command[1:]), flush=True)
+    start = time.time()
     result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     if result.returncode:
         sys.exit(f"this run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f], time.time() - start
 
 
-def summarise(name: str, metrics: list[dict]) -> dict:
-    train = [m for m in metrics if "loss/policy_avg" in m]
-    steady = train[1:]  # the first update pays for warm-up
-    seconds = [b["time"] - a["time"] for a, b in zip(train, train[1:]) if "eval/gold_win_rate" not in b]
+def steady_mean(steady: list[dict], key: str) -> float:
+    """The mean of `key` over the updates after the first (0 where an update does not log it)."""
+    return statistics.mean(m.get(key, 0.0) for m in steady)
 
-    def mean(key):
-        return statistics.mean(m.get(key, 0.0) for m in steady)
 
-    final = [m for m in metrics if "eval/gold_win_rate" in m][-1]
-    return {"name": name, "seconds_per_update": statistics.median(seconds), "generate": mean("time/generate"),
-            "weight_sync": mean("time/weight_sync"), "logprob_check": mean("time/logprob_check"),
-            "score": mean("time/score"), "train": mean("time/train"), "wait": mean("time/wait"),
-            "gold_win_rate": final["eval/gold_win_rate"], "staleness": mean("async/staleness")}
+def summarise(name: str, runs: list[tuple[list[dict], float]]) -> dict:
+    """Medians over the repeated runs of one setting."""
+    rows = []
+    for metrics, end_to_end in runs:
+        train = [m for m in metrics if "loss/policy_avg" in m]
+        steady = train[1:]  # the first update pays for warm-up
+        seconds = [b["time"] - a["time"] for a, b in zip(train, train[1:]) if "eval/gold_win_rate" not in b]
+        mean = functools.partial(steady_mean, steady)
+        finals = [m["eval/gold_win_rate"] for m in metrics if "eval/gold_win_rate" in m]
+        # the sends after the first two, which touch each new shared buffer's pages for the first time
+        sends = [m["time/weight_send"] for m in train[2:] if m.get("time/weight_send")]
+        rows.append({"seconds_per_update": statistics.median(seconds), "generate": mean("time/generate"),
+                     "weight_sync": mean("time/weight_sync"), "logprob_check": mean("time/logprob_check"),
+                     "score": mean("time/score"), "train": mean("time/train"), "wait": mean("time/wait"),
+                     "gold_win_rate": finals[-1] if finals else float("nan"), "staleness": mean("async/staleness"),
+                     "end_to_end": end_to_end, "weight_send": statistics.median(sends) if sends else float("nan")})
+    return {"name": name, **{key: statistics.median(row[key] for row in rows) for key in rows[0]}}
+
+
+def memcpy_floor(policy: str) -> float:
+    """Seconds of one copy of the policy's weights in memory, on one core (the trainer's): median of 5."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(policy, "model.safetensors"), "pt") as weights:
+        numel = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    torch.set_num_threads(1)
+    source, target = torch.randn(numel), torch.empty(numel)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main(args: Args):
     with tempfile.TemporaryDirectory() as folder:
         sync, vllm = f"{args.algorithm}.py", f"{args.algorithm}_vllm.py"
-        results = [summarise(f"sync, HF generate ({sync})", run(sync, args, folder)),
-                   summarise("sync, vLLM (K=0)", run(vllm, args, folder, "--async_steps", "0")),
-                   summarise("async, vLLM (K=1)", run(vllm, args, folder, "--async_steps", "1")),
-                   summarise("sync, vLLM shared (K=0)",
-                             run(vllm, args, folder, "--async_steps", "0", "--vllm_device", "shared"))]
-    print(f"\n{'run':36} {'s/update':>9} {'generate':>9} {'w-sync':>7} {'lp-check':>8} {'score':>7} {'train':>7}"
-          f" {'wait':>7} {'stale':>6} {'gold win':>9}")
+        settings = [(f"sync, HF generate ({sync})", sync, ()), ("sync, vLLM (K=0)", vllm, ("--async_steps", "0")),
+                    ("async, vLLM (K=1)", vllm, ("--async_steps", "1")),
+                    ("sync, vLLM shared (K=0)", vllm, ("--async_steps", "0", "--vllm_device", "shared"))]
+        runs = {name: [] for name, _, _ in settings}
+        for _ in range(args.repeats):  # interleaved: the machine's drift spreads over every setting
+            for name, script, flags in settings:
+                runs[name].append(run(script, args, folder, *flags))
+        results = [summarise(name, runs[name]) for name, _, _ in settings]
+    print(f"\n{'run':36} {'s/update':>9} {'end to end':>10} {'generate':>9} {'w-sync':>7} {'lp-check':>8}"
+          f" {'score':>7} {'train':>7} {'wait':>7} {'stale':>6} {'gold win':>9}")
     for r in results:
-        print(f"{r['name']:36} {r['seconds_per_update']:9.3f} {r['generate']:9.3f} {r['weight_sync']:7.3f}"
-              f" {r['logprob_check']:8.3f} {r['score']:7.3f} {r['train']:7.3f} {r['wait']:7.3f} {r['staleness']:6.2f}"
-              f" {r['gold_win_rate']:9.3f}")
+        print(f"{r['name']:36} {r['seconds_per_update']:9.3f} {r['end_to_end']:10.1f} {r['generate']:9.3f}"
+              f" {r['weight_sync']:7.3f} {r['logprob_check']:8.3f} {r['score']:7.3f} {r['train']:7.3f} {r['wait']:7.3f}"
+              f" {r['staleness']:6.2f} {r['gold_win_rate']:9.3f}")
     hf, k0, k1, shared = results
     generation = k0["generate"] + k0["weight_sync"] + k0["logprob_check"]  # G: the generator's side of one update
     trainer = k0["score"] + k0["train"]  # T: the trainer's side of one update
@@ -94,6 +149,12 @@ def main(args: Args):
     print(f"K=1 over sync HF generate: {hf['seconds_per_update'] / k1_seconds:.2f}x; over the engine sharing "
           f"the trainer's cores (K=0): {shared['seconds_per_update'] / k1_seconds:.2f}x")
     # why K=1 falls short of the bound: contention slows both sides when they run at once
+    floor = memcpy_floor(real_size.build()["policy"] if args.real_size else toy.SFT_POLICY)
+    print(f"end to end: K=1 over sync HF generate {hf['end_to_end'] / k1['end_to_end']:.2f}x, the fastest vLLM "
+          f"setting {hf['end_to_end'] / min(r['end_to_end'] for r in results[1:]):.2f}x")
+    print(f"the trainer's wait for a weight send (K=1, after the first two): {k1['weight_send']:.3f} s, "
+          f"{k1['weight_send'] / floor:.1f}x one memory copy of the weights ({floor:.3f} s), "
+          f"{k1['weight_send'] / k1['seconds_per_update']:.1%} of its update")
     print(f"contention: in the K=1 run generation took {k1['generate'] / k0['generate']:.2f}x and training "
           f"{(k1['score'] + k1['train']) / trainer:.2f}x their K=0 times; the trainer waited {k1['wait']:.3f} s "
           "per update for the engine")
