@@ -291,6 +291,8 @@ class SharedWeights:
             pid, trainer_fd, _, _ = handle
             fd = os.open(f"/proc/{pid}/fd/{trainer_fd}", os.O_RDWR)
         self.handle, self.memory = handle, mmap.mmap(fd, nbytes)
+        if handle[0] != os.getpid():  # the mapping keeps the memory; the trainer's descriptor must stay open
+            os.close(fd)
         self.flat = torch.frombuffer(self.memory, dtype=dtype, count=numel)  # (numel,)
 
 
