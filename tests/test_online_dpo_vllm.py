@@ -114,7 +114,8 @@ def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_
 
 def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_runs):
     out = tmp_path / "run"
-    args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1"]
+    args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1",
+            "--logprob_check_every", "2"]  # as the K=1 run's
     result = run_script("online_dpo_vllm", "hanging_generate_ahead", *args, "--generator_timeout", "10",
                         "--output_dir", out, script=FAULTY, check=False, timeout=600)
     assert result.returncode != 0

@@ -61,9 +61,10 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
 
     before = hf_greedy()
     assert vllm_greedy() == before
-    # the exact check of each load compares the tensors vLLM keeps as they are: on a CPU the embedding and norms
+    # the exact check of each load compares the tensors vLLM keeps as they are (on a CPU: the embeddings and
+    # norms of Llama, Qwen2 and GPT-2; the output layer of GPT-NeoX, which runs through vLLM's Transformers backend)
     pairs = vllm_generator.one_to_one_tensors(llm, engine.module)
-    assert ("model.embed_tokens.weight", "model.embed_tokens.weight") in pairs and len(pairs) >= 3, pairs
+    assert pairs, "no tensor of the engine equals the policy's"
     for _ in range(3):  # a few large steps that change the greedy completions
         loss = -engine(input_ids=query_ids[:8], attention_mask=query_mask[:8]).logits[:, -1, 5].mean()
         engine.backward(loss)
