@@ -506,10 +506,10 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
 
     The trainer announces each weight version on the queue `published`, written to a shared buffer (handed
     back on `released` once loaded) or sent over NCCL (WeightReceiver, port `weight_port`); ENGINE_STARTED,
-    then the batches (or the error that
-    stopped this process, as text) go to the queue `batches`. With `requests` (an engine sharing the
-    trainer's device), batch t is sampled only once the trainer has asked for it there, so that the two
-    take turns. It ends after the last batch, when the trainer kills it, or once the trainer is gone.
+    then the batches (or the error that stopped this process, as text) go to the queue `batches`. With
+    `requests` (an engine sharing the trainer's device), batch t is sampled only once the trainer has asked
+    for it there, so that the two take turns. It ends after the last batch, when the trainer kills it, or
+    once the trainer is gone.
     """
 
     try:
