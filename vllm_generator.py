@@ -315,6 +315,13 @@ def engine_parameters(worker) -> dict[str, torch.Tensor]:
     return dict(worker.model_runner.get_model().named_parameters())
 
 
+def holds_as_is(engine_tensor: torch.Tensor, own_tensor: torch.Tensor) -> bool:
+    """Whether the engine's tensor holds `own_tensor` bit for bit (in its first rows: vLLM may pad a
+    vocabulary)."""
+    return (engine_tensor.shape[1:] == own_tensor.shape[1:] and len(engine_tensor) >= len(own_tensor) > 0
+            and torch.equal(engine_tensor[:len(own_tensor)].to(own_tensor.device), own_tensor.detach()))
+
+
 def one_to_one_tensors(llm, model) -> list[tuple[str, str]]:
     """(engine name, `model` name) of the weights the engine holds exactly as `model` does: where vLLM keeps a
     tensor as the checkpoint has it (embeddings, whose rows it may pad, and norms, on every architecture;
@@ -327,9 +334,7 @@ def one_to_one_tensors(llm, model) -> list[tuple[str, str]]:
         for own_name, own_tensor in own.items():
             same_name = engine_name == own_name or engine_name.endswith("." + own_name) or own_name.endswith(
                 "." + engine_name)
-            if same_name and engine_tensor.shape[1:] == own_tensor.shape[1:] and \
-                    len(engine_tensor) >= len(own_tensor) > 0 and \
-                    torch.equal(engine_tensor[:len(own_tensor)].to(own_tensor.device), own_tensor.detach()):
+            if same_name and holds_as_is(engine_tensor, own_tensor):
                 pairs.append((engine_name, own_name))
     return pairs
 
@@ -339,9 +344,7 @@ def check_engine_holds(llm, model, pairs: list[tuple[str, str]], version: int):
     tensors (one_to_one_tensors) equals `model`'s, bit for bit. A reload that kept the old weights fails it
     whatever the dtype; what it cannot see (fused and repacked layers) async/logprob_diff checks."""
     engine, own = llm.collective_rpc(engine_parameters)[0], dict(model.named_parameters())
-    differ = [own_name for engine_name, own_name in pairs
-              if not torch.equal(engine[engine_name][:len(own[own_name])].to(own[own_name].device),
-                                 own[own_name].detach())]
+    differ = [own_name for engine_name, own_name in pairs if not holds_as_is(engine[engine_name], own[own_name])]
     if differ:
         raise RuntimeError(f"after loading the weights of update {version}, the engine's {differ[0]} (and "
                            f"{len(differ) - 1} more of the {len(pairs)} tensors checked) differ from the weights sent: "
