@@ -7,6 +7,7 @@ baselines of "Asynchronous RLHF" (Noukhovitch et al., 2024); ALGORITHMS.md has e
     deepspeed --num_gpus 4 bok.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
 """
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -132,6 +133,25 @@ class Args:
     wandb_entity: str | None = None
     """wandb entity (team)"""
 
+    # LoRA
+    use_peft: bool = False
+    """train a LoRA adapter (peft) instead of every weight: the reference policy is the same model with the
+    adapter switched off (no second copy in memory); checkpoints hold the adapter and its optimizer state;
+    policy/ is the adapter"""
+    lora_r: int = 16
+    """LoRA rank r of each adapted layer's update B A"""
+    lora_alpha: int = 32
+    """LoRA scale: the update is (lora_alpha / lora_r) B A"""
+    lora_dropout: float = 0.0
+    """dropout on each adapted layer's input to A while the model is in training mode; 0 keeps the policy's
+    log-probs the same in every forward (as the kit's dropout-free models do), which the logged KL assumes"""
+    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    """layer names to adapt (as in the model's named_modules, e.g. q_proj v_proj), or all-linear: every linear
+    layer but the output layer (attention and MLP projections of Llama, Qwen2, GPT-NeoX/Pythia, GPT-2)"""
+    save_merged: bool = False
+    """also write the policy with the adapter merged in, a plain model (what vLLM and from_pretrained load), to
+    policy_merged/ (with --use_peft)"""
+
     # Distributed
     zero_stage: Literal[2, 3] = 2
     """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models;
@@ -185,18 +205,16 @@ def main(args: Args):
         common.prepare_output_dir(args)
     torch.distributed.barrier()
 
-    from transformers import AutoModelForCausalLM, get_scheduler
+    from transformers import get_scheduler
 
-    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    policy, ref_policy = common.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
-    for model in (policy, ref_policy):
-        common.disable_dropout(model)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
+    parameter_counts = common.trainable_parameters(policy)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
-    ref_policy = common.prepare_deepspeed(ref_policy, args).module  # for the logged KL only
+    ref_policy = common.reference_policy(args, ref_policy, policy)  # for the logged KL only
     if reward_model is not None:  # none with --reward_fn
         reward_model = common.prepare_deepspeed(reward_model, args).module
 
@@ -206,6 +224,7 @@ def main(args: Args):
         sampler.position = state.data_position
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
+    logger.log(state.update, parameter_counts)
     if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model, 0))
     k = args.num_samples
@@ -277,10 +296,8 @@ def main(args: Args):
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_model(os.path.join(args.output_dir, "policy"), policy, task.tokenizer, state)
+    common.save_policy(args, policy, task.tokenizer, state)
     logger.close()
-    if rank == 0:
-        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ In the order a reader meets it (ALGORITHMS.md has the formulas):
   positions that predicted each token, the reward at the last real token, HF sampling, the Rollout of a
   batch, the reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
 - Evaluation: gold win-rate, accuracy and KL of near-greedy completions.
+- LoRA (--use_peft): the policy with an adapter, its reference (the adapter off), the weights it samples with.
 - Checkpoints and resume, the saved policy, and logging (metrics.jsonl, wandb, curves.png).
 
 Elsewhere: data.py loads models, rewards and prompts; vllm_generator.py is the vLLM engine of the
@@ -251,12 +252,109 @@ def batch_sizes(args, world_size: int) -> tuple[int, int]:
     if getattr(args, "decoupled_weight_cap", None) is not None and args.decoupled_weight_cap <= 0:  # RLOO, PPO
         fail(f"--decoupled_weight_cap must be positive (or left out: the standard objective), "
              f"got {args.decoupled_weight_cap}")
+    check_signs(args, ("lora_r", "lora_alpha"))
+    if not 0 <= args.lora_dropout < 1:
+        fail(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    if not args.use_peft and args.save_merged:
+        fail("--save_merged merges a LoRA adapter into the saved policy: it needs --use_peft")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * world_size
     if args.total_episodes % batch_size:
         fail(f"--total_episodes {args.total_episodes} is not a multiple of the batch size {batch_size} "
              "(per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size)")
     return local_batch_size, args.total_episodes // batch_size
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA (--use_peft)
+# ----------------------------------------------------------------------------------------------
+def with_lora(model, args, task_type: str):
+    """`model` with a LoRA adapter (peft) on --lora_target_modules: only the adapter trains (and, for a
+    sequence classifier such as PPO's value model, its head: peft's modules_to_save)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules="all-linear" if targets == ["all-linear"] else targets)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # e.g. no layer of that name
+        fail(f"--lora_target_modules {' '.join(targets)} on {type(model).__name__}: "
+             f"{' '.join(str(error).split())[:300]} (layer names as in the model's named_modules, or all-linear)")
+
+
+def load_policy(args, dtype):
+    """The policy to train and its frozen reference, both --model_name_or_path with dropout off. With
+    --use_peft the policy carries a LoRA adapter and the reference is None: the same model with the adapter
+    switched off (reference_policy), not a second copy in memory."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    disable_dropout(policy)  # before the adapter: --lora_dropout stays as given
+    if args.use_peft:
+        return with_lora(policy, args, "CAUSAL_LM"), None
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    disable_dropout(ref_policy)
+    return policy, ref_policy
+
+
+class AdapterOff:
+    """A LoRA policy with its adapter switched off, called like a model: the base model it started from,
+    i.e. the reference policy, without a second copy in memory."""
+
+    def __init__(self, policy):
+        self.policy = policy  # a peft model
+
+    def __call__(self, **inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
+
+
+def reference_policy(args, ref_policy, engine, part: str | None = None):
+    """The frozen reference policy, ready to call: its own copy under DeepSpeed (ZeRO-3 partitions it too), or
+    with --use_peft (`ref_policy` None) the engine's policy with its adapter off. `part`: the policy's
+    attribute name when the engine trains more than the policy (PPO)."""
+    if ref_policy is None:
+        return AdapterOff(engine.module if part is None else getattr(engine.module, part))
+    return prepare_deepspeed(ref_policy, args).module
+
+
+def trainable_parameters(model) -> dict[str, float]:
+    """model/trainable_parameters and model/trainable_share (of all of the model's parameters)."""
+    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    trainable = sum(n for n, requires_grad in counts if requires_grad)
+    return {"model/trainable_parameters": trainable, "model/trainable_share": trainable / sum(n for n, _ in counts)}
+
+
+def merged_weights(model) -> list[tuple[str, list[torch.nn.Parameter], object]]:
+    """The weights of the policy's plain architecture, in its parameter order (what the vLLM engine and a
+    saved merged model hold): (name, the parameters the weight is made of, a function that makes it from
+    them). Without an adapter each parameter is its own weight. A LoRA layer's weight is merged out of place,
+    W + (alpha / r) B A (peft's get_delta_weight): the trained model's W never changes, where merging in place
+    and back would drift in bf16."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return [(name, [p], functools.partial(torch.Tensor.detach, p)) for name, p in model.named_parameters()]
+    weights = []
+    prefix = "base_model.model."
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name:  # the adapter's own A and B
+            continue
+        plain_name = name.removeprefix(prefix).replace(".base_layer.", ".")
+        if ".base_layer." in name and name.endswith(".weight"):
+            layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+            adapter = [p for adapter_name, p in layer.named_parameters() if "lora_" in adapter_name]
+            weights.append((plain_name, [parameter, *adapter], functools.partial(merge_lora, layer, parameter)))
+        else:
+            weights.append((plain_name, [parameter], functools.partial(torch.Tensor.detach, parameter)))
+    return weights
+
+
+@torch.no_grad()
+def merge_lora(layer, weight: torch.Tensor) -> torch.Tensor:
+    """W + (alpha / r) B A of a LoRA layer whose base weight is `weight`, a new tensor."""
+    return weight + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -830,8 +928,8 @@ class OnlineTrainerState:
 # vLLM engines run (the rest would mix two configurations into one run; the samples do not depend on the
 # engines, and a checkpoint's sampled-ahead batches must fit the new ones: vllm_generator.AsyncGenerator)
 RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "track", "wandb_project_name",
-                     "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "local_rank",
-                     "local_rollout_forward_batch_size", "engine_start_timeout", "generator_timeout",
+                     "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "save_merged",
+                     "local_rank", "local_rollout_forward_batch_size", "engine_start_timeout", "generator_timeout",
                      "logprob_check_every", "logprob_check_rows", "vllm_device", "vllm_engines_per_node",
                      "vllm_cpu_threads", "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization")
 
@@ -924,7 +1022,7 @@ def write_checkpoint(final: str, partial: str, engine, state: OnlineTrainerState
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     torch.distributed.barrier()
-    engine.save_checkpoint(partial, tag="engine")
+    engine.save_checkpoint(partial, tag="engine", exclude_frozen_parameters=True)  # LoRA: not the base model
     state.rng = OnlineTrainerState.capture_rng()
     torch.save(asdict(state), os.path.join(partial, f"trainer_state_rank{rank}.pt"))
     torch.distributed.barrier()
@@ -945,7 +1043,8 @@ def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
         if torch.distributed.get_rank() == 0:
             print(f"--resume: no complete checkpoint in {output_dir!r} yet; starting from update 0")
         return OnlineTrainerState()
-    engine.load_checkpoint(path, tag="engine")
+    frozen = any(not p.requires_grad for p in engine.module.parameters())  # LoRA's base: loaded, not saved
+    engine.load_checkpoint(path, tag="engine", load_module_strict=not frozen)
     saved = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"),
                        weights_only=False)
     state = OnlineTrainerState(**saved)
@@ -953,10 +1052,13 @@ def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
     return state
 
 
-def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
+def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: str | None = None,
+               merged: bool = False):
     """The trained model (a policy or a reward model) in Hugging Face format (loadable by `from_pretrained`, a
     policy by vLLM too) in `folder`, written atomically, with trained.json: the update and episode it was
-    trained to (eval_checkpoints.py reads it).
+    trained to (eval_checkpoints.py reads it). A LoRA policy is written as its adapter (adapter_config.json:
+    loadable with peft, and by `from_pretrained` with peft installed); `merged`: as the plain model with the
+    adapter merged in (what vLLM loads).
 
     `part`: the model's attribute name when the engine trains more than the policy (PPO).
     """
@@ -966,14 +1068,29 @@ def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: 
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial)  # save_pretrained would only log an error if a file were in the way
-            state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            model.save_pretrained(partial, state_dict=state_dict)
+            if merged:
+                state_dict = {name: make().clone() for name, _, make in merged_weights(model)}
+                model.get_base_model().save_pretrained(partial, state_dict=state_dict)
+            else:
+                state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                model.save_pretrained(partial, state_dict=state_dict)
             tokenizer.save_pretrained(partial)
             with open(os.path.join(partial, "trained.json"), "w") as f:
                 json.dump({"update": state.update, "episode": state.episode}, f)
             shutil.rmtree(folder, ignore_errors=True)
             os.rename(partial, folder)
     torch.distributed.barrier()
+
+
+def save_policy(args, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
+    """The final policy in policy/ (save_model; a LoRA policy's adapter), and with --save_merged the adapter
+    merged into the model in policy_merged/."""
+    save_model(os.path.join(args.output_dir, "policy"), engine, tokenizer, state, part)
+    if args.save_merged:
+        save_model(os.path.join(args.output_dir, "policy_merged"), engine, tokenizer, state, part, merged=True)
+    if torch.distributed.get_rank() == 0:
+        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}"
+              + (f" and merged to {os.path.join(args.output_dir, 'policy_merged')}" if args.save_merged else ""))
 
 
 def save_snapshot(args, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):

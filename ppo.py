@@ -7,6 +7,7 @@ Implementation Details of RLHF with PPO" (Huang et al., 2024); ALGORITHMS.md has
     deepspeed --num_gpus 4 ppo.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
 """
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -148,6 +149,26 @@ class Args:
     """wandb project"""
     wandb_entity: str | None = None
     """wandb entity (team)"""
+
+    # LoRA
+    use_peft: bool = False
+    """train a LoRA adapter (peft) instead of every weight: the reference policy is the same model with the
+    adapter switched off (no second copy in memory); checkpoints hold the adapter and its optimizer state;
+    policy/ is the adapter. The value model trains a LoRA adapter of its own (same flags) and its value head in
+    full"""
+    lora_r: int = 16
+    """LoRA rank r of each adapted layer's update B A"""
+    lora_alpha: int = 32
+    """LoRA scale: the update is (lora_alpha / lora_r) B A"""
+    lora_dropout: float = 0.0
+    """dropout on each adapted layer's input to A while the model is in training mode; 0 keeps the policy's
+    log-probs the same in every forward (as the kit's dropout-free models do), which the importance ratio assumes"""
+    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    """layer names to adapt (as in the model's named_modules, e.g. q_proj v_proj), or all-linear: every linear
+    layer but the output layer (attention and MLP projections of Llama, Qwen2, GPT-NeoX/Pythia, GPT-2)"""
+    save_merged: bool = False
+    """also write the policy with the adapter merged in, a plain model (what vLLM and from_pretrained load), to
+    policy_merged/ (with --use_peft)"""
 
     # Distributed
     zero_stage: Literal[2, 3] = 2
@@ -292,20 +313,20 @@ def main(args: Args):
         common.prepare_output_dir(args)
     torch.distributed.barrier()
 
-    from transformers import AutoModelForCausalLM, get_scheduler
+    from transformers import get_scheduler
 
-    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    policy, ref_policy = common.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
     value_model = data.load_value_model(args, dtype)
+    if args.use_peft:  # a LoRA adapter of its own, and its value head (peft's modules_to_save) in full
+        value_model = common.with_lora(value_model, args, "SEQ_CLS").get_base_model()
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
-    for model in (policy, ref_policy):
-        common.disable_dropout(model)
     agent = PolicyAndValue(policy, value_model)
-    optimizer = torch.optim.AdamW(agent.parameters(), lr=args.learning_rate)
+    parameter_counts = common.trainable_parameters(agent)
+    optimizer = torch.optim.AdamW([p for p in agent.parameters() if p.requires_grad], lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     agent = common.prepare_deepspeed(agent, args, optimizer, scheduler)
-    ref_policy = common.prepare_deepspeed(ref_policy, args).module
+    ref_policy = common.reference_policy(args, ref_policy, agent, part="policy")
     if reward_model is not None:  # none with --reward_fn
         reward_model = common.prepare_deepspeed(reward_model, args).module
 
@@ -315,6 +336,7 @@ def main(args: Args):
         sampler.position = state.data_position
     logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
+    logger.log(state.update, parameter_counts)
     if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, 0, part="policy"))
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
@@ -414,10 +436,8 @@ def main(args: Args):
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_model(os.path.join(args.output_dir, "policy"), agent, task.tokenizer, state, part="policy")
+    common.save_policy(args, agent, task.tokenizer, state, part="policy")
     logger.close()
-    if rank == 0:
-        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}")
 
 
 if __name__ == "__main__":

@@ -722,21 +722,22 @@ class AsyncGenerator:
         if version > sampling_version(self.num_updates, self.args.async_steps):
             return  # no batch samples with these weights (and the process may have ended)
         model = engine.module if part is None else getattr(engine.module, part)
-        parameters = [p for _, p in model.named_parameters()]  # the order the receiver expects
-        sizes = [getattr(p, "ds_numel", p.numel()) for p in parameters]  # ZeRO-3 shards: their whole size
+        weights = common.merged_weights(model)  # the order the receiver expects; a LoRA adapter merged in
+        first = weights[0][1][0]
+        sizes = [getattr(made_of[0], "ds_numel", made_of[0].numel()) for _, made_of, _ in weights]  # ZeRO-3: whole
         offsets = [0, *itertools.accumulate(sizes)]  # in the flat weights
         shared = None
         if self.leader and self.placement.weights_over_nccl:
             self.published.put((version, None))  # the buckets follow
         elif self.leader:
-            shared = self._free_shared_weights(offsets[-1], parameters[0].dtype, version)
-        for bucket in weight_buckets(sizes, parameters[0].element_size()):
-            with common.gathered(engine, [parameters[i] for i in bucket]):
+            shared = self._free_shared_weights(offsets[-1], first.dtype, version)
+        for bucket in weight_buckets(sizes, first.element_size()):
+            with common.gathered(engine, [p for i in bucket for p in weights[i][1]]):
                 if shared is not None:
                     for i in bucket:
-                        shared.flat[offsets[i]:offsets[i + 1]].copy_(parameters[i].detach().reshape(-1))
+                        shared.flat[offsets[i]:offsets[i + 1]].copy_(weights[i][2]().reshape(-1))
                 elif self.leader:
-                    self._send(torch.cat([parameters[i].detach().reshape(-1) for i in bucket]), version)
+                    self._send(torch.cat([weights[i][2]().reshape(-1) for i in bucket]), version)
         if shared is not None:
             self.published.put((version, shared.handle))
 

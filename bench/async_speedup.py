@@ -54,6 +54,9 @@ class Args:
     """a researcher's setup at a real size instead of the toy (bench/real_size.py)"""
     repeats: int = 1
     """runs of each setting, interleaved; the table shows medians over them"""
+    settings: tuple[Literal["hf", "k0", "k1", "shared"], ...] = ("hf", "k0", "k1", "shared")
+    """which of the four settings to run (sync HF generate, vLLM K=0, K=1, shared K=0); the ratios that need
+    a setting left out are not printed"""
 
 
 def run(script: str, args: Args, folder: str, *flags: str) -> tuple[list[dict], float]:
@@ -122,9 +125,11 @@ def memcpy_floor(policy: str) -> float:
 def main(args: Args):
     with tempfile.TemporaryDirectory() as folder:
         sync, vllm = f"{args.algorithm}.py", f"{args.algorithm}_vllm.py"
-        settings = [(f"sync, HF generate ({sync})", sync, ()), ("sync, vLLM (K=0)", vllm, ("--async_steps", "0")),
-                    ("async, vLLM (K=1)", vllm, ("--async_steps", "1")),
-                    ("sync, vLLM shared (K=0)", vllm, ("--async_steps", "0", "--vllm_device", "shared"))]
+        all_settings = {"hf": (f"sync, HF generate ({sync})", sync, ()),
+                        "k0": ("sync, vLLM (K=0)", vllm, ("--async_steps", "0")),
+                        "k1": ("async, vLLM (K=1)", vllm, ("--async_steps", "1")),
+                        "shared": ("sync, vLLM shared (K=0)", vllm, ("--async_steps", "0", "--vllm_device", "shared"))}
+        settings = [all_settings[key] for key in args.settings]
         runs = {name: [] for name, _, _ in settings}
         for _ in range(args.repeats):  # interleaved: the machine's drift spreads over every setting
             for name, script, flags in settings:
@@ -136,29 +141,36 @@ def main(args: Args):
         print(f"{r['name']:36} {r['seconds_per_update']:9.3f} {r['end_to_end']:10.1f} {r['generate']:9.3f}"
               f" {r['weight_sync']:7.3f} {r['logprob_check']:8.3f} {r['score']:7.3f} {r['train']:7.3f} {r['wait']:7.3f}"
               f" {r['staleness']:6.2f} {r['gold_win_rate']:9.3f}")
-    hf, k0, k1, shared = results
-    generation = k0["generate"] + k0["weight_sync"] + k0["logprob_check"]  # G: the generator's side of one update
-    trainer = k0["score"] + k0["train"]  # T: the trainer's side of one update
-    bound = (generation + trainer) / max(generation, trainer)
-    speedup = k0["seconds_per_update"] / k1["seconds_per_update"]
-    print(f"\nK=0 run: G = {generation:.3f} s (generate + weight sync + log-prob check), "
-          f"T = {trainer:.3f} s (score + train)")
-    print(f"overlap bound (G + T) / max(G, T) = {bound:.2f}x")
-    print(f"K=1 over K=0: {speedup:.2f}x = {speedup / bound:.0%} of the bound")
-    k1_seconds = k1["seconds_per_update"]
-    print(f"K=1 over sync HF generate: {hf['seconds_per_update'] / k1_seconds:.2f}x; over the engine sharing "
-          f"the trainer's cores (K=0): {shared['seconds_per_update'] / k1_seconds:.2f}x")
-    # why K=1 falls short of the bound: contention slows both sides when they run at once
-    floor = memcpy_floor(real_size.build()["policy"] if args.real_size else toy.SFT_POLICY)
-    print(f"end to end: K=1 over sync HF generate {hf['end_to_end'] / k1['end_to_end']:.2f}x, the fastest vLLM "
-          f"setting {hf['end_to_end'] / min(r['end_to_end'] for r in results[1:]):.2f}x")
-    print(f"the trainer's wait for a weight send (K=1, after the first two): {k1['weight_send']:.3f} s, "
-          f"{k1['weight_send'] / floor:.1f}x one memory copy of the weights ({floor:.3f} s), "
-          f"{k1['weight_send'] / k1['seconds_per_update']:.1%} of its update")
-    print(f"contention: in the K=1 run generation took {k1['generate'] / k0['generate']:.2f}x and training "
-          f"{(k1['score'] + k1['train']) / trainer:.2f}x their K=0 times; the trainer waited {k1['wait']:.3f} s "
-          "per update for the engine")
+    report(args, dict(zip(args.settings, results)))
 
+
+def report(args: Args, results: dict[str, dict]):
+    """The ratios between the settings that ran."""
+    hf, k0, k1, shared = (results.get(key) for key in ("hf", "k0", "k1", "shared"))
+    if k0 and k1:
+        generation = k0["generate"] + k0["weight_sync"] + k0["logprob_check"]  # G: the generator's side of one update
+        trainer = k0["score"] + k0["train"]  # T: the trainer's side of one update
+        bound = (generation + trainer) / max(generation, trainer)
+        speedup = k0["seconds_per_update"] / k1["seconds_per_update"]
+        print(f"\nK=0 run: G = {generation:.3f} s (generate + weight sync + log-prob check), "
+              f"T = {trainer:.3f} s (score + train)")
+        print(f"overlap bound (G + T) / max(G, T) = {bound:.2f}x")
+        print(f"K=1 over K=0: {speedup:.2f}x = {speedup / bound:.0%} of the bound")
+        # why K=1 falls short of the bound: contention slows both sides when they run at once
+        print(f"contention: in the K=1 run generation took {k1['generate'] / k0['generate']:.2f}x and training "
+              f"{(k1['score'] + k1['train']) / trainer:.2f}x their K=0 times; the trainer waited {k1['wait']:.3f} s "
+              "per update for the engine")
+    if hf:
+        for key, result in results.items():
+            if key != "hf":
+                print(f"{result['name']} over sync HF generate: "
+                      f"{hf['seconds_per_update'] / result['seconds_per_update']:.2f}x per update, "
+                      f"{hf['end_to_end'] / result['end_to_end']:.2f}x end to end")
+    if k1:
+        floor = memcpy_floor(real_size.build()["policy"] if args.real_size else toy.SFT_POLICY)
+        print(f"the trainer's wait for a weight send (K=1, after the first two): {k1['weight_send']:.3f} s, "
+              f"{k1['weight_send'] / floor:.1f}x one memory copy of the weights ({floor:.3f} s), "
+              f"{k1['weight_send'] / k1['seconds_per_update']:.1%} of its update")
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
