@@ -301,6 +301,24 @@ def build_named_toys(paths: list[str], rank: int):
             torch.distributed.barrier()
 
 
+def check_lora_targets(model_path: str, targets: list[str]):
+    """Each of --lora_target_modules names layers of the policy (peft itself fails only when none does), checked
+    on the architecture alone (meta tensors: nothing loaded) before anything is written."""
+    if targets == ["all-linear"]:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    names = [name for name, _ in model.named_modules()]
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            linear = sorted({name.split(".")[-1] for name, module in model.named_modules()
+                             if type(module).__name__ in ("Linear", "Conv1D")})
+            common.fail(f"--lora_target_modules {target!r} names no layer of {model_path!r}; its linear layers are "
+                        f"{' '.join(linear)} (or give all-linear)")
+
+
 def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
     """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for.
     `evaluation`: whether the run evaluates (else Task.eval_prompts is None).
@@ -313,6 +331,8 @@ def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
         common.fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
              "reward model, or leave it out (evaluation then reports the proxy reward and KL)")
     tokenizer = load_tokenizer(args.model_name_or_path)
+    if getattr(args, "use_peft", False):
+        check_lora_targets(args.model_name_or_path, args.lora_target_modules)
     reward_fn = reward_tokenizer = None
     if args.reward_fn:
         reward_fn = load_reward_function(args.reward_fn)

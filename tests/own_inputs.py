@@ -178,6 +178,12 @@ def cases(paths: dict[str, str]) -> dict[str, dict]:
             flags=["--model_name_or_path", paths["gpt_neox"], "--dataset_name", paths["splits"],
                    "--reward_model_path", paths["gpt_neox_rm"], "--gold_model_path", paths["gpt2_rm_other_vocabulary"]],
             policy=paths["gpt_neox"], value_model=None, eval=["eval/gold_win_rate", "eval/gold_score"]),
+        "qwen2 chat policy with LoRA on its attention's q and v, prompt-only jsonl, encoder reward model": dict(
+            flags=["--model_name_or_path", paths["qwen2"], "--chat_template", "--dataset_name", paths["prompts_jsonl"],
+                   "--prompt_column", "prompt", "--reward_model_path", paths["bert_rm"], "--use_peft",
+                   "--lora_target_modules", "q_proj", "v_proj", "--lora_r", "4", "--lora_alpha", "8",
+                   "--learning_rate", "1e-3"],
+            policy=paths["qwen2"], value_model=paths["qwen2"], eval=[]),
     }
 
 

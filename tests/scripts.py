@@ -35,21 +35,34 @@ def read_metrics(output_dir):
         return [json.loads(line) for line in f]
 
 
-def load_policy_weights(output_dir):
+def saved_policy(output_dir, info: bool = False):
+    """The run's saved policy/ as a plain model; a LoRA run's adapter merged into its base by peft itself. With
+    `info`, also from_pretrained's loading info (nothing missing or unexpected: empty for an adapter, which
+    peft checks)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy")).state_dict()
+    folder = os.path.join(output_dir, "policy")
+    if os.path.exists(os.path.join(folder, "adapter_config.json")):
+        from peft import AutoPeftModelForCausalLM
+
+        policy = AutoPeftModelForCausalLM.from_pretrained(folder).merge_and_unload()
+        return (policy, {}) if info else policy
+    return AutoModelForCausalLM.from_pretrained(folder, output_loading_info=info)
+
+
+def load_policy_weights(output_dir):
+    return saved_policy(output_dir).state_dict()
 
 
 def assert_trained_policy_saved(output_dir, sft_path=None):
-    """The saved policy loads with from_pretrained with every weight in place (nothing missing, nothing
-    extra such as a value head), and training changed it."""
+    """The saved policy loads with from_pretrained (a LoRA adapter with peft) with every weight in place
+    (nothing missing, nothing extra such as a value head), and training changed it."""
     from transformers import AutoModelForCausalLM
 
     import toy
 
-    policy, info = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"), output_loading_info=True)
-    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    policy, info = saved_policy(output_dir, info=True)
+    assert not any(info.get(kind) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     sft = AutoModelForCausalLM.from_pretrained(sft_path or toy.SFT_POLICY).state_dict()
     trained = policy.state_dict()
     assert trained.keys() == sft.keys()

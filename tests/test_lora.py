@@ -11,7 +11,6 @@ import pytest
 import torch
 from own_inputs import policies
 from scripts import (
-    TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
     read_metrics,
@@ -71,3 +70,86 @@ def test_the_default_targets_are_the_attention_and_mlp_projections():
         "gpt_neox": ["dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"],
         "gpt2": ["c_attn", "c_fc", "c_proj"],
     }
+
+
+# The toy run (scripts.TOY_RUN: 5 updates of 64 prompts, checkpoints every 2) with LoRA at the learning rate
+# LoRA takes, evaluated before and after
+LORA_RUN = ["--total_episodes", "320", "--eval_every", "5", "--eval_num_prompts", "128", "--save_every", "2",
+            "--use_peft", "--learning_rate", "1e-3"]
+
+
+def resumed_from_checkpoint_4(whole, resumed, script, args):
+    """A copy of the `whole` run at its checkpoint 4, resumed: it trains update 5 from the checkpoint alone."""
+    shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("policy", "policy_merged", "wandb"))
+    run_script(*args, "--output_dir", resumed, "--resume", script=script)
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora_dpo")
+    args = [*LORA_RUN, "--lora_dropout", "0.05", "--save_merged"]
+    run_script(*args, "--output_dir", folder / "whole", script="online_dpo.py")
+    resumed_from_checkpoint_4(folder / "whole", folder / "resumed", "online_dpo.py", args)
+    return folder / "whole", folder / "resumed"
+
+
+def test_online_dpo_learns_with_lora_and_resumes_exactly(dpo_runs):
+    whole, resumed = dpo_runs
+    assert_learns(whole)
+    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"],
+                                    after_update=4)
+
+
+def test_checkpoints_hold_the_adapter_and_the_saved_adapter_loads_with_peft(dpo_runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    whole, _ = dpo_runs
+    counts = read_metrics(whole)[0]
+    assert counts["model/trainable_parameters"] > 0 and counts["model/trainable_share"] < 0.25, counts
+    # the checkpoint's module state is the adapter alone; the base is never saved
+    saved = torch.load(whole / "checkpoints" / "update-4" / "engine" / "mp_rank_00_model_states.pt",
+                       weights_only=False)["module"]
+    assert saved and all("lora_" in name for name in saved), list(saved)[:5]
+    assert sum(tensor.numel() for tensor in saved.values()) == counts["model/trainable_parameters"]
+    config = json.loads((whole / "policy" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (16, 32, 0.05)
+    # peft's own merge of the saved adapter is the merged policy the run saved (what the engine samples from)
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY), whole / "policy")
+    by_peft = adapter.merge_and_unload().state_dict()
+    merged, info = AutoModelForCausalLM.from_pretrained(whole / "policy_merged", output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert by_peft.keys() == merged.state_dict().keys()
+    assert all(torch.equal(by_peft[name], merged.state_dict()[name]) for name in by_peft)
+    assert json.loads((whole / "policy_merged" / "trained.json").read_text())["update"] == 5
+
+
+def test_eval_checkpoints_evaluates_lora_snapshots(dpo_runs, tmp_path):
+    whole, _ = dpo_runs
+    out = tmp_path / "eval"
+    run_script("--run_dir", whole, "--output_dir", out, script="eval_checkpoints.py")
+    table = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [row["update"] for row in table] == [0, 2, 4, 5]
+    trained = {m["update"]: m for m in read_metrics(whole) if "eval/gold_win_rate" in m}
+    for update in (0, 5):  # the updates the run itself evaluated
+        row = next(row for row in table if row["update"] == update)
+        assert row["eval/gold_win_rate"] == pytest.approx(trained[update]["eval/gold_win_rate"], abs=1e-7)
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "online_dpo_vllm.py", "ppo_vllm.py"])
+def test_learns_with_lora(tmp_path, script):
+    """PPO (its value model with an adapter of its own and its head) and the asynchronous scripts (K=1: the
+    engine samples from the adapter merged into each weight send) beat the SFT policy."""
+    out = tmp_path / "run"
+    checked = ["--logprob_check_every", "1"] if script.endswith("_vllm.py") else []
+    run_script(*LORA_RUN, *checked, "--output_dir", out, script=script)
+    assert_learns(out)
+    train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
+    if script.endswith("_vllm.py"):  # the engine's log-probs are the trainer's: it holds base + adapter
+        assert [m["async/staleness"] for m in train] == [0, 1, 1, 1, 1]
+        assert max(m["async/logprob_diff"] for m in train) < 1e-3, [m["async/logprob_diff"] for m in train]
+    if script.startswith("ppo"):  # policy and value model each train their adapter, the value head in full
+        saved = torch.load(out / "checkpoints" / "update-4" / "engine" / "mp_rank_00_model_states.pt",
+                           weights_only=False)["module"]
+        assert {name.split(".")[0] for name in saved} == {"policy", "value_model"}
+        assert all("lora_" in name or "modules_to_save" in name for name in saved), list(saved)

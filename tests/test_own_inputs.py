@@ -26,6 +26,9 @@ def check_case(case: dict, out):
     for m in evals:
         assert {"eval/proxy_score", "eval/kl", *case["eval"]} <= m.keys() and not (gold - set(case["eval"])) & m.keys()
     assert_trained_policy_saved(out, case["policy"])
+    if "--use_peft" in case["flags"]:  # the adapter as asked for, which peft loaded above
+        adapter = json.loads((out / "policy" / "adapter_config.json").read_text())
+        assert (sorted(adapter["target_modules"]), adapter["r"], adapter["lora_alpha"]) == (["q_proj", "v_proj"], 4, 8)
     recorded = json.loads((out / "args.json").read_text())
     assert recorded["args"]["model_name_or_path"] == case["policy"] and recorded["versions"]["torch"]
     return train, evals

@@ -14,7 +14,7 @@ def artefacts(tmp_path_factory):
     return build(tmp_path_factory.mktemp("own_inputs"))
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(5))
 def test_every_case_trains_evaluates_and_saves(tmp_path, artefacts, case):
     name, spec = list(cases(artefacts).items())[case]
     out = tmp_path / "run"

@@ -60,6 +60,10 @@ def bad_input_cases(script, folder):
         (["--reward_fn", "tests/reward_fns.py:nothing"], "'tests/reward_fns.py' has no function 'nothing'"),
         (["--dataset_name", folder / "prompts.jsonl", "--gold_model_path", "toy"],
          "--gold_model_path toy scores the embedded toy task only"),
+        (["--use_peft", "--lora_target_modules", "q_proj", "qkv"], "--lora_target_modules 'qkv' names no layer of"),
+        (["--use_peft", "--lora_r", "0"], "--lora_r must be positive, got 0"),
+        (["--use_peft", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1), got 1.0"),
+        (["--save_merged"], "--save_merged merges a LoRA adapter into the saved policy: it needs --use_peft"),
     ]
     if script in NEEDS_PAIRS:
         cases.append((["--num_samples", "1"], "--num_samples must be at least 2"))

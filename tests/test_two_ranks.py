@@ -23,20 +23,27 @@ TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 PREEMPTION_ON_TWO_RANKS = {"online_dpo.py": list(PREEMPTIONS)[0], "online_dpo_vllm.py": list(PREEMPTIONS)[1]}
 
 
+# The scripts that train a LoRA adapter (--use_peft) in their two-rank run: ZeRO-3 gathers the adapted layers to
+# merge them for the engine (rloo_vllm.py, ppo_vllm.py) and to save; PPO's value model has an adapter too. Full
+# training at ZeRO-3 is common code the other three cover, sync, async and PPO.
+LORA_ON_TWO_RANKS = ("rloo.py", "bok.py", "rloo_vllm.py", "ppo_vllm.py")
+
+
 # Every script's loop on two ranks at ZeRO-3; ZeRO-2 (the default, whose two-rank path is common code) once,
 # with online DPO, and in the vLLM scripts' own K=2 two-rank runs
 @pytest.mark.parametrize(("script", "zero_stage"), [("online_dpo.py", 2), *((script, 3) for script in SCRIPTS)])
 def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
-    """Two ranks of 16 prompts each. With ZeRO-3 a second run resumes on two ranks and ends with the same
-    weights and metrics as the first, bit for bit: after a preemption in its first update of its own (a
-    SIGTERM to the whole job, launcher, ranks and engine, as the first batch is sampled; or SIGUSR1 to the
-    ranks while the first update trains, then SIGTERM again while its checkpoint is written), or, for the
-    scripts that share all of that code, from a copy of the first run at its checkpoint 2."""
+    """Two ranks of 16 prompts each (LORA_ON_TWO_RANKS: with a LoRA adapter). With ZeRO-3 a second run
+    resumes on two ranks and ends with the same weights and metrics as the first, bit for bit: after a
+    preemption in its first update of its own (a SIGTERM to the whole job, launcher, ranks and engine, as
+    the first batch is sampled; or SIGUSR1 to the ranks while the first update trains, then SIGTERM again
+    while its checkpoint is written), or, for the scripts that share all of that code, from a copy of the
+    first run at its checkpoint 2."""
     out = tmp_path / "run"
     port = 29600 + 10 * SCRIPTS.index(script) + zero_stage
     updates = 3 if zero_stage == 3 else 2
     args = [*QUICK, "--total_episodes", 32 * updates, "--eval_every", "1", "--save_every", "2",
-            "--zero_stage", zero_stage]
+            "--zero_stage", zero_stage, *(["--use_peft"] if script in LORA_ON_TWO_RANKS else [])]
     launcher, env = (*TWO_RANKS, str(port)), {"OMP_NUM_THREADS": "1"}
     run_script(*args, "--output_dir", out, script=script, launcher=launcher, env=env)
     metrics = read_metrics(out)
@@ -44,6 +51,7 @@ def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
     assert [m["episode"] for m in metrics if "loss/policy_avg" in m] == [32 * (u + 1) for u in range(updates)]
     assert [m["update"] for m in metrics if "eval/gold_win_rate" in m] == list(range(updates + 1))
     assert_trained_policy_saved(out)  # gathered from both ranks
+    assert (out / "policy" / "adapter_config.json").exists() == (script in LORA_ON_TWO_RANKS)
     if zero_stage == 3:
         resumed = tmp_path / "resumed"
         after_update = -1  # every update and evaluation is the resumed run's own
