@@ -649,14 +649,17 @@ def score_texts(reward_model, tokenizer, texts: list[str], stopped: list[bool]) 
     A decoder classifier gets the text plus its tokenizer's EOS text where the completion stopped (if
     the tokenizer has one), left-padded, read at the last real token. An encoder classifier (BERT,
     RoBERTa, DeBERTa) runs its own forward on the text encoded with its special tokens and padding
-    side, and its score is logits[:, 0].
+    side, and its score is logits[:, 0]; a text longer than it reads (its tokenizer's model_max_length, or
+    else its position embeddings) loses its start, not the completion.
     """
     if is_decoder_classifier(reward_model):
         texts = [text + ((tokenizer.eos_token or "") if done else "") for text, done in zip(texts, stopped)]
         encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt",
                             padding_side="left").to(reward_model.device)
         return reward_scores(reward_model, encoded["input_ids"], encoded["attention_mask"])
-    encoded = tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(reward_model.device)
+    longest = min(tokenizer.model_max_length, getattr(reward_model.config, "max_position_embeddings", math.inf))
+    encoded = tokenizer(texts, padding=True, truncation=True, max_length=longest, truncation_side="left",
+                        return_tensors="pt").to(reward_model.device)
     return reward_model(**encoded).logits[:, 0].float()
 
 

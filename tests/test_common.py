@@ -267,6 +267,27 @@ def test_encoder_reward_model_scores_its_own_encoding_of_the_text():
     assert scores.tolist() == pytest.approx(expected, abs=1e-5)
 
 
+def test_encoder_reward_model_reads_the_end_of_a_text_longer_than_its_positions():
+    """A tokenizer with no model_max_length (as one built locally): the model's 16 positions are the limit,
+    and the text keeps its end, the completion, and its special tokens."""
+    from own_inputs import bert_wordpiece_tokenizer
+    from transformers import BertConfig, BertForSequenceClassification
+
+    bert_tokenizer = bert_wordpiece_tokenizer()
+    torch.manual_seed(0)
+    bert = BertForSequenceClassification(BertConfig(vocab_size=len(bert_tokenizer), hidden_size=32, num_labels=1,
+                                                    num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                                    max_position_embeddings=16)).eval()
+    assert bert_tokenizer.model_max_length > 16
+    long_prompt = "the cat sat on the mat " * 5  # 30 words
+    with torch.no_grad():
+        score = common.score_texts(bert, bert_tokenizer, [long_prompt + "red dog", "a cat"], [True, True])
+        words = bert_tokenizer(long_prompt + "red dog", add_special_tokens=False)["input_ids"]
+        end = bert_tokenizer.decode(words[-14:])  # 14 words and [CLS], [SEP]
+        expected = bert(**bert_tokenizer(end, return_tensors="pt")).logits[0, 0].item()
+    assert end.endswith("red dog") and score[0].item() == pytest.approx(expected, abs=1e-5)
+
+
 def test_decoder_reward_model_whose_tokenizer_has_no_eos_gets_no_eos_text(tiny_dir):
     _, reward_model = load_tiny(tiny_dir)
     no_eos = word_tokenizer()
