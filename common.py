@@ -1018,6 +1018,24 @@ def save_checkpoint(output_dir: str, engine, state: OnlineTrainerState):
         write_checkpoint(final, partial, engine, state)
 
 
+@contextlib.contextmanager
+def without_frozen_weights(model):
+    """Inside, `model.state_dict()` leaves out frozen parameters, however named: DeepSpeed's own
+    exclude_frozen_parameters misses an output layer tied to a frozen input embedding. Without frozen
+    parameters (no LoRA) it changes nothing."""
+    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad and p.numel()}
+
+    def drop_frozen(module, state_dict, prefix, local_metadata):
+        for name in [name for name, tensor in state_dict.items() if tensor.numel() and tensor.data_ptr() in frozen]:
+            del state_dict[name]
+
+    handle = model.register_state_dict_post_hook(drop_frozen)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def write_checkpoint(final: str, partial: str, engine, state: OnlineTrainerState):
     """save_checkpoint's writing: every rank's share into `partial`, then the rename to `final`."""
     rank = torch.distributed.get_rank()
@@ -1025,7 +1043,8 @@ def write_checkpoint(final: str, partial: str, engine, state: OnlineTrainerState
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     torch.distributed.barrier()
-    engine.save_checkpoint(partial, tag="engine", exclude_frozen_parameters=True)  # LoRA: not the base model
+    with without_frozen_weights(engine.module):  # LoRA: the adapter, not the base model
+        engine.save_checkpoint(partial, tag="engine")
     state.rng = OnlineTrainerState.capture_rng()
     torch.save(asdict(state), os.path.join(partial, f"trainer_state_rank{rank}.pt"))
     torch.distributed.barrier()
