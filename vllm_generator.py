@@ -342,7 +342,8 @@ def one_to_one_tensors(llm, model) -> list[tuple[str, str]]:
 def check_engine_holds(llm, model, pairs: list[tuple[str, str]], version: int):
     """The exact check that the engine took version `version`, which `model` holds: each of its one-to-one
     tensors (one_to_one_tensors) equals `model`'s, bit for bit. A reload that kept the old weights fails it
-    whatever the dtype; what it cannot see (fused and repacked layers) async/logprob_diff checks."""
+    whatever the dtype; what it cannot see (fused and repacked layers, so on a CPU every layer a LoRA adapter
+    changes) async/logprob_diff checks."""
     engine, own = llm.collective_rpc(engine_parameters)[0], dict(model.named_parameters())
     differ = [own_name for engine_name, own_name in pairs if not holds_as_is(engine[engine_name], own[own_name])]
     if differ:
