@@ -657,9 +657,11 @@ def score_texts(reward_model, tokenizer, texts: list[str], stopped: list[bool]) 
         encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt",
                             padding_side="left").to(reward_model.device)
         return reward_scores(reward_model, encoded["input_ids"], encoded["attention_mask"])
-    longest = min(tokenizer.model_max_length, getattr(reward_model.config, "max_position_embeddings", math.inf))
-    encoded = tokenizer(texts, padding=True, truncation=True, max_length=longest, truncation_side="left",
-                        return_tensors="pt").to(reward_model.device)
+    config = getattr(reward_model, "module", reward_model).config  # (a DeepSpeed engine's is its own)
+    # a tokenizer saved without a limit says 1e30
+    longest = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", None) or 10**9)
+    encoded = tokenizer(texts, padding=True, truncation=longest < 10**9, max_length=min(longest, 10**9),
+                        truncation_side="left", return_tensors="pt").to(reward_model.device)
     return reward_model(**encoded).logits[:, 0].float()
 
 
@@ -1094,7 +1096,8 @@ def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: 
                 state_dict = {name: make().clone() for name, _, make in merged_weights(model)}
                 model.get_base_model().save_pretrained(partial, state_dict=state_dict)
             else:
-                state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                with without_frozen_weights(model):  # LoRA: the adapter alone, no copy of the base
+                    state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 model.save_pretrained(partial, state_dict=state_dict)
             tokenizer.save_pretrained(partial)
             with open(os.path.join(partial, "trained.json"), "w") as f:

@@ -132,7 +132,8 @@ def test_a_runs_args_json_repeats_it_exactly(tmp_path):
         return [{name: value for name, value in m.items() if name not in ("time", "eps") and "time/" not in name}
                 for m in read_metrics(run)]
 
-    assert numbers(first) == numbers(again) and len(numbers(first)) == 5  # 2 updates, 3 evaluations
+    # the trainable parameter counts, 2 updates, 3 evaluations
+    assert numbers(first) == numbers(again) and len(numbers(first)) == 6
     assert_same_weights_and_metrics(first, again, ["loss/policy_avg"])
 
 
