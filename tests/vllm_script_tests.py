@@ -22,9 +22,11 @@ from scripts import (
 ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2",
                "--logprob_check_every", "2"]
 # what each script's K=1 interrupt/resume chain runs: online DPO the quick run (its learning is checked on the
-# synchronous twin; it needs ~10 updates at its learning rate), RLOO and PPO the toy run, where they learn
+# synchronous twin; it needs ~10 updates at its learning rate), RLOO and PPO the toy run, where they learn,
+# evaluated at its start and end only (the later --eval_every wins): what the learning check reads
 K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK,
-          **{script: [*toy_run(script), "--logprob_check_every", "2"] for script in ("rloo_vllm.py", "ppo_vllm.py")}}
+          **{script: [*toy_run(script), "--eval_every", "5", "--logprob_check_every", "2"]
+             for script in ("rloo_vllm.py", "ppo_vllm.py")}}
 # online DPO goes through every interruption; RLOO and PPO, whose loops save and restore the same state
 # through the same code, through the kill while checkpoint 4 is written (it resumes from checkpoint 2,
 # with the batch sampled ahead of it)
