@@ -10,6 +10,7 @@ overlap bound (G + T) / max(G, T) from the K=0 run's generation time G and train
     python bench/async_speedup.py --algorithm rloo         # rloo.py vs rloo_vllm.py
     python bench/async_speedup.py --algorithm ppo --updates 10    # quicker, noisier
     python bench/async_speedup.py --real_size --updates 6 --prompts_per_update 8 --extra='--response_length 32'
+    python bench/async_speedup.py --real_size --updates 12 --settings hf shared --extra='--response_length 128'
 
 With --real_size the runs use bench/real_size.py's setup (a SmolLM2-135M-shaped policy with its 49k
 vocabulary, a chat template, an encoder reward model, prompt-only data; no gold scorer, no evaluation),
