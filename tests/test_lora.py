@@ -1,6 +1,7 @@
 """LoRA (--use_peft): the weights the engine samples with equal peft's own merge on every policy
 architecture, the reference is the base model, and the scripts learn, resume exactly and save an adapter
-that peft loads, synchronous and asynchronous, on one rank and two (ZeRO-3)."""
+that peft loads, synchronous and asynchronous. Two ranks at ZeRO-3 with LoRA: test_two_ranks.py; a
+researcher's Qwen2 chat policy with a BERT reward model: test_own_inputs*.py."""
 
 import copy
 import json
