@@ -332,16 +332,11 @@ def merged_weights(model) -> list[tuple[str, list[torch.nn.Parameter], object]]:
     them). Without an adapter each parameter is its own weight. A LoRA layer's weight is merged out of place,
     W + (alpha / r) B A (peft's get_delta_weight): the trained model's W never changes, where merging in place
     and back would drift in bf16."""
-    from peft import PeftModel
-
-    if not isinstance(model, PeftModel):
-        return [(name, [p], functools.partial(torch.Tensor.detach, p)) for name, p in model.named_parameters()]
     weights = []
-    prefix = "base_model.model."
     for name, parameter in model.named_parameters():
         if ".lora_" in name:  # the adapter's own A and B
             continue
-        plain_name = name.removeprefix(prefix).replace(".base_layer.", ".")
+        plain_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")  # peft's wrapping
         if ".base_layer." in name and name.endswith(".weight"):
             layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
             adapter = [p for adapter_name, p in layer.named_parameters() if "lora_" in adapter_name]
