@@ -65,10 +65,7 @@ def run(script: str, args: Args, folder: str, *flags: str) -> tuple[list[dict], 
     output_dir = tempfile.mkdtemp(dir=folder)
     setup = ["--eval_every", str(10**6)]  # evaluated before and after training, on the toy's gold scorer
     if args.real_size:
-        artefacts = real_size.build()
-        setup = ["--model_name_or_path", artefacts["policy"], "--reward_model_path", artefacts["reward_model"],
-                 "--dataset_name", artefacts["prompts"], "--prompt_column", "prompt", "--chat_template",
-                 "--max_prompt_length", "192", "--local_rollout_forward_batch_size", "16", "--eval_every", "0"]
+        setup = real_size.script_flags()
     command = [sys.executable, os.path.join(ROOT, script),
                "--total_episodes", str(args.updates * args.prompts_per_update),
                "--per_device_train_batch_size", str(args.prompts_per_update // 4), "--gradient_accumulation_steps", "4",

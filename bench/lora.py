@@ -55,11 +55,8 @@ def tree_rss(process: psutil.Process) -> int:
 
 def run(args: Args, folder: str, flags: list[str]) -> dict:
     """One run's seconds per update (median after the first), peak memory and trainable share."""
-    artefacts, output_dir = real_size.build(), tempfile.mkdtemp(dir=folder)
-    command = [sys.executable, os.path.join(ROOT, args.script), "--model_name_or_path", artefacts["policy"],
-               "--reward_model_path", artefacts["reward_model"], "--dataset_name", artefacts["prompts"],
-               "--prompt_column", "prompt", "--chat_template", "--max_prompt_length", "192", "--eval_every", "0",
-               "--local_rollout_forward_batch_size", "16",
+    output_dir = tempfile.mkdtemp(dir=folder)
+    command = [sys.executable, os.path.join(ROOT, args.script), *real_size.script_flags(),
                "--total_episodes", str(args.updates * args.prompts_per_update),
                "--per_device_train_batch_size", str(args.prompts_per_update // 4), "--gradient_accumulation_steps", "4",
                "--output_dir", output_dir, *flags, *shlex.split(args.extra)]

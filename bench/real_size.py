@@ -43,6 +43,15 @@ def docstring_paragraphs() -> list[str]:
     return paragraphs
 
 
+def script_flags() -> list[str]:
+    """A kit script's flags for this setup (built first if need be): the policy with its chat template, the
+    encoder reward model, the prompt-only data, no evaluation (there is no gold scorer)."""
+    artefacts = build()
+    return ["--model_name_or_path", artefacts["policy"], "--reward_model_path", artefacts["reward_model"],
+            "--dataset_name", artefacts["prompts"], "--prompt_column", "prompt", "--chat_template",
+            "--max_prompt_length", "192", "--local_rollout_forward_batch_size", "16", "--eval_every", "0"]
+
+
 def build() -> dict[str, str]:
     """The artefacts' paths by name (policy, reward_model, prompts), built once."""
     paths = {"policy": os.path.join(FOLDER, "policy"), "reward_model": os.path.join(FOLDER, "reward_model"),
