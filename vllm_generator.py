@@ -305,8 +305,12 @@ def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
 def load_engine_weights(llm, model):
     """The engine takes the weights of `model` (the policy's HF model in this process) from memory.
     The worker's `reload_weights` re-runs the CPU backend's weight repacking, which per-parameter
-    `load_weights` skips (it breaks on CPU); the state dict names tied weights twice, as a checkpoint does."""
+    `load_weights` skips (it breaks on CPU); the state dict names tied weights twice, as a checkpoint does.
+    The prefix cache goes with the old weights: vLLM keeps the KV of every full block of the prompts it
+    has seen, and would continue a prompt seen before from KV computed with the old weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the engine did not clear its prefix cache after a weight load (requests in flight)")
 
 
 def engine_parameters(worker) -> dict[str, torch.Tensor]:
