@@ -107,7 +107,9 @@ def init_distributed(timeout_seconds: float = 1800):
     minutes, is shorter than rank 0 may take to save an 8B policy while the others wait)."""
     for preemption_signal in PREEMPTION_SIGNALS:
         signal.signal(preemption_signal, record_preemption)
-    if "RANK" not in os.environ:  # not under the deepspeed launcher
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+        os.environ.update(srun_ranks(os.environ))
+    elif "RANK" not in os.environ:  # neither a launcher nor srun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     import deepspeed
@@ -118,6 +120,23 @@ def init_distributed(timeout_seconds: float = 1800):
     atexit.unregister(end_distributed)  # once, however many runs one process makes (the tests do)
     atexit.register(end_distributed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def srun_ranks(environment) -> dict[str, str]:
+    """The ranks of a job step in which SLURM's srun started every rank itself, one per task (it sets no RANK):
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE from its SLURM_* variables; MASTER_ADDR and MASTER_PORT as
+    exported, else on one node this node and a port from the job id."""
+    tasks, nodes = int(environment["SLURM_STEP_NUM_TASKS"]), int(environment.get("SLURM_STEP_NUM_NODES", 1))
+    per_node = set(re.findall(r"(\d+)(?:\(x\d+\))?", environment.get("SLURM_STEP_TASKS_PER_NODE", str(tasks))))
+    if len(per_node) != 1:
+        fail(f"srun started {environment.get('SLURM_STEP_TASKS_PER_NODE')} tasks on its nodes: start the same "
+             "number on every node (--ntasks-per-node)")
+    if nodes > 1 and "MASTER_ADDR" not in environment:
+        fail(f"srun started {tasks} tasks on {nodes} nodes, and MASTER_ADDR is not set: export MASTER_ADDR=$(scontrol "
+             "show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) before srun")
+    return {"RANK": environment["SLURM_PROCID"], "LOCAL_RANK": environment["SLURM_LOCALID"], "WORLD_SIZE": str(tasks),
+            "LOCAL_WORLD_SIZE": per_node.pop(), "MASTER_ADDR": environment.get("MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": environment.get("MASTER_PORT", str(20000 + int(environment["SLURM_JOB_ID"]) % 20000))}
 
 
 def end_distributed():
@@ -931,7 +950,8 @@ RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "tr
                      "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "save_merged",
                      "local_rank", "local_rollout_forward_batch_size", "engine_start_timeout", "generator_timeout",
                      "logprob_check_every", "logprob_check_rows", "vllm_device", "vllm_engines_per_node",
-                     "vllm_cpu_threads", "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization")
+                     "vllm_cpu_threads", "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization",
+                     "vllm_enforce_eager")
 
 
 def prepare_output_dir(args):

@@ -9,6 +9,7 @@ eval_checkpoints.py.
     python eval_checkpoints.py --model_paths A/policy B/policy --output_dir cmp  # any HF policies
 """
 
+import contextlib
 import gc
 import json
 import os
@@ -86,6 +87,8 @@ class Args:
     samples); one process only, and the policies must have the SFT policy's architecture"""
     vllm_gpu_memory_utilization: float = 0.3
     """with --vllm on a GPU: the share of its memory the engine may take (the HF models share the GPU)"""
+    vllm_enforce_eager: bool = False
+    """with --vllm on a GPU: run the engine without CUDA graphs (less memory, slower sampling)"""
     vllm_cpu_kv_cache_gib: int = 1
     """with --vllm on a CPU: GiB of memory for the engine's KV cache"""
     seed: int = 1
@@ -180,6 +183,18 @@ def plot_table(output_dir: str, rows: list[dict]):
     os.replace(partial, os.path.join(output_dir, "eval.png"))
 
 
+@contextlib.contextmanager
+def engine_kernels():
+    """Deterministic algorithms off while the engine runs: vLLM's GPU kernels have no deterministic variants,
+    and torch raises on them in this process, which evaluates deterministically otherwise."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
 def start_engine(args: Args):
     """A vLLM engine for the SFT policy's architecture in this process, on this process's device (its GPU, or
     all its cores), as the RL scripts' `--vllm_device shared` places it."""
@@ -189,7 +204,8 @@ def start_engine(args: Args):
                           VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
     import vllm_generator
 
-    return vllm_generator.start_vllm(args, args.vllm_gpu_memory_utilization)
+    with engine_kernels():
+        return vllm_generator.start_vllm(args, args.vllm_gpu_memory_utilization)
 
 
 def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,12 +215,13 @@ def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torc
 
     import vllm_generator
 
-    vllm_generator.load_engine_weights(llm, policy)
     prompts = task.eval_prompts["input_ids"]
     seeds = [hash((args.seed, update, row)) % 2**63 for row in range(len(prompts))]
     near_greedy = dataclasses.replace(args, temperature=args.eval_temperature, top_p=1.0)
-    return tuple(vllm_generator.vllm_generate(llm, prompts, seeds, sampling, task.eos_ids,
-                                              task.tokenizer.pad_token_id)[0] for sampling in (near_greedy, args))
+    with engine_kernels():
+        vllm_generator.load_engine_weights(llm, policy)  # and the prefix cache of the last policy's KV cleared
+        return tuple(vllm_generator.vllm_generate(llm, prompts, seeds, sampling, task.eos_ids,
+                                                  task.tokenizer.pad_token_id)[0] for sampling in (near_greedy, args))
 
 
 def main(args: Args):

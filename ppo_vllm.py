@@ -173,10 +173,14 @@ class Args:
     vllm_cpu_kv_cache_gib: int = 1
     """CPU only: RAM reserved for the engine's KV cache"""
     vllm_gpu_memory_utilization: float | None = None
-    """GPU only: share of the engine's GPU memory vLLM may take (weights, KV cache); default 0.8 on a GPU of its
-    own (the rest holds the copy of the policy that checks async/logprob_diff), 0.3 with --vllm_device shared
-    (the rest is the trainer's; there the engine frees its memory while the trainer trains). Checked against
-    the GPU's free memory before the engine starts"""
+    """GPU only: share of the engine's GPU memory vLLM may take (weights, activations, KV cache); default: on a
+    GPU of its own, all that stays free beside what the generator process holds there (the copy of the policy
+    that checks async/logprob_diff, the K+1 weight versions it may receive before loading them, NCCL's
+    buffers), rounded down; 0.3 with --vllm_device shared (the rest is the trainer's; there the engine frees
+    its memory while the trainer trains). Checked against the GPU's free memory before the engine starts"""
+    vllm_enforce_eager: bool = False
+    """GPU only: run the engine without CUDA graphs (less memory and a shorter start, slower sampling); an
+    engine on a CPU always runs eagerly"""
     logprob_check_every: int = 10
     """check async/logprob_diff on the batch of update 1 and of every this many updates after (1: every batch);
     a check costs the generator about as much as sampling its rows (time/logprob_check)"""

