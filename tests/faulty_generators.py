@@ -5,6 +5,7 @@ replaced vllm_generator.generate_ahead in the trainer (tests/run_with_faulty_gen
 injected there, in the generator's own copy of vllm_generator.
 """
 
+import os
 import time
 
 import vllm_generator
@@ -67,4 +68,10 @@ def partly_loading_generate_ahead(*args):
 def hanging_receiver_generate_ahead(*args):
     """Its weight receiver hangs at the first version the trainer sends (opening its shared buffer)."""
     vllm_generator.SharedWeights = lambda *args: time.sleep(3600)
+    vllm_generator.generate_ahead(*args)
+
+
+def dying_before_connecting_generate_ahead(*args):
+    """Starts its engine, then dies when the trainer has it connect the weight channel (NCCL, on a GPU)."""
+    vllm_generator.weight_channel = lambda *args: os._exit(1)
     vllm_generator.generate_ahead(*args)

@@ -49,6 +49,7 @@ class InlineGenerator:
             self.version = update - 1
             folder = os.path.join(self.published, f"version-{self.version}")
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            self.llm.reset_prefix_cache()  # as vllm_generator.load_engine_weights does
             self.sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
         prompts = self.task.train_prompts["input_ids"]
         indices = self.sampler.next_indices()

@@ -15,7 +15,7 @@ import torch
 from scripts import QUICK, ROOT, assert_same_weights_and_metrics, environment, read_metrics, run_script
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 from vllm_script_tests import ASYNC_QUICK, train_metrics
-from weight_sync_check import ENGINE_ENVIRONMENT
+from weight_sync_check import engine_environment
 
 import toy
 
@@ -26,7 +26,7 @@ FAULTY = "tests/run_with_faulty_generator.py"  # the generator process runs a fu
 def test_engine_greedy_equals_hf_greedy_after_weight_sync():
     toy.build()
     result = run_script(toy.SFT_POLICY, toy.DATASET, "query", "validation",
-                        script="tests/weight_sync_check.py", env=ENGINE_ENVIRONMENT, timeout=600)
+                        script="tests/weight_sync_check.py", env=engine_environment(), timeout=600)
     assert "greedy completions equal after weight sync" in result.stdout
 
 

@@ -6,7 +6,7 @@ import pytest
 from own_inputs import build, case_argv, cases
 from scripts import run_script
 from test_own_inputs import check_case
-from weight_sync_check import ENGINE_ENVIRONMENT
+from weight_sync_check import engine_environment
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_every_case_trains_evaluates_and_saves(tmp_path, artefacts, case):
 @pytest.mark.parametrize("policy", ["qwen2", "gpt_neox", "gpt2"])  # Llama: test_online_dpo_vllm.py, on the toy
 def test_engine_greedy_equals_hf_greedy_after_weight_sync(artefacts, policy):
     result = run_script(artefacts[policy], artefacts["prompts_jsonl"], "prompt", "train",
-                        script="tests/weight_sync_check.py", env=ENGINE_ENVIRONMENT, timeout=600)
+                        script="tests/weight_sync_check.py", env=engine_environment(), timeout=600)
     assert "greedy completions equal after weight sync" in result.stdout
 
 

@@ -4,6 +4,7 @@ rule) and what the engine's placement decides."""
 import os
 import re
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -165,18 +166,18 @@ def engine_logprob_gap(llm, policy, prompts: list[list[int]], args) -> float:
 
     responses, engine_logprobs = vllm_generator.vllm_generate(llm, prompts, list(range(len(prompts))), args,
                                                               eos_ids=[1], pad_token_id=0)  # (N, R) each
-    query_ids, query_mask = common.left_pad(prompts, 0, "cpu")
-    _, lengths, _ = common.truncate_after_eos(responses, [1], 0)
+    device = policy.device
+    query_ids, query_mask = common.left_pad(prompts, 0, device)
+    _, lengths, _ = common.truncate_after_eos(responses.to(device), [1], 0)
     with torch.no_grad():
-        own = common.response_logprobs(policy, query_ids, query_mask, responses, lengths, args.temperature)
-    return (engine_logprobs - own).abs().max().item()
+        own = common.response_logprobs(policy, query_ids, query_mask, responses.to(device), lengths, args.temperature)
+    return (engine_logprobs.to(device) - own).abs().max().item()
 
 
-def test_an_engine_samples_long_repeated_prompts_with_the_weights_it_loaded_last(tmp_path, monkeypatch):
-    """vLLM keeps the KV of every full block of a prompt (prefix caching; a block is 128 tokens on a CPU) and
-    a weight load does not clear it: a prompt seen before the load would then be continued from KV computed
-    with the old weights (0.04-0.2 per token off). After each load the engine's log-probs of its samples
-    must be the new weights' own, for prompts of three blocks seen before the load and one never seen."""
+def logprob_gaps_around_loads(folder, environment: dict, device: str) -> list[float]:
+    """The engine's log-prob gaps (engine_logprob_gap) to its weights' own on prompts of three KV blocks (a block
+    is 128 tokens on a CPU, 16 on a GPU), before any load, then after a load of other weights and a load of the
+    first ones again, on the prompts seen before the loads and on one that shares two blocks with them."""
     from conftest import word_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -186,19 +187,26 @@ def test_an_engine_samples_long_repeated_prompts_with_the_weights_it_loaded_last
                          pad_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     old, new = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
-    old.save_pretrained(tmp_path / "policy")
-    tokenizer.save_pretrained(tmp_path / "policy")
-    for name, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                        "CUDA_VISIBLE_DEVICES": ""}.items():
-        monkeypatch.setenv(name, value)
-    args = SimpleNamespace(model_name_or_path=str(tmp_path / "policy"), bf16=False, seed=0, max_prompt_length=400,
-                           response_length=8, temperature=1.0, top_p=1.0, vllm_enforce_eager=False)
-    llm = vllm_generator.start_vllm(args, gpu_memory_utilization=0.3)
-    generator = torch.Generator().manual_seed(1)
-    seen = [torch.randint(2, 64, (390,), generator=generator).tolist() for _ in range(2)]
-    unseen = [seen[0][:256] + torch.randint(2, 64, (100,), generator=generator).tolist()]  # shares two blocks
-    gaps = [engine_logprob_gap(llm, old, seen, args)]
-    for policy in (new, old):
-        vllm_generator.load_engine_weights(llm, policy)
-        gaps.append(engine_logprob_gap(llm, policy, seen + unseen, args))
+    old.save_pretrained(folder / "policy")
+    tokenizer.save_pretrained(folder / "policy")
+    old, new = old.to(device), new.to(device)
+    args = SimpleNamespace(model_name_or_path=str(folder / "policy"), bf16=False, seed=0, max_prompt_length=400,
+                           response_length=8, temperature=1.0, top_p=1.0, vllm_enforce_eager=True)
+    with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **environment}):
+        llm = vllm_generator.start_vllm(args, gpu_memory_utilization=0.3)
+        generator = torch.Generator().manual_seed(1)
+        seen = [torch.randint(2, 64, (390,), generator=generator).tolist() for _ in range(2)]
+        unseen = [seen[0][:256] + torch.randint(2, 64, (100,), generator=generator).tolist()]
+        gaps = [engine_logprob_gap(llm, old, seen, args)]
+        for policy in (new, old):
+            vllm_generator.load_engine_weights(llm, policy)
+            gaps.append(engine_logprob_gap(llm, policy, seen + unseen, args))
+    return gaps
+
+
+def test_an_engine_samples_long_repeated_prompts_with_the_weights_it_loaded_last(tmp_path):
+    """vLLM keeps the KV of every full block of a prompt (prefix caching) and a weight load does not clear it:
+    a prompt seen before the load would then be continued from KV computed with the old weights (0.185 per
+    token off here). After each load the engine's log-probs of its samples must be the new weights' own."""
+    gaps = logprob_gaps_around_loads(tmp_path, {"VLLM_CPU_KVCACHE_SPACE": "1", "CUDA_VISIBLE_DEVICES": ""}, "cpu")
     assert max(gaps) < 1e-5, f"engine log-probs off by {gaps} per token before, after the first and second load"

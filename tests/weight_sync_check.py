@@ -19,8 +19,12 @@ ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=
                    model_name_or_path=toy.SFT_POLICY, bf16=False, seed=0, max_prompt_length=64, response_length=12,
                    temperature=0.7, top_p=1.0, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                    zero_stage=2, max_grad_norm=1.0)
-# the generator process's environment on a CPU: the engine in-process, on the last core
-ENGINE_ENVIRONMENT = vllm_generator.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1).environment
+
+
+def engine_environment() -> dict[str, str]:
+    """The generator process's environment on a CPU: the engine in-process, on the last core (refused on a
+    GPU node, so asked for only when a test runs)."""
+    return vllm_generator.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1).environment
 
 
 def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
@@ -30,7 +34,7 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
 
     args = SimpleNamespace(**{**ENGINE_ARGS, "model_name_or_path": policy_path})
     policy = AutoModelForCausalLM.from_pretrained(policy_path)  # before the engine, as in vllm_generator.generate_ahead
-    # in this process, on the core ENGINE_ENVIRONMENT names
+    # in this process, on the core engine_environment() names
     llm = vllm_generator.start_vllm(args, args.vllm_gpu_memory_utilization)
     for module in policy.modules():
         module.do_not_compile = True  # vLLM's Transformers backend (GPT-NeoX) decorated HF classes just now
