@@ -17,6 +17,7 @@ from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, r
 from vllm_script_tests import ASYNC_QUICK, train_metrics
 from weight_sync_check import engine_environment
 
+import common
 import toy
 
 SCRIPT = "online_dpo_vllm.py"
@@ -134,8 +135,10 @@ def test_a_dead_engine_stops_the_trainer(tmp_path):
     command = [sys.executable, "online_dpo_vllm.py", *QUICK, "--total_episodes", "6400", "--eval_every", "1000",
                "--generator_timeout", "60", "--output_dir", str(out)]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
     while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
         assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.time() < deadline, "no third line of metrics within 600 s"
         time.sleep(0.1)
     generator = [c for c in psutil.Process(process.pid).children() if "spawn_main" in " ".join(c.cmdline())]
     assert len(generator) == 1  # the generator process, which runs the engine
@@ -160,8 +163,10 @@ def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):
     # KeyboardInterrupt), so the run gets the foreground's default back
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 600
     while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
         assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.time() < deadline, "no third line of metrics within 600 s"
         time.sleep(0.1)
     children = psutil.Process(process.pid).children(recursive=True)
     assert any("spawn_main" in " ".join(c.cmdline()) for c in children)  # the generator process
@@ -224,12 +229,14 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     args = [*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2", "--save_every", "2"]
     (tmp_path / "hostfile").write_text("localhost slots=1\n127.0.0.1 slots=1\n")  # two "nodes" of one rank
     torchrun = ("torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-                "--master_port", "29820", "--node_rank")
+                "--master_port", str(common.free_port()), "--node_rank")
     deepspeed = ("deepspeed", "--hostfile", str(tmp_path / "hostfile"), "--no_ssh", "--master_addr", "127.0.0.1",
-                 "--master_port", "29821", "--node_rank")
+                 "--master_port", str(common.free_port()), "--node_rank")
     nodes = start_two_nodes(torchrun, args, out)
+    deadline = time.time() + 600
     while not (out / "checkpoints" / "update-2").exists():
         assert all(node.poll() is None for node in nodes), nodes[0].stderr.read()[-3000:]
+        assert time.time() < deadline, "no checkpoint 2 within 600 s"
         time.sleep(0.01)
     for node in nodes:
         os.killpg(node.pid, signal.SIGKILL)
@@ -249,5 +256,6 @@ def test_two_engines_on_one_node_train_as_one_engine(tmp_path, two_rank_k2_run):
     out = tmp_path / "run"
     run_script(*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2",
                "--vllm_engines_per_node", "2", "--output_dir", out, script=SCRIPT,
-               launcher=("torchrun", "--nproc_per_node", "2", "--master_port", "29822"), env={"OMP_NUM_THREADS": "1"})
+               launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(common.free_port())),
+               env={"OMP_NUM_THREADS": "1"})
     assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])

@@ -85,8 +85,10 @@ def test_sft_resumes_exactly_after_a_preemption(pipeline, tmp_path):
     process = subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *args], cwd=folder, env=environment(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "resumed" / "metrics.jsonl"
+    deadline = time.time() + 600
     while not (metrics.exists() and '"update": 5,' in metrics.read_text()):
         assert process.poll() is None, "the run ended before it could be preempted"
+        assert time.time() < deadline, "step 5 not logged within 600 s"
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE

@@ -15,6 +15,8 @@ from scripts import (
     run_script,
 )
 
+import common
+
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 # The scripts whose resume on two ranks starts from a run of its own, preempted in its first update one of
 # the two ways (the preemption is common code): the synchronous and asynchronous twins of online DPO. The
@@ -40,7 +42,7 @@ def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
     while its checkpoint is written), or, for the scripts that share all of that code, from a copy of the
     first run at its checkpoint 2."""
     out = tmp_path / "run"
-    port = 29600 + 10 * SCRIPTS.index(script) + zero_stage
+    port = common.free_port()
     updates = 3 if zero_stage == 3 else 2
     args = [*QUICK, "--total_episodes", 32 * updates, "--eval_every", "1", "--save_every", "2",
             "--zero_stage", zero_stage, *(["--use_peft"] if script in LORA_ON_TWO_RANKS else [])]
@@ -68,7 +70,7 @@ def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
 
 def test_metrics_and_data_across_two_real_ranks():
     result = run_script(script="tests/two_rank_helpers.py",
-                        launcher=("torchrun", "--nproc_per_node", "2", "--master_port", "29699"),
+                        launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(common.free_port())),
                         env={"OMP_NUM_THREADS": "1"})
     assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
 
@@ -92,7 +94,7 @@ def test_sft_on_two_ranks_takes_the_one_rank_step(tmp_path):
             "--per_device_train_batch_size", "8"]
     run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script="sft.py")
     run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script="sft.py",
-               launcher=(*TWO_RANKS, "29690"), env={"OMP_NUM_THREADS": "1"})
+               launcher=(*TWO_RANKS, str(common.free_port())), env={"OMP_NUM_THREADS": "1"})
     for name in ("train/loss", "tokens", "eval/loss"):
         one, two = ([m[name] for m in read_metrics(tmp_path / run) if name in m] for run in ("one", "two"))
         assert len(one) >= 3 and one == pytest.approx(two, rel=1e-5), name

@@ -18,6 +18,8 @@ from scripts import (
     uninterrupted_and_resumed_runs,
 )
 
+import common
+
 # 4 updates of 16 prompts; async/logprob_diff checked at updates 1 and 3 (the first after a weight load)
 ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2",
                "--logprob_check_every", "2"]
@@ -62,7 +64,7 @@ def two_rank_k2_run(request, tmp_path_factory):
     torchrun (the README's SLURM recipe: it keeps the job's CUDA_VISIBLE_DEVICES), the others' under the
     deepspeed launcher."""
     out = tmp_path_factory.mktemp("two_ranks") / "run"
-    port = str(29610 + ["online_dpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py"].index(request.module.SCRIPT))
+    port = str(common.free_port())
     launcher = ("torchrun", "--nproc_per_node", "2", "--master_port", port)
     if request.module.SCRIPT != "online_dpo_vllm.py":
         launcher = ("deepspeed", "--num_gpus", "2", "--master_port", port)
