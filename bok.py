@@ -15,8 +15,11 @@ from typing import Literal
 
 import torch
 
+import cli
 import common
 import data
+import evaluation
+import lora
 import toy
 
 
@@ -24,7 +27,7 @@ import toy
 class Args:
     # Configuration
     preset: str | None = None
-    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+    """start from configs/bok/NAME.yaml, a named configuration (the README lists them); flags override it"""
     config: str | None = None
     """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
     that run; applied after --preset, and the flags given override it"""
@@ -162,16 +165,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-PRESETS = {
-    "tldr-410m-1gpu": common.Preset(
-        "best-of-2, Pythia 410m SFT on TL;DR, 1 GPU: 512 prompts per update, 256 updates",
-        "python bok.py --preset tldr-410m-1gpu",
-        Args(**common.tldr_artefacts("410m"), total_episodes=131072, per_device_train_batch_size=16,
-             gradient_accumulation_steps=32, local_rollout_forward_batch_size=32)),
-    "toy-math": common.Preset(
-        "best-of-4 on the embedded arithmetic task (CPU, minutes)", "python bok.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
-}
 
 
 def best_of_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -207,14 +200,14 @@ def main(args: Args):
 
     from transformers import get_scheduler
 
-    policy, ref_policy = common.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
+    policy, ref_policy = lora.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
-    parameter_counts = common.trainable_parameters(policy)
+    parameter_counts = lora.trainable_parameters(policy)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
-    ref_policy = common.reference_policy(args, ref_policy, policy)  # for the logged KL only
+    ref_policy = lora.reference_policy(args, ref_policy, policy)  # for the logged KL only
     if reward_model is not None:  # none with --reward_fn
         reward_model = common.prepare_deepspeed(reward_model, args).module
 
@@ -226,7 +219,7 @@ def main(args: Args):
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
     logger.log(state.update, parameter_counts)
     if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model, 0))
+        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, policy, ref_policy, reward_model, 0))
     k = args.num_samples
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
@@ -286,7 +279,7 @@ def main(args: Args):
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode,
-                                  common.evaluate(args, task, policy, ref_policy, reward_model, update))
+                                  evaluation.evaluate(args, task, policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
         if args.save_every and update % args.save_every == 0:
@@ -301,4 +294,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, PRESETS))
+    main(cli.parse(Args))

@@ -3,27 +3,26 @@
 In the order a reader meets it (ALGORITHMS.md has the formulas):
 - Preemption and distributed setup: ranks through DeepSpeed, seeds, dropout off, DeepSpeed engines,
   ZeRO-3 gathers, metric averaging over ranks, the batch arithmetic.
-- Command line and the paper's presets: tyro with `--preset`, the TL;DR and GSM8k artefacts.
 - The Task a run loads (data.py loads it) and its output directory.
 - Rollout details: left padding, truncation after the stop token, temperature-scaled log-probs at the
   positions that predicted each token, the reward at the last real token, HF sampling, the Rollout of a
   batch, the reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
-- Evaluation: gold win-rate, accuracy and KL of near-greedy completions.
-- LoRA (--use_peft): the policy with an adapter, its reference (the adapter off), the weights it samples with.
+- The policy's weights as a plain model (a LoRA adapter merged in): what the engine loads, what a merged
+  save writes.
 - Checkpoints and resume, the saved policy, and logging (metrics.jsonl, wandb, curves.png).
 
-Elsewhere: data.py loads models, rewards and prompts; vllm_generator.py is the vLLM engine of the
-asynchronous scripts (the synchronous ones never import it); math_reward.py is the GSM8k reward.
+Elsewhere: cli.py parses the command line (flags, --config files, the presets in configs/); data.py loads
+models, rewards and prompts; lora.py puts a LoRA adapter on the policy; evaluation.py is the paper's
+evaluation; vllm_generator.py is the vLLM engine of the asynchronous scripts (the synchronous ones never
+import it); math_reward.py is the GSM8k reward.
 """
 
 import atexit
 import contextlib
-import dataclasses
 import datetime
 import functools
 import gc
 import json
-import math
 import os
 import random
 import re
@@ -37,8 +36,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-import math_reward
 
 INVALID_LOGPROB = 1.0  # sentinel written at padded positions; masked out of every sum and mean
 
@@ -271,223 +268,12 @@ def batch_sizes(args, world_size: int) -> tuple[int, int]:
     if getattr(args, "decoupled_weight_cap", None) is not None and args.decoupled_weight_cap <= 0:  # RLOO, PPO
         fail(f"--decoupled_weight_cap must be positive (or left out: the standard objective), "
              f"got {args.decoupled_weight_cap}")
-    check_signs(args, ("lora_r", "lora_alpha"))
-    if not 0 <= args.lora_dropout < 1:
-        fail(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    if not args.use_peft and args.save_merged:
-        fail("--save_merged merges a LoRA adapter into the saved policy: it needs --use_peft")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * world_size
     if args.total_episodes % batch_size:
         fail(f"--total_episodes {args.total_episodes} is not a multiple of the batch size {batch_size} "
              "(per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size)")
     return local_batch_size, args.total_episodes // batch_size
-
-
-# ----------------------------------------------------------------------------------------------
-# LoRA (--use_peft)
-# ----------------------------------------------------------------------------------------------
-def with_lora(model, args, task_type: str):
-    """`model` with a LoRA adapter (peft) on --lora_target_modules: only the adapter trains (and, for a
-    sequence classifier such as PPO's value model, its head: peft's modules_to_save)."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = args.lora_target_modules
-    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules="all-linear" if targets == ["all-linear"] else targets)
-    try:
-        return get_peft_model(model, config)
-    except ValueError as error:  # e.g. no layer of that name
-        fail(f"--lora_target_modules {' '.join(targets)} on {type(model).__name__}: "
-             f"{' '.join(str(error).split())[:300]} (layer names as in the model's named_modules, or all-linear)")
-
-
-def load_policy(args, dtype):
-    """The policy to train and its frozen reference, both --model_name_or_path with dropout off. With
-    --use_peft the policy carries a LoRA adapter and the reference is None: the same model with the adapter
-    switched off (reference_policy), not a second copy in memory."""
-    from transformers import AutoModelForCausalLM
-
-    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    disable_dropout(policy)  # before the adapter: --lora_dropout stays as given
-    if args.use_peft:
-        return with_lora(policy, args, "CAUSAL_LM"), None
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    disable_dropout(ref_policy)
-    return policy, ref_policy
-
-
-class AdapterOff:
-    """A LoRA policy with its adapter switched off, called like a model: the base model it started from,
-    i.e. the reference policy, without a second copy in memory."""
-
-    def __init__(self, policy):
-        self.policy = policy  # a peft model
-
-    def __call__(self, **inputs):
-        with self.policy.disable_adapter():
-            return self.policy(**inputs)
-
-
-def reference_policy(args, ref_policy, engine, part: str | None = None):
-    """The frozen reference policy, ready to call: its own copy under DeepSpeed (ZeRO-3 partitions it too), or
-    with --use_peft (`ref_policy` None) the engine's policy with its adapter off. `part`: the policy's
-    attribute name when the engine trains more than the policy (PPO)."""
-    if ref_policy is None:
-        return AdapterOff(engine.module if part is None else getattr(engine.module, part))
-    return prepare_deepspeed(ref_policy, args).module
-
-
-def trainable_parameters(model) -> dict[str, float]:
-    """model/trainable_parameters and model/trainable_share (of all of the model's parameters)."""
-    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
-    trainable = sum(n for n, requires_grad in counts if requires_grad)
-    return {"model/trainable_parameters": trainable, "model/trainable_share": trainable / sum(n for n, _ in counts)}
-
-
-def merged_weights(model) -> list[tuple[str, list[torch.nn.Parameter], object]]:
-    """The weights of the policy's plain architecture, in its parameter order (what the vLLM engine and a
-    saved merged model hold): (name, the parameters the weight is made of, a function that makes it from
-    them). Without an adapter each parameter is its own weight. A LoRA layer's weight is merged out of place,
-    W + (alpha / r) B A (peft's get_delta_weight): the trained model's W never changes, where merging in place
-    and back would drift in bf16."""
-    weights = []
-    for name, parameter in model.named_parameters():
-        if ".lora_" in name:  # the adapter's own A and B
-            continue
-        plain_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")  # peft's wrapping
-        if ".base_layer." in name and name.endswith(".weight"):
-            layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
-            adapter = [p for adapter_name, p in layer.named_parameters() if "lora_" in adapter_name]
-            weights.append((plain_name, [parameter, *adapter], functools.partial(merge_lora, layer, parameter)))
-        else:
-            weights.append((plain_name, [parameter], functools.partial(torch.Tensor.detach, parameter)))
-    return weights
-
-
-@torch.no_grad()
-def merge_lora(layer, weight: torch.Tensor) -> torch.Tensor:
-    """W + (alpha / r) B A of a LoRA layer whose base weight is `weight`, a new tensor."""
-    return weight + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line and the paper's presets
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class Preset:
-    """A named configuration of the paper: its Args, and the exact command that launches it."""
-
-    description: str
-    launch: str
-    args: object
-
-
-def tldr_artefacts(size: str) -> dict:
-    """The paper's TL;DR setting for a Pythia size ("410m", "1b", "2.8b"): SFT policy, proxy and gold
-    reward models, prompts, and the rollout settings every algorithm shares."""
-    return dict(model_name_or_path=f"mnoukhov/pythia{size}-sft-tldr",
-                reward_model_path=f"mnoukhov/pythia{size}-rm-tldr6.9b",
-                gold_model_path="cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr",
-                dataset_name="vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144",
-                max_prompt_length=512, response_length=53, temperature=0.7, penalty_reward_value=-1.0,
-                learning_rate=3e-6, bf16=True, eval_every=32, eval_num_prompts=512, save_every=64)
-
-
-def gsm8k_artefacts() -> dict:
-    """The paper's math setting: Rho-1B SFT on GSM8k, the reference's prompt, the `#### N` reward, no
-    reward model and no gold model (evaluation reports accuracy on the test split)."""
-    return dict(model_name_or_path="realtreetune/rho-1b-sft-GSM8K", dataset_name="openai/gsm8k:main",
-                prompt_column="question", prompt_template="[MATH_TASK] Problem:\n{question}\n\nSolution:",
-                answer_column="answer", eval_split="test", eval_num_prompts=1319, reward_fn="math_reward:gsm8k_reward",
-                max_prompt_length=512, bf16=True, eval_every=32, save_every=64)
-
-
-def toy_math_artefacts() -> dict:
-    """The embedded arithmetic task (toy.build_math) in the paper's math setting: the `#### N` reward, no
-    missing-EOS penalty, accuracy on held-out problems."""
-    import toy
-
-    return dict(model_name_or_path=toy.MATH_POLICY, dataset_name=toy.MATH_DATASET, prompt_column="question",
-                answer_column="answer", eval_split="test", eval_num_prompts=256, reward_fn="math_reward:gsm8k_reward",
-                missing_eos_penalty=False, response_length=toy.MATH_RESPONSE_LENGTH, max_prompt_length=16)
-
-
-def cli(args_class, presets: dict[str, Preset], run_fields: tuple[str, ...] = ()):
-    """Parse the command line into `args_class` with tyro, in three layers: `--preset NAME` (a named
-    configuration), then `--config FILE` (config_flags), then every flag given, each overriding the one
-    before. `run_fields` (eval_checkpoints.py): with `--run_dir RUN`, these fields start from RUN's
-    args.json, under the other layers."""
-    import argparse
-    import io
-
-    import tyro
-
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--preset")
-    parser.add_argument("--config")
-    parser.add_argument("--run_dir")
-    given = parser.parse_known_args()[0]
-    file_flags, file_preset = config_flags(given.config, args_class) if given.config else ([], None)
-    if run_fields and given.run_dir:
-        if not os.path.isfile(os.path.join(given.run_dir, "args.json")):
-            fail(f"--run_dir {given.run_dir!r} has no args.json: give the output directory of a training run")
-        file_flags = config_flags(os.path.join(given.run_dir, "args.json"), args_class, run_fields)[0] + file_flags
-    chosen = given.preset or file_preset
-    if chosen is not None and chosen not in presets:
-        fail(f"--preset {chosen!r} is not one of this script's presets: {', '.join(presets)}")
-    summary = " ".join(sys.modules[args_class.__module__].__doc__.split("\n\n")[0].split())
-    errors = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(errors):
-            return tyro.cli(args_class, default=presets[chosen].args if chosen else None, use_underscores=True,
-                            args=[*file_flags, *sys.argv[1:]], description=f"{summary}\n\n{PREEMPTION_HELP}")
-    except SystemExit as exit:
-        if exit.code in (0, None):
-            raise
-        fail(" ".join(re.sub(r"[╭╮╰╯│─]+", " ", errors.getvalue()).split()))  # tyro's boxed message, on one line
-
-
-def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> tuple[list[str], str | None]:
-    """A --config file's fields as command-line flags, which tyro then checks as it checks typed ones, and
-    the preset it names. The file is YAML (`learning_rate: 3.0e-6` per line) or a run's args.json (its
-    "args": `--config OUT/args.json --output_dir NEW` repeats OUT's run); a key that is no field of
-    `args_class` stops with a one-line error naming the nearest one. With `only`, the keys of those fields
-    are taken and the others skipped."""
-    import difflib
-
-    import yaml
-
-    if not os.path.isfile(path):
-        fail(f"--config {path!r} does not exist")
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f)  # JSON is YAML too
-    except yaml.YAMLError as error:
-        fail(f"--config {path!r} is neither YAML nor JSON: {' '.join(str(error).split())}")
-    if isinstance(values, dict) and isinstance(values.get("args"), dict) and "versions" in values:
-        values = values["args"]  # a run's args.json
-    if not isinstance(values, dict) or not values:
-        fail(f"--config {path!r} must map Args fields to values (one `name: value` per line)")
-    fields = [field.name for field in dataclasses.fields(args_class)]
-    flags = []
-    for name, value in values.items():
-        if only is not None and name not in only:
-            continue
-        if name not in fields:
-            nearest = difflib.get_close_matches(str(name), fields, n=1)
-            script = os.path.basename(sys.modules[args_class.__module__].__file__)
-            fail(f"--config {path!r}: {name!r} is not a flag of {script}"
-                 + (f"; did you mean {nearest[0]!r}?" if nearest else ""))
-        if name in ("config", "local_rank"):  # a file's own --config, and the launcher's
-            continue
-        if isinstance(value, bool):
-            flags.append(f"--{name}" if value else f"--no_{name}")
-        elif isinstance(value, list):
-            flags += [f"--{name}", *map(str, value)]
-        else:
-            flags += [f"--{name}", str(value)]
-    return flags, values.get("preset")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -537,7 +323,7 @@ def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[tor
 
 
 # ----------------------------------------------------------------------------------------------
-# Rollout details (ALGORITHMS.md, "Shared rollout rules")
+# Rollout details (ALGORITHMS.md, "3. The rollout: rules every script shares")
 # ----------------------------------------------------------------------------------------------
 def truncate_after_eos(responses: torch.Tensor, eos_ids: list[int], pad_token_id: int):
     """Pad every token after the first stop token.
@@ -831,87 +617,32 @@ def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> d
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluation (ALGORITHMS.md, "Evaluation")
+# The policy's weights as a plain model (what the vLLM engine loads, what --save_merged writes)
 # ----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def evaluate(args, task: Task, policy, ref_policy, reward_model, update: int, part: str | None = None,
-             generated: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
-    """Near-greedy completions of the evaluation prompts: their proxy reward, their gold score and gold
-    win-rate against the references (where there are a gold scorer and references), their accuracy
-    (with --answer_column: the share whose final answer `#### N` is the solution's), their perplexity
-    under the SFT policy (per token, at temperature 1: the paper's measure of drift), and KL to the SFT
-    policy.
+def merged_weights(model) -> list[tuple[str, list[torch.nn.Parameter], object]]:
+    """The weights of the policy's plain architecture, in its parameter order (what the vLLM engine and a
+    saved merged model hold): (name, the parameters the weight is made of, a function that makes it from
+    them). Without an adapter each parameter is its own weight. A LoRA layer's weight is merged out of place,
+    W + (alpha / r) B A (peft's get_delta_weight): the trained model's W never changes, where merging in place
+    and back would drift in bf16."""
+    weights = []
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name:  # the adapter's own A and B
+            continue
+        plain_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")  # peft's wrapping
+        if ".base_layer." in name and name.endswith(".weight"):
+            layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+            adapter = [p for adapter_name, p in layer.named_parameters() if "lora_" in adapter_name]
+            weights.append((plain_name, [parameter, *adapter], functools.partial(merge_lora, layer, parameter)))
+        else:
+            weights.append((plain_name, [parameter], functools.partial(torch.Tensor.detach, parameter)))
+    return weights
 
-    Each rank evaluates its own share of the eval prompts; the numbers are averaged over ranks. Sampling
-    has a random state of its own, seeded from (--seed, `update`, rank), and leaves the training's as it
-    was: how often a run evaluates does not change its training, and eval_checkpoints.py gets the numbers
-    the run logged for the same update (on as many ranks).
-    `part`: the policy's attribute name when the engine trains more than the policy (PPO).
-    `generated`: the near-greedy and the sampled completions of this rank's prompts, (rows, response_length)
-    each, from elsewhere (eval_checkpoints.py's vLLM engine); by default the policy samples them with HF
-    `generate`.
-    """
-    tokenizer, eos_ids, gold_score = task.tokenizer, task.eos_ids, task.gold_score
-    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    rows = task.eval_prompts.select(range(rank, len(task.eval_prompts), world_size))
-    totals = {"proxy_score": 0.0, "kl": 0.0, "num_eos_tokens": 0.0, "response_length": 0.0, "ref_nll": 0.0}
-    if args.answer_column:
-        totals["accuracy"] = 0.0
-    if gold_score is not None:
-        totals.update(gold_score=0.0, **({"gold_win_rate": 0.0} if task.has_references else {}))
-    cuda_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=cuda_devices):
-        torch.manual_seed(hash((args.seed, update, rank)))  # a tuple of ints hashes the same in every process
-        for start in range(0, len(rows), args.local_rollout_forward_batch_size):
-            batch = rows[start:start + args.local_rollout_forward_batch_size]  # {column: values}
-            query_ids, query_mask = left_pad(batch["input_ids"], tokenizer.pad_token_id, policy.device)
-            with full_parameters(policy, part) as model:
-                if generated is None:
-                    greedy = generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
-                                      eos_ids, tokenizer.pad_token_id)
-                    # KL is estimated on samples at the training temperature: near-greedy ones say little about it
-                    sampled = generate(model, query_ids, query_mask, args.response_length, args.temperature,
-                                       eos_ids, tokenizer.pad_token_id, args.top_p)
-                else:
-                    greedy, sampled = (responses[start:start + len(query_ids)].to(policy.device)
-                                       for responses in generated)
-                sampled, sampled_lengths, _ = truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
-                logprobs = response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths, args.temperature,
-                                             args.top_p)
-            mask = response_mask(sampled_lengths, sampled.shape[1])
-            greedy, lengths, contains_eos = truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
-            if args.answer_column:
-                _, completions = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, True)
-                totals["accuracy"] += sum(map(math_reward.same_final_answer, completions, batch[args.answer_column]))
-            if gold_score is not None:
-                queries, responses = decode_responses(tokenizer, query_ids, query_mask, greedy, lengths, False)
-                policy_gold = torch.tensor(gold_score(queries, responses))
-                totals["gold_score"] += policy_gold.sum().item()
-                if task.has_references:
-                    reference_gold = torch.tensor(gold_score(queries, batch[args.reference_column]))
-                    totals["gold_win_rate"] += (policy_gold > reference_gold).float().sum().item()
-            if task.reward_fn is not None:
-                proxy = function_rewards(task, args, Rollout(query_ids, query_mask, greedy, lengths, contains_eos),
-                                         batch, "evaluation")
-            else:
-                proxy = score_responses(reward_model, query_ids, query_mask, greedy, lengths, contains_eos, tokenizer,
-                                        task.reward_tokenizer)
-            if args.missing_eos_penalty:  # as in training
-                proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)
-            ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
-                                             args.temperature)
-            greedy_ref_logprobs = response_logprobs(ref_policy, query_ids, query_mask, greedy, lengths, 1.0)
-            totals["ref_nll"] -= masked_sum(greedy_ref_logprobs, response_mask(lengths, greedy.shape[1])).sum().item()
-            totals["proxy_score"] += proxy.sum().item()
-            totals["kl"] += masked_sum(logprobs - ref_logprobs, mask).sum().item()
-            totals["num_eos_tokens"] += contains_eos.float().sum().item()
-            totals["response_length"] += lengths.float().sum().item()
-    counts = torch.tensor([float(len(rows))] + list(totals.values()), dtype=torch.float64, device=policy.device)
-    torch.distributed.all_reduce(counts)
-    means = {name: value / counts[0].item() for name, value in zip(totals, counts[1:].tolist())}
-    # per token over every completion's tokens (not a mean of per-completion perplexities)
-    means["ref_perplexity"] = math.exp(means.pop("ref_nll") / max(means["response_length"], 1e-9))
-    return {f"eval/{name}": value for name, value in means.items()}
+
+@torch.no_grad()
+def merge_lora(layer, weight: torch.Tensor) -> torch.Tensor:
+    """W + (alpha / r) B A of a LoRA layer whose base weight is `weight`, a new tensor."""
+    return weight + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -943,22 +674,18 @@ class OnlineTrainerState:
             torch.cuda.set_rng_state(rng["cuda"])
 
 
-# What a resumed run may change: logging, evaluation and checkpoint frequency, timeouts, and where the
-# vLLM engines run (the rest would mix two configurations into one run; the samples do not depend on the
-# engines, and a checkpoint's sampled-ahead batches must fit the new ones: vllm_generator.AsyncGenerator)
+# What a resumed run may change: where it logs, how often it evaluates and checkpoints, and how its
+# numbers are computed in chunks (the rest would mix two configurations into one run)
 RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "track", "wandb_project_name",
                      "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "save_merged",
-                     "local_rank", "local_rollout_forward_batch_size", "engine_start_timeout", "generator_timeout",
-                     "logprob_check_every", "logprob_check_rows", "vllm_device", "vllm_engines_per_node",
-                     "vllm_cpu_threads", "vllm_cpu_kv_cache_gib", "vllm_gpu_memory_utilization",
-                     "vllm_enforce_eager")
+                     "local_rank", "local_rollout_forward_batch_size")
 
 
-def prepare_output_dir(args):
+def prepare_output_dir(args, may_change: tuple[str, ...] = ()):
     """Refuse to mix a new run into an old one: a fresh run needs an empty directory, and a resumed one
-    the arguments and number of ranks its checkpoint was trained with (but RESUME_MAY_CHANGE). A run
-    that starts from update 0 records them, and the versions of the stack it ran on, in args.json
-    (with or without wandb)."""
+    the arguments and number of ranks its checkpoint was trained with (but RESUME_MAY_CHANGE and the
+    script's own `may_change`). A run that starts from update 0 records them, and the versions of the stack it
+    ran on, in args.json (with or without wandb)."""
     exists = os.path.isdir(args.output_dir) and os.listdir(args.output_dir)
     if not args.resume and exists:
         fail(f"output directory {args.output_dir!r} is not empty; pass --resume to continue that run "
@@ -969,7 +696,7 @@ def prepare_output_dir(args):
         with open(recorded_path) as f:
             recorded = json.load(f)
         changed = [f"--{name} {recorded['args'][name]!r} -> {record['args'].get(name)!r}"
-                   for name in recorded["args"] if name not in RESUME_MAY_CHANGE
+                   for name in recorded["args"] if name not in (*RESUME_MAY_CHANGE, *may_change)
                    and recorded["args"][name] != record["args"].get(name)]
         if recorded.get("ranks", record["ranks"]) != record["ranks"]:
             changed.append(f"ranks {recorded['ranks']} -> {record['ranks']}")

@@ -14,6 +14,7 @@ import os
 import torch
 
 import common
+import lora
 
 
 def load_tokenizer(path: str, policy: bool = True, base_model: bool = False):
@@ -30,7 +31,7 @@ def load_tokenizer(path: str, policy: bool = True, base_model: bool = False):
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.pad_token_id is None:
         common.fail(f"tokenizer of {path!r} has no pad token; save it with one "
-             "(e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and resize the model)")
+                    "(e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and resize the model)")
     if policy and tokenizer.eos_token_id is None:
         common.fail(f"tokenizer of {path!r} has no eos token; the policy's stop token is needed for truncation")
     return tokenizer
@@ -116,12 +117,12 @@ def check_value_model(args, task: common.Task):
         common.fail(f"value model {path!r} has {config.num_labels} labels; a value model has exactly 1")
     if not same_vocabulary(task.tokenizer, load_tokenizer(path, policy=False)):
         common.fail(f"the value model {path!r} must share the policy's vocabulary; give --value_model_path with the "
-             f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
+                    f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
     with torch.device("meta"):  # the architecture alone, no weights
         model = AutoModelForSequenceClassification.from_config(config)
     if not common.is_decoder_classifier(model):
         common.fail(f"the value model {path!r} is an encoder classifier, with no value per token; give a decoder "
-             "as --value_model_path (the policy itself, with a fresh head, will do)")
+                    "as --value_model_path (the policy itself, with a fresh head, will do)")
 
 
 def load_value_model(args, dtype):
@@ -148,7 +149,7 @@ def load_split(name_or_path: str, split: str):
             common.fail(f"dataset file {name_or_path!r} is not .json, .jsonl or .parquet")
         if split != "train":
             common.fail(f"dataset file {name_or_path!r} has one split, 'train', not {split!r}; "
-                 "give a directory with one file per split (train.jsonl, validation.jsonl)")
+                        "give a directory with one file per split (train.jsonl, validation.jsonl)")
         try:
             return datasets.load_dataset(builder, data_files=name_or_path, split="train")
         except (datasets.exceptions.DatasetGenerationError, StopIteration):  # how datasets reports 0 rows
@@ -165,7 +166,7 @@ def load_split(name_or_path: str, split: str):
     name, _, config = name_or_path.partition(":")  # owner/name:configuration, as openai/gsm8k:main
     if not os.path.exists(name_or_path) and name.count("/") != 1:
         common.fail(f"dataset {name_or_path!r} does not exist (give a directory, a .json/.jsonl/.parquet file, "
-             "or an owner/name hub id, with :configuration if it has several)")
+                    "or an owner/name hub id, with :configuration if it has several)")
     try:
         return datasets.load_dataset(name, config or None, split=split)
     except ValueError as error:  # datasets says which splits exist
@@ -194,6 +195,12 @@ def split_names(name_or_path: str) -> list[str]:
         return []
 
 
+def prompt_text(args, row: dict) -> str:
+    """The prompt of a dataset row, as text: --prompt_template filled with the row's columns, or its
+    --prompt_column (before any chat template)."""
+    return args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
+
+
 def load_prompts(args, tokenizer, split: str):
     """Tokenized prompts of one split ("input_ids"), with every column of the dataset; prompts longer
     than `max_prompt_length` are dropped."""
@@ -204,14 +211,14 @@ def load_prompts(args, tokenizer, split: str):
     for column in [args.prompt_column, *template_columns]:
         if column not in dataset.column_names:
             common.fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
-                 f"it has {dataset.column_names}")
+                        f"it has {dataset.column_names}")
     if len(dataset) == 0:
         common.fail(f"dataset {args.dataset_name!r} split {split!r} is empty")
     if args.chat_template and tokenizer.chat_template is None:
         common.fail(f"--chat_template was given but the tokenizer of {args.model_name_or_path!r} has no chat template")
 
     def tokenize(row):
-        prompt = args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
+        prompt = prompt_text(args, row)
         if args.chat_template:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -228,7 +235,7 @@ def load_prompts(args, tokenizer, split: str):
               f"max_prompt_length={args.max_prompt_length} tokens")
     if len(kept) == 0:
         common.fail(f"every prompt of {args.dataset_name!r} split {split!r} is longer than "
-             f"max_prompt_length={args.max_prompt_length}; raise --max_prompt_length")
+                    f"max_prompt_length={args.max_prompt_length}; raise --max_prompt_length")
     return kept
 
 
@@ -301,24 +308,6 @@ def build_named_toys(paths: list[str], rank: int):
             torch.distributed.barrier()
 
 
-def check_lora_targets(model_path: str, targets: list[str]):
-    """Each of --lora_target_modules names layers of the policy (peft itself fails only when none does), checked
-    on the architecture alone (meta tensors: nothing loaded) before anything is written."""
-    if targets == ["all-linear"]:
-        return
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    names = [name for name, _ in model.named_modules()]
-    for target in targets:
-        if not any(name == target or name.endswith("." + target) for name in names):
-            linear = sorted({name.split(".")[-1] for name, module in model.named_modules()
-                             if type(module).__name__ in ("Linear", "Conv1D")})
-            common.fail(f"--lora_target_modules {target!r} names no layer of {model_path!r}; its linear layers are "
-                        f"{' '.join(linear)} (or give all-linear)")
-
-
 def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
     """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for.
     `evaluation`: whether the run evaluates (else Task.eval_prompts is None).
@@ -329,10 +318,10 @@ def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
     build_named_toys([args.model_name_or_path, args.dataset_name], rank)
     if args.gold_model_path == "toy" and not is_toy_dataset(args):
         common.fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
-             "reward model, or leave it out (evaluation then reports the proxy reward and KL)")
+                    "reward model, or leave it out (evaluation then reports the proxy reward and KL)")
     tokenizer = load_tokenizer(args.model_name_or_path)
-    if getattr(args, "use_peft", False):
-        check_lora_targets(args.model_name_or_path, args.lora_target_modules)
+    if getattr(args, "use_peft", None) is not None:  # the RL scripts
+        lora.check_args(args)
     reward_fn = reward_tokenizer = None
     if args.reward_fn:
         reward_fn = load_reward_function(args.reward_fn)
@@ -359,7 +348,7 @@ def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
     has_references = eval_prompts is not None and args.reference_column in eval_prompts.column_names
     if eval_prompts is not None and args.answer_column and args.answer_column not in eval_prompts.column_names:
         common.fail(f"--answer_column {args.answer_column!r} is not a column of the evaluation prompts; they have "
-             f"{eval_prompts.column_names}")
+                    f"{eval_prompts.column_names}")
     if eval_prompts is not None and rank == 0:
         print(f"evaluation on {len(eval_prompts)} prompts: "
               + ("gold win-rate against the references, " if gold_path and has_references else "")

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import cli
 import common
 import data
+import evaluation
 import toy
 
 
@@ -198,11 +200,12 @@ def engine_kernels():
 def start_engine(args: Args):
     """A vLLM engine for the SFT policy's architecture in this process, on this process's device (its GPU, or
     all its cores), as the RL scripts' `--vllm_device shared` places it."""
+    import vllm_generator
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: no other process to place
     if not torch.cuda.is_available():
-        os.environ.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, sorted(os.sched_getaffinity(0)))),
-                          VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
-    import vllm_generator
+        os.environ.update(vllm_generator.cpu_engine_environment(sorted(os.sched_getaffinity(0)),
+                                                                args.vllm_cpu_kv_cache_gib))
 
     with engine_kernels():
         return vllm_generator.start_vllm(args, args.vllm_gpu_memory_utilization)
@@ -261,7 +264,7 @@ def main(args: Args):
                         f"{args.model_name_or_path!r}; KL and perplexity need the same one")
         update = entry["update"] or 0
         generated = engine_completions(args, llm, policy, task, update) if llm is not None else None
-        metrics = common.evaluate(args, task, policy, ref_policy, reward_model, update, generated=generated)
+        metrics = evaluation.evaluate(args, task, policy, ref_policy, reward_model, update, generated=generated)
         rows.append({**entry, **metrics})
         if rank == 0:
             write_table(args.output_dir, rows)
@@ -275,4 +278,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, {}, run_fields=RUN_FIELDS))
+    main(cli.parse(Args, run_fields=RUN_FIELDS))

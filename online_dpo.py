@@ -16,8 +16,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import cli
 import common
 import data
+import evaluation
+import lora
 import toy
 
 
@@ -25,7 +28,7 @@ import toy
 class Args:
     # Configuration
     preset: str | None = None
-    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+    """start from configs/online_dpo/NAME.yaml, a named configuration (the README lists them); flags override it"""
     config: str | None = None
     """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
     that run; applied after --preset, and the flags given override it"""
@@ -167,30 +170,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-def tldr_online_dpo(size: str, num_gpus: int, per_device: int) -> Args:
-    """The paper's synchronous online DPO on TL;DR: 512 prompts x 2 samples per update, 256 updates."""
-    return Args(**common.tldr_artefacts(size), total_episodes=131072, per_device_train_batch_size=per_device,
-                gradient_accumulation_steps=512 // (per_device * num_gpus), local_rollout_forward_batch_size=32)
-
-
-PRESETS = {
-    f"tldr-{size}-{gpus}gpu": common.Preset(
-        f"online DPO, Pythia {size} SFT on TL;DR, synchronous on {gpus} GPU{'s' if gpus > 1 else ''}",
-        f"python online_dpo.py --preset tldr-{size}-1gpu" if gpus == 1
-        else f"deepspeed --num_gpus {gpus} online_dpo.py --preset tldr-{size}-{gpus}gpu",
-        tldr_online_dpo(size, gpus, per_device))
-    for size, per_device in (("410m", 16), ("1b", 8), ("2.8b", 4)) for gpus in (1, 4)
-} | {
-    "gsm8k-rho1b-4gpu": common.Preset(
-        "online DPO, Rho-1B SFT on GSM8k (the paper's math run), synchronous on 4 GPUs: 192 prompts x 8 samples "
-        "per update, 384 updates", "deepspeed --num_gpus 4 online_dpo.py --preset gsm8k-rho1b-4gpu",
-        Args(**common.gsm8k_artefacts(), num_samples=8, temperature=0.7, beta=0.1, learning_rate=5e-6,
-             response_length=512, missing_eos_penalty=False, num_epochs=1, per_device_train_batch_size=8,
-             gradient_accumulation_steps=6, total_episodes=73728, local_rollout_forward_batch_size=16)),
-    "toy-math": common.Preset(
-        "online DPO on the embedded arithmetic task (CPU, minutes)", "python online_dpo.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
-}
 
 
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
@@ -241,14 +220,14 @@ def main(args: Args):
 
     from transformers import get_scheduler
 
-    policy, ref_policy = common.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
+    policy, ref_policy = lora.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
-    parameter_counts = common.trainable_parameters(policy)
+    parameter_counts = lora.trainable_parameters(policy)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
-    ref_policy = common.reference_policy(args, ref_policy, policy)
+    ref_policy = lora.reference_policy(args, ref_policy, policy)
     if reward_model is not None:  # none with --reward_fn
         reward_model = common.prepare_deepspeed(reward_model, args).module
 
@@ -260,7 +239,7 @@ def main(args: Args):
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
     logger.log(state.update, parameter_counts)
     if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model, 0))
+        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, policy, ref_policy, reward_model, 0))
     k = args.num_samples
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
@@ -346,7 +325,7 @@ def main(args: Args):
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode,
-                                  common.evaluate(args, task, policy, ref_policy, reward_model, update))
+                                  evaluation.evaluate(args, task, policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
         if args.save_every and update % args.save_every == 0:
@@ -361,4 +340,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, PRESETS))
+    main(cli.parse(Args))

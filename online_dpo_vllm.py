@@ -21,8 +21,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import cli
 import common
 import data
+import evaluation
+import lora
 import toy
 import vllm_generator
 
@@ -31,7 +34,7 @@ import vllm_generator
 class Args:
     # Configuration
     preset: str | None = None
-    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+    """start from configs/online_dpo_vllm/NAME.yaml, a named configuration (the README lists them); flags override it"""
     config: str | None = None
     """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
     that run; applied after --preset, and the flags given override it"""
@@ -215,35 +218,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-def tldr_async_online_dpo(size: str, per_device: int) -> Args:
-    """The paper's asynchronous online DPO on TL;DR: 3 training GPUs + 1 vLLM GPU, 504 prompts x 2
-    samples per update (the largest multiple of 3 x per_device below 512), 256 updates."""
-    accumulation = 512 // (per_device * 3)
-    return Args(**common.tldr_artefacts(size), total_episodes=256 * per_device * accumulation * 3,
-                per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
-                local_rollout_forward_batch_size=32, async_steps=1)
-
-
-PRESETS = {
-    f"tldr-{size}-async-4gpu": common.Preset(
-        f"asynchronous online DPO, Pythia {size} SFT on TL;DR, 3 training GPUs + vLLM on the 4th",
-        f"deepspeed --num_gpus 3 online_dpo_vllm.py --preset tldr-{size}-async-4gpu",
-        tldr_async_online_dpo(size, per_device))
-    for size, per_device in (("410m", 8), ("1b", 8), ("2.8b", 4))
-} | {
-    "gsm8k-rho1b-async-4gpu": common.Preset(
-        "asynchronous online DPO, Rho-1B SFT on GSM8k (the paper's math run), 3 training GPUs + vLLM on the 4th: "
-        "144 prompts x 8 samples per update, 512 updates",
-        "deepspeed --num_gpus 3 online_dpo_vllm.py --preset gsm8k-rho1b-async-4gpu",
-        Args(**common.gsm8k_artefacts(), num_samples=8, temperature=0.7, beta=0.1, learning_rate=5e-6,
-             response_length=512, missing_eos_penalty=False, num_epochs=1, per_device_train_batch_size=8,
-             gradient_accumulation_steps=6, total_episodes=73728, local_rollout_forward_batch_size=16,
-             async_steps=1)),
-    "toy-math": common.Preset(
-        "asynchronous online DPO on the embedded arithmetic task (CPU, minutes)",
-        "python online_dpo_vllm.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
-}
 
 
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
@@ -291,19 +265,19 @@ def main(args: Args):
     # the engine samples whole global batches; each rank trains on its share of one
     sampler = data.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args)
+        common.prepare_output_dir(args, vllm_generator.RESUME_MAY_CHANGE)
     torch.distributed.barrier()
 
     from transformers import get_scheduler
 
-    policy, ref_policy = common.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
+    policy, ref_policy = lora.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
-    parameter_counts = common.trainable_parameters(policy)
+    parameter_counts = lora.trainable_parameters(policy)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
-    ref_policy = common.reference_policy(args, ref_policy, policy)
+    ref_policy = lora.reference_policy(args, ref_policy, policy)
     if reward_model is not None:  # none with --reward_fn
         reward_model = common.prepare_deepspeed(reward_model, args).module
 
@@ -318,7 +292,7 @@ def main(args: Args):
     # and samples from the checkpoint's weights after them.
     generator = vllm_generator.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
     if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model, 0))
+        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, policy, ref_policy, reward_model, 0))
     generator.wait_for_engine()
     if state.update > 0:  # the engine samples from the checkpoint's weights
         generator.publish_weights(policy, state.update)
@@ -414,7 +388,7 @@ def main(args: Args):
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode,
-                                  common.evaluate(args, task, policy, ref_policy, reward_model, update))
+                                  evaluation.evaluate(args, task, policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
         if args.save_every and update % args.save_every == 0:
@@ -433,4 +407,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, PRESETS))
+    main(cli.parse(Args))

@@ -15,8 +15,11 @@ from typing import Literal
 
 import torch
 
+import cli
 import common
 import data
+import evaluation
+import lora
 import toy
 
 
@@ -24,7 +27,7 @@ import toy
 class Args:
     # Configuration
     preset: str | None = None
-    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+    """start from configs/ppo/NAME.yaml, a named configuration (the README lists them); flags override it"""
     config: str | None = None
     """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
     that run; applied after --preset, and the flags given override it"""
@@ -180,22 +183,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-PRESETS = {
-    "tldr-410m-1gpu": common.Preset(
-        "PPO, Pythia 410m SFT on TL;DR, 1 GPU: 512 prompts per update, 256 updates, 1 epoch, 1 mini-batch",
-        "python ppo.py --preset tldr-410m-1gpu",
-        Args(**common.tldr_artefacts("410m"), total_episodes=131072, per_device_train_batch_size=16,
-             gradient_accumulation_steps=32, num_epochs=1, local_rollout_forward_batch_size=32)),
-    "gsm8k-rho1b-1gpu": common.Preset(
-        "PPO, Rho-1B SFT on GSM8k (the paper's math run), 1 GPU: 256 prompts per update, 2 epochs, "
-        "512 updates", "python ppo.py --preset gsm8k-rho1b-1gpu",
-        Args(**common.gsm8k_artefacts(), kl_coef=0.05, learning_rate=3e-6, response_length=512,
-             missing_eos_penalty=False, num_epochs=2, per_device_train_batch_size=8, gradient_accumulation_steps=32,
-             total_episodes=131072, local_rollout_forward_batch_size=16)),
-    "toy-math": common.Preset(
-        "PPO on the embedded arithmetic task (CPU, minutes)", "python ppo.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), total_episodes=2048, eval_every=4)),
-}
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -315,18 +302,18 @@ def main(args: Args):
 
     from transformers import get_scheduler
 
-    policy, ref_policy = common.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
+    policy, ref_policy = lora.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
     value_model = data.load_value_model(args, dtype)
     if args.use_peft:  # a LoRA adapter of its own, and its value head (peft's modules_to_save) in full
-        value_model = common.with_lora(value_model, args, "SEQ_CLS").get_base_model()
+        value_model = lora.with_lora(value_model, args, "SEQ_CLS").get_base_model()
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
     agent = PolicyAndValue(policy, value_model)
-    parameter_counts = common.trainable_parameters(agent)
+    parameter_counts = lora.trainable_parameters(agent)
     optimizer = torch.optim.AdamW([p for p in agent.parameters() if p.requires_grad], lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     agent = common.prepare_deepspeed(agent, args, optimizer, scheduler)
-    ref_policy = common.reference_policy(args, ref_policy, agent, part="policy")
+    ref_policy = lora.reference_policy(args, ref_policy, agent, part="policy")
     if reward_model is not None:  # none with --reward_fn
         reward_model = common.prepare_deepspeed(reward_model, args).module
 
@@ -338,7 +325,7 @@ def main(args: Args):
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
     logger.log(state.update, parameter_counts)
     if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, 0, part="policy"))
+        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, agent, ref_policy, reward_model, 0, part="policy"))
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
@@ -425,8 +412,8 @@ def main(args: Args):
                         "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
-            logger.log_evaluation(update, state.episode,
-                                  common.evaluate(args, task, agent, ref_policy, reward_model, update, part="policy"))
+            eval_metrics = evaluation.evaluate(args, task, agent, ref_policy, reward_model, update, part="policy")
+            logger.log_evaluation(update, state.episode, eval_metrics)
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
         if args.save_every and update % args.save_every == 0:
@@ -441,4 +428,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, PRESETS))
+    main(cli.parse(Args))

@@ -19,8 +19,11 @@ from typing import Literal
 
 import torch
 
+import cli
 import common
 import data
+import evaluation
+import lora
 import toy
 import vllm_generator
 
@@ -29,7 +32,7 @@ import vllm_generator
 class Args:
     # Configuration
     preset: str | None = None
-    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+    """start from configs/ppo_vllm/NAME.yaml, a named configuration (the README lists them); flags override it"""
     config: str | None = None
     """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
     that run; applied after --preset, and the flags given override it"""
@@ -227,34 +230,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-def tldr_ppo(size: str, **placement) -> Args:
-    """The paper's PPO on TL;DR: 512 prompts per update (504 on three training GPUs), 1 epoch, 1 mini-batch."""
-    per_device, gpus = (16, 1) if placement.get("vllm_device") == "shared" else (8, 3)
-    accumulation = 512 // (per_device * gpus)
-    return Args(**common.tldr_artefacts(size), total_episodes=256 * per_device * accumulation * gpus,
-                per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, num_epochs=1,
-                local_rollout_forward_batch_size=32, **placement)
-
-
-PRESETS = {
-    "tldr-410m-async-4gpu": common.Preset(
-        "asynchronous PPO, Pythia 410m SFT on TL;DR, 3 training GPUs + vLLM on the 4th, one update stale",
-        "deepspeed --num_gpus 3 ppo_vllm.py --preset tldr-410m-async-4gpu", tldr_ppo("410m", async_steps=1)),
-    "tldr-410m-1gpu": common.Preset(
-        "PPO, Pythia 410m SFT on TL;DR, vLLM on the training GPU (the reference's single-vLLM setting), synchronous",
-        "python ppo_vllm.py --preset tldr-410m-1gpu",
-        tldr_ppo("410m", async_steps=0, vllm_device="shared", vllm_gpu_memory_utilization=0.3)),
-    "gsm8k-rho1b-1gpu": common.Preset(
-        "PPO, Rho-1B SFT on GSM8k (the paper's math run), vLLM on the training GPU, synchronous: 256 prompts "
-        "per update, 2 epochs, 512 updates", "python ppo_vllm.py --preset gsm8k-rho1b-1gpu",
-        Args(**common.gsm8k_artefacts(), kl_coef=0.05, learning_rate=3e-6, response_length=512,
-             missing_eos_penalty=False, num_epochs=2, per_device_train_batch_size=8, gradient_accumulation_steps=32,
-             total_episodes=131072, local_rollout_forward_batch_size=16, vllm_device="shared", async_steps=0,
-             vllm_gpu_memory_utilization=0.3)),
-    "toy-math": common.Preset(
-        "PPO on the embedded arithmetic task (CPU, minutes)", "python ppo_vllm.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), total_episodes=2048, eval_every=4)),
-}
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -371,23 +346,23 @@ def main(args: Args):
     # the engine samples whole global batches; each rank trains on its share of one
     sampler = data.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args)
+        common.prepare_output_dir(args, vllm_generator.RESUME_MAY_CHANGE)
     torch.distributed.barrier()
 
     from transformers import get_scheduler
 
-    policy, ref_policy = common.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
+    policy, ref_policy = lora.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
     value_model = data.load_value_model(args, dtype)
     if args.use_peft:  # a LoRA adapter of its own, and its value head (peft's modules_to_save) in full
-        value_model = common.with_lora(value_model, args, "SEQ_CLS").get_base_model()
+        value_model = lora.with_lora(value_model, args, "SEQ_CLS").get_base_model()
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
     agent = PolicyAndValue(policy, value_model)
-    parameter_counts = common.trainable_parameters(agent)
+    parameter_counts = lora.trainable_parameters(agent)
     optimizer = torch.optim.AdamW([p for p in agent.parameters() if p.requires_grad], lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     agent = common.prepare_deepspeed(agent, args, optimizer, scheduler)
-    ref_policy = common.reference_policy(args, ref_policy, agent, part="policy")
+    ref_policy = lora.reference_policy(args, ref_policy, agent, part="policy")
     if reward_model is not None:  # none with --reward_fn
         reward_model = common.prepare_deepspeed(reward_model, args).module
 
@@ -402,7 +377,7 @@ def main(args: Args):
     # and samples from the checkpoint's weights after them.
     generator = vllm_generator.AsyncGenerator(args, task, sampler, state, num_updates, 1)
     if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, common.evaluate(args, task, agent, ref_policy, reward_model, 0, part="policy"))
+        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, agent, ref_policy, reward_model, 0, part="policy"))
     generator.wait_for_engine()
     if state.update > 0:  # the engine samples from the checkpoint's weights
         generator.publish_weights(agent, state.update, part="policy")
@@ -506,8 +481,8 @@ def main(args: Args):
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
-            logger.log_evaluation(update, state.episode,
-                                  common.evaluate(args, task, agent, ref_policy, reward_model, update, part="policy"))
+            eval_metrics = evaluation.evaluate(args, task, agent, ref_policy, reward_model, update, part="policy")
+            logger.log_evaluation(update, state.episode, eval_metrics)
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
         if args.save_every and update % args.save_every == 0:
@@ -526,4 +501,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, PRESETS))
+    main(cli.parse(Args))

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import cli
 import common
 import data
 import toy
@@ -26,7 +27,7 @@ import toy
 class Args:
     # Configuration
     preset: str | None = None
-    """start from a named configuration (the PRESETS below; the README lists them); flags override it"""
+    """start from configs/reward_model/NAME.yaml, a named configuration (the README lists them); flags override it"""
     config: str | None = None
     """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
     that run; applied after --preset, and the flags given override it"""
@@ -111,28 +112,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-def tldr_reward_model(size: str, num_gpus: int, per_device: int) -> Args:
-    """A Pythia SFT policy's reward model on the TL;DR preference pairs, with the settings of Huang et al.
-    (2024), which the paper's reward models follow: one epoch, 64 pairs per step, learning rate 3e-6; the
-    pairs relabelled by the 6.9B gold reward model, as the paper's proxy reward models were."""
-    return Args(model_name_or_path=f"mnoukhov/pythia{size}-sft-tldr",
-                dataset_name="vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144",
-                prompt_column="query", chosen_column="chosen", rejected_column="rejected",
-                relabel_with="cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr", max_prompt_length=512,
-                max_completion_length=169, num_epochs=1, per_device_train_batch_size=per_device,
-                gradient_accumulation_steps=64 // (per_device * num_gpus), learning_rate=3e-6, bf16=True,
-                eval_every=100, eval_num_examples=6000, eval_batch_size=per_device, save_every=200)
-
-
-PRESETS = {
-    f"tldr-{size}-{gpus}gpu": common.Preset(
-        f"reward model of the Pythia {size} SFT policy on gold-relabelled TL;DR pairs, on {gpus} "
-        f"GPU{'s' if gpus > 1 else ''}",
-        f"python reward_model.py --preset tldr-{size}-1gpu" if gpus == 1
-        else f"deepspeed --num_gpus {gpus} reward_model.py --preset tldr-{size}-{gpus}gpu",
-        tldr_reward_model(size, gpus, per_device))
-    for size, per_device in (("410m", 8), ("1b", 4), ("2.8b", 2)) for gpus in (1, 8)
-}
 
 
 def check_args(args: Args) -> int:
@@ -161,8 +140,7 @@ def relabelled_dataset(args: Args, rank: int, tokenizer, dtype) -> str:
     for split in dict.fromkeys(s for s in (args.train_split, args.eval_split) if s in existing):
         rows = data.load_split(args.dataset_name, split)
         mine = rows.select(range(rank, len(rows), world_size))
-        prompts = [args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
-                   for row in mine]
+        prompts = [data.prompt_text(args, row) for row in mine]
         swap_mine = []
         for start in range(0, len(mine), 256):
             window = slice(start, start + 256)
@@ -199,11 +177,16 @@ def pair_scores(args: Args, model, tokenizer, rows: dict, device) -> tuple[torch
         sequences = [p + c for column in columns for p, c in zip(rows["input_ids"], rows[f"{column}_ids"])]
         scores = common.reward_scores(model, *common.left_pad(sequences, tokenizer.pad_token_id, device))
     else:
-        prompts = [args.prompt_template.format(**dict(zip(rows, values))) for values in zip(*rows.values())] \
-            if args.prompt_template else rows[args.prompt_column]
+        prompts = [data.prompt_text(args, dict(zip(rows, values))) for values in zip(*rows.values())]
         texts = [p + c for column in columns for p, c in zip(prompts, rows[column])]
         scores = common.score_texts(model, tokenizer, texts, [True] * len(texts))
     return scores.chunk(2)
+
+
+def pair_accuracy(margin: torch.Tensor) -> torch.Tensor:
+    """1 where the model orders a pair as labelled (chosen above rejected), 0 where the other way, 1/2 on a tie.
+    margin: (pairs,) chosen score - rejected score"""
+    return (margin > 0).float() + 0.5 * (margin == 0).float()
 
 
 @torch.no_grad()
@@ -218,7 +201,7 @@ def validation(args: Args, model, tokenizer, examples) -> dict[str, float]:
         chosen, rejected = pair_scores(args, model, tokenizer, rows[start:start + args.eval_batch_size], totals.device)
         margin = chosen - rejected
         totals += torch.stack([torch.tensor(float(len(margin))), -F.logsigmoid(margin).sum(),
-                               ((margin > 0).float() + 0.5 * (margin == 0).float()).sum(), chosen.sum(),
+                               pair_accuracy(margin).sum(), chosen.sum(),
                                rejected.sum()]).to(totals)
     torch.distributed.all_reduce(totals)
     count, *sums = totals.tolist()
@@ -237,7 +220,7 @@ def main(args: Args):
     if args.relabel_with == "toy":
         first = data.load_split(args.dataset_name, args.train_split)[0]
         try:
-            toy.parse_query(args.prompt_template.format(**first) if args.prompt_template else first[args.prompt_column])
+            toy.parse_query(data.prompt_text(args, first))
         except (ValueError, KeyError):
             common.fail(f"--relabel_with toy scores the embedded toy world's posts only, and {args.dataset_name!r} "
                         "holds others; give a gold reward model's path")
@@ -291,7 +274,7 @@ def main(args: Args):
             sampler.position
         logger.log(step, {**common.all_reduce_mean({
             "train/loss": sum(losses) / len(losses),
-            "train/accuracy": ((margin > 0).float() + 0.5 * (margin == 0).float()).mean().item(),
+            "train/accuracy": pair_accuracy(margin).mean().item(),
             "train/margin": margin.mean().item()}),
             "lr": model.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
@@ -310,4 +293,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, PRESETS))
+    main(cli.parse(Args))

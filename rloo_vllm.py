@@ -19,8 +19,11 @@ from typing import Literal
 
 import torch
 
+import cli
 import common
 import data
+import evaluation
+import lora
 import toy
 import vllm_generator
 
@@ -29,7 +32,7 @@ import vllm_generator
 class Args:
     # Configuration
     preset: str | None = None
-    """start from a named configuration of the paper (the PRESETS below; the README lists them); flags override it"""
+    """start from configs/rloo_vllm/NAME.yaml, a named configuration (the README lists them); flags override it"""
     config: str | None = None
     """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
     that run; applied after --preset, and the flags given override it"""
@@ -215,35 +218,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-def tldr_rloo(size: str, **placement) -> Args:
-    """The paper's RLOO on TL;DR (k=2): 512 prompts per update (504 on three training GPUs), 1 epoch."""
-    per_device, gpus = (16, 1) if placement.get("vllm_device") == "shared" else (8, 3)
-    accumulation = 512 // (per_device * gpus)
-    return Args(**common.tldr_artefacts(size), total_episodes=256 * per_device * accumulation * gpus,
-                per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, num_epochs=1,
-                local_rollout_forward_batch_size=32, **placement)
-
-
-PRESETS = {
-    "tldr-410m-async-4gpu": common.Preset(
-        "asynchronous RLOO (k=2), Pythia 410m SFT on TL;DR, 3 training GPUs + vLLM on the 4th, one update stale",
-        "deepspeed --num_gpus 3 rloo_vllm.py --preset tldr-410m-async-4gpu", tldr_rloo("410m", async_steps=1)),
-    "tldr-410m-1gpu": common.Preset(
-        "RLOO (k=2), Pythia 410m SFT on TL;DR, vLLM on the training GPU (the reference's single-vLLM setting), "
-        "synchronous", "python rloo_vllm.py --preset tldr-410m-1gpu",
-        tldr_rloo("410m", async_steps=0, vllm_device="shared", vllm_gpu_memory_utilization=0.3)),
-    "gsm8k-rho1b-1gpu": common.Preset(
-        "RLOO (k=8), Rho-1B SFT on GSM8k (the paper's math run), vLLM on the training GPU, synchronous: 64 prompts "
-        "x 8 samples per update (512 completions), 2 epochs, 256 updates",
-        "python rloo_vllm.py --preset gsm8k-rho1b-1gpu",
-        Args(**common.gsm8k_artefacts(), num_samples=8, temperature=0.6, top_p=0.9, kl_coef=1e-4,
-             learning_rate=1e-6, response_length=400, num_epochs=2, per_device_train_batch_size=2,
-             gradient_accumulation_steps=32, total_episodes=16384, local_rollout_forward_batch_size=16,
-             vllm_device="shared", async_steps=0, vllm_gpu_memory_utilization=0.3)),
-    "toy-math": common.Preset(
-        "RLOO on the embedded arithmetic task (CPU, minutes)", "python rloo_vllm.py --preset toy-math",
-        Args(**common.toy_math_artefacts(), num_samples=4, total_episodes=2048, eval_every=4)),
-}
 
 
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
@@ -296,19 +270,19 @@ def main(args: Args):
     # the engine samples whole global batches; each rank trains on its share of one
     sampler = data.PromptSampler(len(task.train_prompts), batch_size, 0, 1, args.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args)
+        common.prepare_output_dir(args, vllm_generator.RESUME_MAY_CHANGE)
     torch.distributed.barrier()
 
     from transformers import get_scheduler
 
-    policy, ref_policy = common.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
+    policy, ref_policy = lora.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
     reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
-    parameter_counts = common.trainable_parameters(policy)
+    parameter_counts = lora.trainable_parameters(policy)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
     policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
-    ref_policy = common.reference_policy(args, ref_policy, policy)
+    ref_policy = lora.reference_policy(args, ref_policy, policy)
     if reward_model is not None:  # none with --reward_fn
         reward_model = common.prepare_deepspeed(reward_model, args).module
 
@@ -323,7 +297,7 @@ def main(args: Args):
     # and samples from the checkpoint's weights after them.
     generator = vllm_generator.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
     if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, common.evaluate(args, task, policy, ref_policy, reward_model, 0))
+        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, policy, ref_policy, reward_model, 0))
     generator.wait_for_engine()
     if state.update > 0:  # the engine samples from the checkpoint's weights
         generator.publish_weights(policy, state.update)
@@ -409,7 +383,7 @@ def main(args: Args):
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode,
-                                  common.evaluate(args, task, policy, ref_policy, reward_model, update))
+                                  evaluation.evaluate(args, task, policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
         if args.save_every and update % args.save_every == 0:
@@ -428,4 +402,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, PRESETS))
+    main(cli.parse(Args))

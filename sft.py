@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import cli
 import common
 import data
 import toy
@@ -24,7 +25,7 @@ import toy
 class Args:
     # Configuration
     preset: str | None = None
-    """start from a named configuration (the PRESETS below; the README lists them); flags override it"""
+    """start from configs/sft/NAME.yaml, a named configuration (the README lists them); flags override it"""
     config: str | None = None
     """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
     that run; applied after --preset, and the flags given override it"""
@@ -106,26 +107,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-def tldr_sft(size: str, num_gpus: int, per_device: int) -> Args:
-    """SFT of a pretrained Pythia on the TL;DR references, with the settings of Huang et al. (2024), "The N+
-    Implementation Details of RLHF with PPO", which the paper's SFT policies follow: one epoch, 128
-    examples per step, learning rate 3e-6."""
-    return Args(model_name_or_path=f"EleutherAI/pythia-{size}-deduped",
-                dataset_name="vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144",
-                prompt_column="query", completion_column="reference_response", max_prompt_length=512,
-                max_completion_length=53, num_epochs=1, per_device_train_batch_size=per_device,
-                gradient_accumulation_steps=128 // (per_device * num_gpus), learning_rate=3e-6, bf16=True,
-                eval_every=100, eval_num_examples=2048, eval_batch_size=per_device, save_every=200)
-
-
-PRESETS = {
-    f"tldr-{size}-{gpus}gpu": common.Preset(
-        f"SFT of Pythia {size} on the TL;DR references, on {gpus} GPU{'s' if gpus > 1 else ''}",
-        f"python sft.py --preset tldr-{size}-1gpu" if gpus == 1
-        else f"deepspeed --num_gpus {gpus} sft.py --preset tldr-{size}-{gpus}gpu",
-        tldr_sft(size, gpus, per_device))
-    for size, per_device in (("410m", 16), ("1b", 8), ("2.8b", 4)) for gpus in (1, 8)
-}
 
 
 def check_args(args: Args) -> int:
@@ -244,4 +225,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args, PRESETS))
+    main(cli.parse(Args))

@@ -133,6 +133,13 @@ def node_gpu_count() -> int | None:
     return None
 
 
+def cpu_engine_environment(cores: list[int], kv_cache_gib: int) -> dict[str, str]:
+    """The environment of an engine on a CPU: its OpenMP threads on `cores`, `kv_cache_gib` GiB of KV cache, and
+    no GPU."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "CUDA_VISIBLE_DEVICES": ""}
+
+
 def engine_placement(args, world_size: int, engine: int = 0) -> Placement:
     """Where this node's `engine`-th engine runs. GPU: it sees only its own GPU (engine_gpu: by default the
     engine-th after the node's training GPUs). CPU: it runs on the last `--vllm_cpu_threads` cores (which a
@@ -147,8 +154,7 @@ def engine_placement(args, world_size: int, engine: int = 0) -> Placement:
             common.fail(f"--vllm_device shared puts the engine on the device of a single training rank per node, "
                         f"not {ranks_per_node(world_size, os.environ)}")
         if not torch.cuda.is_available():  # on a GPU it sees the trainer's GPUs, and takes the first, as the trainer
-            environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
-                               VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
+            environment.update(cpu_engine_environment(cores, args.vllm_cpu_kv_cache_gib))
     elif device == "cpu":
         if torch.cuda.is_available():  # the GPU build of vLLM has no CPU backend (its platform detection fails)
             common.fail("--vllm_device cpu needs vLLM's CPU build (vllm-cpu), and this is a GPU node with the GPU "
@@ -157,8 +163,7 @@ def engine_placement(args, world_size: int, engine: int = 0) -> Placement:
             common.fail(f"--vllm_cpu_threads {args.vllm_cpu_threads} must leave the trainer at least one of "
                         f"the {len(cores)} cores")
         engine_cores, trainer_cores = cores[-args.vllm_cpu_threads:], cores[:-args.vllm_cpu_threads]
-        environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)),
-                           VLLM_CPU_KVCACHE_SPACE=str(args.vllm_cpu_kv_cache_gib), CUDA_VISIBLE_DEVICES="")
+        environment.update(cpu_engine_environment(engine_cores, args.vllm_cpu_kv_cache_gib))
     elif device == "cuda" or device.startswith("cuda:"):
         device_index = None if device == "cuda" else device
         environment["CUDA_VISIBLE_DEVICES"] = engine_gpu(device_index, world_size, os.environ,
@@ -172,6 +177,14 @@ def engine_placement(args, world_size: int, engine: int = 0) -> Placement:
     # beside a trainer on the same GPU the engine gets less by default: the trainer needs the rest
     utilization = args.vllm_gpu_memory_utilization or (0.3 if device == "shared" else None)
     return Placement(device, environment, engine_cores, trainer_cores, utilization)
+
+
+# What a resumed run may change besides common.RESUME_MAY_CHANGE: timeouts, the log-prob check, and where the
+# engines run (the samples do not depend on the engines, and a checkpoint's sampled-ahead batches must fit the
+# new ones: AsyncGenerator checks it)
+RESUME_MAY_CHANGE = ("engine_start_timeout", "generator_timeout", "logprob_check_every", "logprob_check_rows",
+                     "vllm_device", "vllm_engines_per_node", "vllm_cpu_threads", "vllm_cpu_kv_cache_gib",
+                     "vllm_gpu_memory_utilization", "vllm_enforce_eager")
 
 
 def process_group_timeout(args) -> float:
@@ -581,10 +594,29 @@ ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the las
                "--resume continues from it")
 
 
-def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[int, int], updates: range,
-                   first_version: int, num_samples: int, eos_ids, pad_token_id, weight_port: int, published, released,
-                   batches, requests):
-    """The generator process of engine `engine` = (index, engines), beside the first of its ranks, which
+@dataclass
+class GeneratorJob:
+    """What one generator process samples (generate_ahead), and the queues it talks to its trainer over."""
+
+    args: object
+    placement: Placement
+    engine: tuple[int, int]  # (index, engines): it samples the index-th of `engines` equal shares of each batch
+    prompts: list[list[int]]  # the train split's prompts, as token ids
+    sampler: object  # data.PromptSampler: the global batches' prompts, from the first one not sampled yet
+    updates: range  # the updates whose batches it samples
+    first_version: int  # the weights the run starts from: 0, or a resumed run's checkpoint's update
+    num_samples: int  # completions per prompt
+    eos_ids: list[int]
+    pad_token_id: int
+    weight_port: int  # the NCCL channel's rendezvous port (0: the weights come through shared memory)
+    published: object  # queue: the weight versions the trainer announces
+    released: object  # queue: the shared buffers handed back once loaded
+    batches: object  # queue: ENGINE_STARTED, then each batch, or the error that stopped the process, as text
+    requests: object | None  # queue: the updates whose batch the trainer asks for (an engine on its device)
+
+
+def generate_ahead(job: GeneratorJob):
+    """The generator process of engine `job.engine` = (index, engines), beside the first of its ranks, which
     holds the vLLM engine: for update t it samples its ranks' share of the global batch, with exactly the
     weights sampling_version(t) names.
 
@@ -596,6 +628,7 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
     once the trainer is gone.
     """
 
+    args = job.args
     try:
         import threading
 
@@ -612,60 +645,60 @@ def generate_ahead(args, placement: Placement, prompts, sampler, engine: tuple[i
         sampling_policy = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
         reserved = 0  # GPU memory this process allocates once the engine has started
-        if torch.cuda.is_available() and not placement.takes_turns:
+        if torch.cuda.is_available() and not job.placement.takes_turns:
             sampling_policy.to("cuda")
             version_bytes = sum(p.numel() * p.element_size() for p in sampling_policy.parameters())
             reserved = (args.async_steps + 1) * version_bytes + NCCL_RESERVE_BYTES  # versions received, not loaded
         elif torch.cuda.is_available():
             for parameter in sampling_policy.parameters():
                 parameter.data = parameter.data.pin_memory()
-        llm = start_vllm(args, placement.gpu_memory_utilization, placement.sleeps_between_turns, reserved)
+        llm = start_vllm(args, job.placement.gpu_memory_utilization, job.placement.sleeps_between_turns, reserved)
         # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
         # backend, which decorates their HF classes in this process for torch.compile: an HF model of
         # that class can then only be made before the engine (as above), and must opt out of it
         for module in sampling_policy.modules():
             module.do_not_compile = True
         checked = one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
-        receiver = WeightReceiver(args, placement, weight_port, sampling_policy, published, released)
+        receiver = WeightReceiver(args, job.placement, job.weight_port, sampling_policy, job.published, job.released)
         loaded = 0  # the engine starts with the SFT weights, version 0
-        if placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
-            sleep_until(updates.start, llm, loaded, args, first_version)
-        batches.put(ENGINE_STARTED)
+        if job.placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
+            sleep_until(job.updates.start, llm, loaded, args, job.first_version)
+        job.batches.put(ENGINE_STARTED)
         requested = 0
-        for update in updates:
-            version = sampling_version(update, args.async_steps, first_version)
+        for update in job.updates:
+            version = sampling_version(update, args.async_steps, job.first_version)
             if version != loaded and not receiver.wait_for(version):
                 return  # no trainer: free the engine's device
-            while requests is not None and requested < update:
+            while job.requests is not None and requested < update:
                 if not multiprocessing.parent_process().is_alive():
                     return
                 with contextlib.suppress(queue.Empty):
-                    requested = requests.get(timeout=0.1)
+                    requested = job.requests.get(timeout=0.1)
             t0 = time.time()
-            if placement.sleeps_between_turns:
+            if job.placement.sleeps_between_turns:
                 llm.wake_up(tags=["weights"])
             if version != loaded:
                 receiver.load(version, llm)
                 check_engine_holds(llm, sampling_policy, checked, version)
-            if placement.sleeps_between_turns:
+            if job.placement.sleeps_between_turns:
                 llm.wake_up(tags=["kv_cache"])
             weight_load = time.time() - t0
-            indices = sampler.next_indices()  # the global batch's prompts; this engine's share of them:
-            index, engines = engine
+            indices = job.sampler.next_indices()  # the global batch's prompts; this engine's share of them:
+            index, engines = job.engine
             indices = indices[index * len(indices) // engines:(index + 1) * len(indices) // engines]
-            queries = [prompts[i] for i in indices for _ in range(num_samples)]
+            queries = [job.prompts[i] for i in indices for _ in range(job.num_samples)]
             rows = range(index * len(queries), (index + 1) * len(queries))  # in the global batch
             batch = sample_batch(llm, sampling_policy, queries, row_seeds(args.seed, update, rows), update, args,
-                                 eos_ids, pad_token_id)
+                                 job.eos_ids, job.pad_token_id)
             if version != loaded and "async/logprob_diff" in batch["metrics"]:  # and the layers it cannot see
                 check_engine_took_weights(batch["metrics"]["async/logprob_diff"], version, args)
             loaded = version
-            if placement.sleeps_between_turns:
-                sleep_until(update + 1, llm, loaded, args, first_version)
+            if job.placement.sleeps_between_turns:
+                sleep_until(update + 1, llm, loaded, args, job.first_version)
             batch["metrics"]["time/weight_load"] = weight_load
-            batches.put({**batch, "prompt_indices": indices, "engine": engine, "version": version})
+            job.batches.put({**batch, "prompt_indices": indices, "engine": job.engine, "version": version})
     except BaseException as error:  # any failure must reach the trainer, which stops with it
-        batches.put(f"{type(error).__name__}: {error}")
+        job.batches.put(f"{type(error).__name__}: {error}")
 
 
 def sleep_until(update: int, llm, loaded: int, args, first_version: int):
@@ -742,11 +775,11 @@ class AsyncGenerator:
                 self.requests = context.Queue()
             first_update = state.update + len(self.sampled_ahead) + 1
             # generate_ahead is looked up now, so that tests can put a faulty one in its place
-            self.process = start_generator(self.placement, generate_ahead, (
-                args, self.placement, task.train_prompts["input_ids"], sampler, self.engine,
+            self.process = start_generator(self.placement, generate_ahead, (GeneratorJob(
+                args, self.placement, self.engine, task.train_prompts["input_ids"], sampler,
                 range(first_update, num_updates + 1), state.update, num_samples, task.eos_ids,
                 task.tokenizer.pad_token_id, self.store.port if self.store else 0, self.published, self.released,
-                self.batches, self.requests))
+                self.batches, self.requests),))
             atexit.register(self.stop)  # however the trainer exits
             common.STOP_BEFORE_FAILING.append(self.stop)
             if self.placement.takes_turns:  # on the trainer's GPU, it measures its memory before the trainer's

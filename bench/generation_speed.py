@@ -8,12 +8,16 @@ Both sides get the same number of threads.
 """
 
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import vllm_generator  # noqa: E402  (the kit's root on the path first)
 
 
 @dataclass
@@ -30,8 +34,7 @@ class Args:
 
 def main(args: Args):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))[-args.threads:]))
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
+    os.environ.update(vllm_generator.cpu_engine_environment(sorted(os.sched_getaffinity(0))[-args.threads:], 2))
     torch.set_num_threads(args.threads)
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm import LLM, SamplingParams

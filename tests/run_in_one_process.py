@@ -9,7 +9,7 @@ import importlib
 import json
 import sys
 
-import common
+import cli
 
 if __name__ == "__main__":
     module = importlib.import_module(sys.argv[1])
@@ -17,7 +17,7 @@ if __name__ == "__main__":
     for argv in json.loads(sys.argv[2]):
         sys.argv = [module.__file__, *argv]
         try:
-            module.main(common.cli(module.Args, module.PRESETS))
+            module.main(cli.parse(module.Args))
             results.append("finished without an error")
         except SystemExit as stop:
             results.append(str(stop.code))

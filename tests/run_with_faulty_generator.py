@@ -9,10 +9,10 @@ import sys
 
 import faulty_generators
 
-import common
+import cli
 import vllm_generator
 
 if __name__ == "__main__":
     script = importlib.import_module(sys.argv.pop(1))
     vllm_generator.generate_ahead = getattr(faulty_generators, sys.argv.pop(1))
-    script.main(common.cli(script.Args, script.PRESETS))
+    script.main(cli.parse(script.Args))

@@ -16,6 +16,7 @@ from unittest import mock
 import torch
 from safetensors.torch import load_file, save_file
 
+import cli
 import common
 import vllm_generator
 
@@ -79,4 +80,4 @@ class InlineGenerator:
 if __name__ == "__main__":
     script = importlib.import_module(sys.argv.pop(1))
     vllm_generator.AsyncGenerator = InlineGenerator
-    script.main(common.cli(script.Args, script.PRESETS))
+    script.main(cli.parse(script.Args))

@@ -19,6 +19,7 @@ import sys
 
 import deepspeed
 
+import cli
 import common
 import vllm_generator
 
@@ -59,4 +60,4 @@ if __name__ == "__main__":
         return optimizer_step(engine, *args, **kwargs)
 
     deepspeed.DeepSpeedEngine.step = step
-    script.main(common.cli(script.Args, script.PRESETS))
+    script.main(cli.parse(script.Args))

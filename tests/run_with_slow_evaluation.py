@@ -9,11 +9,12 @@ import importlib
 import sys
 import time
 
-import common
+import cli
+import evaluation
 
 if __name__ == "__main__":
     script, delay = importlib.import_module(sys.argv.pop(1)), float(sys.argv.pop(1))
-    evaluate, calls = common.evaluate, []
+    evaluate, calls = evaluation.evaluate, []
 
     def slow_first_evaluation(*args, **kwargs):
         if not calls:
@@ -21,5 +22,5 @@ if __name__ == "__main__":
         calls.append(1)
         return evaluate(*args, **kwargs)
 
-    common.evaluate = slow_first_evaluation
-    script.main(common.cli(script.Args, script.PRESETS))
+    evaluation.evaluate = slow_first_evaluation
+    script.main(cli.parse(script.Args))

@@ -19,6 +19,7 @@ from scripts import (
 )
 
 import common
+import lora
 import toy
 
 LORA = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"])
@@ -31,8 +32,8 @@ def policy_with_trained_adapter(name: str):
 
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(policies()[name][0])
-    common.disable_dropout(policy)  # as common.load_policy does (GPT-2's config has dropout)
-    policy = common.with_lora(policy, LORA, "CAUSAL_LM")
+    common.disable_dropout(policy)  # as lora.load_policy does (GPT-2's config has dropout)
+    policy = lora.with_lora(policy, LORA, "CAUSAL_LM")
     for parameter_name, parameter in policy.named_parameters():
         if "lora_B" in parameter_name:
             parameter.data.normal_()
@@ -56,7 +57,7 @@ def test_merged_weights_equal_peft_merge_and_the_reference_is_the_base_model(nam
 
     input_ids = torch.tensor([[3, 5, 7, 9, 11]])
     with torch.no_grad():
-        reference = common.AdapterOff(policy)(input_ids=input_ids).logits
+        reference = lora.AdapterOff(policy)(input_ids=input_ids).logits
         with_adapter = policy(input_ids=input_ids).logits
         unloaded = copy.deepcopy(policy).unload()  # the base model without the adapter's layers
         assert torch.equal(reference, unloaded(input_ids=input_ids).logits)

@@ -1,5 +1,5 @@
-"""The paper's presets: each parses, its batch arithmetic divides, it names the paper's artefacts,
-and the README lists its exact launch command."""
+"""The presets, configs/<script>/<name>.yaml: each parses through its script's flags, its batch arithmetic
+divides, it names the paper's artefacts, and the README lists exactly the files with their launch commands."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import pytest
 from scripts import ROOT
 
 import bok
+import cli
 import common
 import eval_checkpoints
 import online_dpo
@@ -25,39 +26,60 @@ import sft
 SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "ppo.py": ppo, "rloo.py": rloo,
            "rloo_vllm.py": rloo_vllm, "ppo_vllm.py": ppo_vllm,
            "bok.py": bok}
-ALL_PRESETS = [(script, name) for script, module in SCRIPTS.items() for name in module.PRESETS]
+ALL_PRESETS = [(script, name) for script, module in SCRIPTS.items() for name in cli.presets(module.Args)]
 TLDR_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("tldr-")]
 GSM8K_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("gsm8k-")]
 PIPELINE_SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model}
-PIPELINE_PRESETS = [(script, name) for script, module in PIPELINE_SCRIPTS.items() for name in module.PRESETS]
+PIPELINE_PRESETS = [(script, name) for script, module in PIPELINE_SCRIPTS.items()
+                    for name in cli.presets(module.Args)]
+EVERY_SCRIPT = {**SCRIPTS, **PIPELINE_SCRIPTS}
 
 
 def parse(module, *argv):
-    """The command line as the script's `__main__` parses it (eval_checkpoints.py: no presets, the run's fields)."""
+    """The command line as the script's `__main__` parses it (eval_checkpoints.py: the run's fields)."""
     with mock.patch.object(sys, "argv", ["script.py", *argv]):
-        return common.cli(module.Args, getattr(module, "PRESETS", {}), getattr(module, "RUN_FIELDS", ()))
+        return cli.parse(module.Args, getattr(module, "RUN_FIELDS", ()))
+
+
+def launch_of(script: str, name: str) -> str:
+    """The preset file's launch command: its comment line `# launch: ...`."""
+    with open(cli.presets(EVERY_SCRIPT[script].Args)[name]) as f:
+        return next(line.removeprefix("# launch: ").strip() for line in f if line.startswith("# launch: "))
 
 
 def test_the_paper_runs_are_all_there():
-    assert sorted(online_dpo.PRESETS) == sorted([*(f"tldr-{size}-{gpus}gpu" for size in ("410m", "1b", "2.8b")
-                                                   for gpus in (1, 4)), "gsm8k-rho1b-4gpu", "toy-math"])
-    assert sorted(online_dpo_vllm.PRESETS) == sorted([*(f"tldr-{size}-async-4gpu" for size in ("410m", "1b", "2.8b")),
-                                                      "gsm8k-rho1b-async-4gpu", "toy-math"])
-    assert list(ppo.PRESETS) == list(rloo.PRESETS) == ["tldr-410m-1gpu", "gsm8k-rho1b-1gpu", "toy-math"]
-    assert list(bok.PRESETS) == ["tldr-410m-1gpu", "toy-math"]
-    assert list(ppo_vllm.PRESETS) == list(rloo_vllm.PRESETS) == ["tldr-410m-async-4gpu", "tldr-410m-1gpu",
-                                                                 "gsm8k-rho1b-1gpu", "toy-math"]
+    def names(module):
+        return sorted(cli.presets(module.Args))
+
+    assert names(online_dpo) == sorted([*(f"tldr-{size}-{gpus}gpu" for size in ("410m", "1b", "2.8b")
+                                          for gpus in (1, 4)), "gsm8k-rho1b-4gpu", "toy-math"])
+    assert names(online_dpo_vllm) == sorted([*(f"tldr-{size}-async-4gpu" for size in ("410m", "1b", "2.8b")),
+                                             "gsm8k-rho1b-async-4gpu", "toy-math", "chatbot-llama3.1-8b-async-8gpu",
+                                             "chatbot-llama3.1-8b-sync-8gpu"])
+    assert names(ppo) == names(rloo) == ["gsm8k-rho1b-1gpu", "tldr-410m-1gpu", "toy-math"]
+    assert names(bok) == ["tldr-410m-1gpu", "toy-math"]
+    assert names(ppo_vllm) == names(rloo_vllm) == ["gsm8k-rho1b-1gpu", "tldr-410m-1gpu", "tldr-410m-async-4gpu",
+                                                   "toy-math"]
 
 
-def world_size_of(preset) -> int:
+def world_size_of(script: str, name: str) -> int:
     """The launch line's training ranks: deepspeed --num_gpus N, or one process."""
-    match = re.search(r"--num_gpus (\d+)", preset.launch)
+    match = re.search(r"--num_gpus (\d+)", launch_of(script, name))
     return int(match.group(1)) if match else 1
+
+
+@pytest.mark.parametrize(("script", "name"), ALL_PRESETS + PIPELINE_PRESETS)
+def test_a_preset_is_its_file_given_to_config(script, name):
+    """Every key of the file is a flag of its script (config_flags refuses any other), and --preset NAME is
+    --config configs/<script>/NAME.yaml."""
+    module, path = EVERY_SCRIPT[script], cli.presets(EVERY_SCRIPT[script].Args)[name]
+    assert {**vars(parse(module, "--preset", name)), "preset": None} == {**vars(parse(module, "--config", path)),
+                                                                         "config": None}
+    assert launch_of(script, name).split()[-3:] == [script, "--preset", name]
 
 
 @pytest.mark.parametrize(("script", "name"), TLDR_PRESETS)
 def test_preset_parses_divides_and_names_the_artefacts(script, name):
-    preset = SCRIPTS[script].PRESETS[name]
     args = parse(SCRIPTS[script], "--preset", name)
     assert args.preset == name
     size = re.match(r"tldr-(410m|1b|2\.8b)-", name).group(1)
@@ -67,8 +89,7 @@ def test_preset_parses_divides_and_names_the_artefacts(script, name):
     assert args.dataset_name == "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
     assert (args.response_length, args.temperature, args.penalty_reward_value, args.learning_rate, args.bf16) == (
         53, 0.7, -1.0, 3e-6, True)
-    world_size = world_size_of(preset)
-    assert preset.launch.split()[-3:] == [script, "--preset", name]
+    world_size = world_size_of(script, name)
     local_batch_size, num_updates = common.batch_sizes(args, world_size)
     assert num_updates == 256
     assert local_batch_size * world_size == (504 if "async-4gpu" in name else 512)
@@ -98,8 +119,8 @@ def test_gsm8k_presets_carry_the_reference_settings(script, name):
     coefficient = args.beta if algorithm == "online_dpo" else args.kl_coef
     assert (samples, args.temperature, args.top_p, coefficient, args.learning_rate, args.response_length,
             args.num_epochs, args.missing_eos_penalty) == expected[:8]
-    local_batch_size, num_updates = common.batch_sizes(args, world_size_of(SCRIPTS[script].PRESETS[name]))
-    batch_size = local_batch_size * world_size_of(SCRIPTS[script].PRESETS[name])
+    local_batch_size, num_updates = common.batch_sizes(args, world_size_of(script, name))
+    batch_size = local_batch_size * world_size_of(script, name)
     if algorithm == "online_dpo":  # 8 x 6 prompts per device and 73,728 episodes, on 4 or 3 training GPUs
         assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 6)
         assert batch_size * num_updates == 73728
@@ -120,6 +141,19 @@ def test_toy_math_presets_run_the_arithmetic_task():
         common.batch_sizes(args, 1)
 
 
+@pytest.mark.parametrize("name", ["chatbot-llama3.1-8b-async-8gpu", "chatbot-llama3.1-8b-sync-8gpu"])
+def test_the_chatbot_presets_are_the_papers_run_at_k1_and_k0(name):
+    """The paper's third experiment: Llama 3.1 8B SFT on No Robots, online DPO, 7 training GPUs + the engine."""
+    args = parse(online_dpo_vllm, "--preset", name)
+    assert (args.model_name_or_path, args.dataset_name, args.prompt_column, args.chat_template) == (
+        "allenai/open_instruct_dev", "HuggingFaceH4/no_robots", "prompt", True)
+    assert (args.beta, args.learning_rate, args.temperature, args.response_length, args.penalty_reward_value) == (
+        0.03, 8e-7, 0.7, 1024, -10.0)
+    assert (args.zero_stage, args.bf16, args.async_steps) == (3, True, 1 if "async" in name else 0)
+    local_batch_size, num_updates = common.batch_sizes(args, world_size_of("online_dpo_vllm.py", name))
+    assert (local_batch_size * 7, num_updates) == (224, 446)
+
+
 def test_flags_override_a_preset():
     args = parse(online_dpo, "--preset", "tldr-1b-4gpu", "--learning_rate", "1e-5", "--seed", "7")
     assert (args.learning_rate, args.seed, args.model_name_or_path) == (1e-5, 7, "mnoukhov/pythia1b-sft-tldr")
@@ -127,22 +161,35 @@ def test_flags_override_a_preset():
 
 
 def test_unknown_preset_is_a_one_line_error():
-    with pytest.raises(SystemExit, match="--preset 'tldr-7b' is not one of this script's presets: tldr-410m-1gpu"):
+    with pytest.raises(SystemExit, match="--preset 'tldr-7b' is not one of this script's presets: gsm8k-rho1b-4gpu, "
+                                         "tldr-1b-1gpu"):
         parse(online_dpo, "--preset", "tldr-7b")
 
 
-def test_the_readme_lists_every_preset_with_its_launch_command():
+def test_the_readme_lists_exactly_the_preset_files_with_their_launch_commands():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     for script, name in ALL_PRESETS + PIPELINE_PRESETS:
-        assert {**SCRIPTS, **PIPELINE_SCRIPTS}[script].PRESETS[name].launch in readme, (script, name)
+        assert f"`{launch_of(script, name)}`" in readme, (script, name)
+    listed = set(re.findall(r"^\| `(?:python|deepspeed --num_gpus \d+) (\w+\.py) --preset ([\w.-]+)`", readme, re.M))
+    assert listed == set(ALL_PRESETS + PIPELINE_PRESETS)
+
+
+def test_toy_names_are_the_embedded_tasks_artefacts():
+    import toy
+
+    args = parse(rloo, "--model_name_or_path", "toy:math_policy", "--dataset_name", "toy:math_dataset")
+    assert (args.model_name_or_path, args.dataset_name) == (toy.MATH_POLICY, toy.MATH_DATASET)
+    with pytest.raises(SystemExit, match=re.escape("--reward_model_path 'toy:gold' names no toy artefact; they are "
+                                                   "toy:sft_policy, toy:reward_model")):
+        parse(rloo, "--reward_model_path", "toy:gold")
 
 
 @pytest.mark.parametrize(("script", "name"), PIPELINE_PRESETS)
 def test_pipeline_presets_divide_and_name_the_artefacts(script, name):
     args = parse(PIPELINE_SCRIPTS[script], "--preset", name)
     size = re.match(r"tldr-(410m|1b|2\.8b)-", name).group(1)
-    world_size = world_size_of(PIPELINE_SCRIPTS[script].PRESETS[name])
+    world_size = world_size_of(script, name)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     if script == "sft.py":  # the pretrained model, the TL;DR references, 128 examples a step
         assert (args.model_name_or_path, args.completion_column, per_step) == (

@@ -1,0 +1,114 @@
+"""The command line of every script: its Args from three layers, `--preset NAME` (the file
+configs/<script>/NAME.yaml), then `--config FILE` (YAML, or a run's args.json), then the flags given, each
+overriding the one before; tyro parses and checks them all, and every error is one line."""
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+
+import common
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # configs/<script stem>/<preset>.yaml
+
+
+def presets(args_class) -> dict[str, str]:
+    """The named configurations of `args_class`'s script: the YAML files under configs/<its stem>/, by name."""
+    stem = os.path.splitext(os.path.basename(sys.modules[args_class.__module__].__file__))[0]
+    folder = os.path.join(CONFIGS, stem)
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return {name.removesuffix(".yaml"): os.path.join(folder, name) for name in names if name.endswith(".yaml")}
+
+
+# what a flag or a config file names as toy:<name>: an artefact of the embedded tasks (toy.py, built on first use)
+TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_MODEL", "DATASET", "MATH_POLICY",
+                                                          "MATH_DATASET", "LARGE_SFT_POLICY", "BASE_POLICY",
+                                                          "SFT_DATASET", "PREFERENCE_DATASET")}
+
+
+def parse(args_class, run_fields: tuple[str, ...] = ()):
+    """Parse the command line into `args_class` with tyro, in three layers: `--preset NAME` (the file
+    configs/<script>/NAME.yaml), then `--config FILE`, then every flag given, each overriding the one before
+    (config_flags turns a file into flags). `run_fields` (eval_checkpoints.py): with `--run_dir RUN`, these
+    fields start from RUN's args.json, under the other layers. A value `toy:<name>` names an artefact of the
+    embedded toy tasks (TOY_ARTEFACTS)."""
+    import argparse
+    import io
+
+    import tyro
+
+    import toy
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--preset")
+    parser.add_argument("--config")
+    parser.add_argument("--run_dir")
+    given = parser.parse_known_args()[0]
+    file_flags, file_preset = config_flags(given.config, args_class) if given.config else ([], None)
+    if run_fields and given.run_dir:
+        if not os.path.isfile(os.path.join(given.run_dir, "args.json")):
+            common.fail(f"--run_dir {given.run_dir!r} has no args.json: give the output directory of a training run")
+        file_flags = config_flags(os.path.join(given.run_dir, "args.json"), args_class, run_fields)[0] + file_flags
+    chosen, named = given.preset or file_preset, presets(args_class)
+    if chosen is not None and chosen not in named:
+        common.fail(f"--preset {chosen!r} is not one of this script's presets: {', '.join(named) or 'it has none'}")
+    preset_flags = config_flags(named[chosen], args_class)[0] if chosen else []
+    summary = " ".join(sys.modules[args_class.__module__].__doc__.split("\n\n")[0].split())
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            args = tyro.cli(args_class, use_underscores=True, args=[*preset_flags, *file_flags, *sys.argv[1:]],
+                            description=f"{summary}\n\n{common.PREEMPTION_HELP}")
+    except SystemExit as exit:
+        if exit.code in (0, None):
+            raise
+        common.fail(" ".join(re.sub(r"[╭╮╰╯│─]+", " ", errors.getvalue()).split()))  # tyro's boxed message, on one line
+    for name, value in vars(args).items():
+        if isinstance(value, str) and value.startswith("toy:"):
+            if value not in TOY_ARTEFACTS:
+                common.fail(f"--{name} {value!r} names no toy artefact; they are {', '.join(TOY_ARTEFACTS)}")
+            setattr(args, name, getattr(toy, TOY_ARTEFACTS[value]))
+    return args
+
+
+def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> tuple[list[str], str | None]:
+    """A --config file's fields as command-line flags, which tyro then checks as it checks typed ones, and
+    the preset it names. The file is YAML (`learning_rate: 3.0e-6` per line) or a run's args.json (its
+    "args": `--config OUT/args.json --output_dir NEW` repeats OUT's run); a key that is no field of
+    `args_class` stops with a one-line error naming the nearest one. With `only`, the keys of those fields
+    are taken and the others skipped."""
+    import difflib
+
+    import yaml
+
+    if not os.path.isfile(path):
+        common.fail(f"--config {path!r} does not exist")
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)  # JSON is YAML too
+    except yaml.YAMLError as error:
+        common.fail(f"--config {path!r} is neither YAML nor JSON: {' '.join(str(error).split())}")
+    if isinstance(values, dict) and isinstance(values.get("args"), dict) and "versions" in values:
+        values = values["args"]  # a run's args.json
+    if not isinstance(values, dict) or not values:
+        common.fail(f"--config {path!r} must map Args fields to values (one `name: value` per line)")
+    fields = [field.name for field in dataclasses.fields(args_class)]
+    flags = []
+    for name, value in values.items():
+        if only is not None and name not in only:
+            continue
+        if name not in fields:
+            nearest = difflib.get_close_matches(str(name), fields, n=1)
+            script = os.path.basename(sys.modules[args_class.__module__].__file__)
+            common.fail(f"--config {path!r}: {name!r} is not a flag of {script}"
+                        + (f"; did you mean {nearest[0]!r}?" if nearest else ""))
+        if name in ("config", "local_rank"):  # a file's own --config, and the launcher's
+            continue
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no_{name}")
+        elif isinstance(value, list):
+            flags += [f"--{name}", *map(str, value)]
+        else:
+            flags += [f"--{name}", str(value)]
+    return flags, values.get("preset")
