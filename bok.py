@@ -165,8 +165,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-
-
 def best_of_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Row of the highest-scoring sample of each prompt; among tied best samples, the first.
     scores: (prompts * k,) -> (prompts,)"""

@@ -46,10 +46,10 @@ def evaluate(args, task: common.Task, policy, ref_policy, reward_model, update: 
             with common.full_parameters(policy, part) as model:
                 if generated is None:
                     greedy = common.generate(model, query_ids, query_mask, args.response_length, args.eval_temperature,
-                                      eos_ids, tokenizer.pad_token_id)
+                                             eos_ids, tokenizer.pad_token_id)
                     # KL is estimated on samples at the training temperature: near-greedy ones say little about it
                     sampled = common.generate(model, query_ids, query_mask, args.response_length, args.temperature,
-                                       eos_ids, tokenizer.pad_token_id, args.top_p)
+                                              eos_ids, tokenizer.pad_token_id, args.top_p)
                 else:
                     greedy, sampled = (responses[start:start + len(query_ids)].to(policy.device)
                                        for responses in generated)
@@ -77,7 +77,7 @@ def evaluate(args, task: common.Task, policy, ref_policy, reward_model, update: 
             if args.missing_eos_penalty:  # as in training
                 proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)
             ref_logprobs = common.response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
-                                             args.temperature)
+                                                    args.temperature)
             greedy_ref_logprobs = common.response_logprobs(ref_policy, query_ids, query_mask, greedy, lengths, 1.0)
             greedy_mask = common.response_mask(lengths, greedy.shape[1])
             totals["ref_nll"] -= common.masked_sum(greedy_ref_logprobs, greedy_mask).sum().item()

@@ -170,8 +170,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-
-
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
     if args.num_samples < 2:
         common.fail(f"--num_samples must be at least 2 to form a (chosen, rejected) pair, got {args.num_samples}")

@@ -230,8 +230,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-
-
 class PolicyAndValue(torch.nn.Module):
     """Policy and value model as one module, so one DeepSpeed engine trains both, as the reference
     does: the loss is one sum (policy loss + vf_coef * value loss), so one backward, one optimizer

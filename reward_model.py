@@ -112,8 +112,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-
-
 def check_args(args: Args) -> int:
     """The pairs per optimizer step on this rank."""
     common.check_signs(args, ("num_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",

@@ -171,8 +171,6 @@ class Args:
     """set by the deepspeed launcher"""
 
 
-
-
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
     if args.num_samples < 2:
         common.fail(f"--num_samples must be at least 2: the leave-one-out baseline needs another sample, "
