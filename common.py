@@ -351,12 +351,13 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                         top_p: float = 1.0) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float = 1.0,
+                         entropy: bool = False):
     """Per-token log-probs of `tokens` (batch, len) under `logits / (temperature + 1e-7)`, truncated to its
     nucleus when top_p < 1: the most likely tokens whose probabilities sum to top_p (exactly the set HF
     generate and vLLM sample from), renormalized. The token itself always stays in the set: under the
-    weights that sampled it it is in the nucleus anyway, and under later weights its log-prob stays finite."""
+    weights that sampled it it is in the nucleus anyway, and under later weights its log-prob stays finite.
+    With `entropy`, also each position's entropy of that same distribution: (log-probs, entropy)."""
     logits = logits.float() / (temperature + 1e-7)
     if top_p < 1.0:
         ascending, order = logits.sort(dim=-1)
@@ -365,7 +366,11 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
         outside = outside.scatter(-1, order, outside)  # back to vocabulary order
         outside.scatter_(-1, tokens.unsqueeze(-1), False)
         logits = logits.masked_fill(outside, float("-inf"))
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+    log_probs = F.log_softmax(logits, dim=-1)  # (batch, len, vocab)
+    chosen = torch.gather(log_probs, 2, tokens.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return chosen
+    return chosen, -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)  # outside the nucleus 0 * -inf
 
 
 def response_inputs(query_ids, query_mask, responses, lengths) -> tuple[dict, torch.Tensor]:
@@ -381,9 +386,9 @@ def response_inputs(query_ids, query_mask, responses, lengths) -> tuple[dict, to
     return inputs, mask
 
 
-def response_logprobs(model, query_ids, query_mask, responses, lengths, temperature, top_p=1.0):
+def response_logprobs(model, query_ids, query_mask, responses, lengths, temperature, top_p=1.0, entropy=False):
     """Log-probs of each response token given its query (logprobs_from_logits); padded positions hold
-    INVALID_LOGPROB.
+    INVALID_LOGPROB. With `entropy`, also the entropy at each response position: (log-probs, entropy).
 
     query_ids, query_mask: (batch, query_len) left-padded; responses: (batch, response_len).
     """
@@ -391,8 +396,10 @@ def response_logprobs(model, query_ids, query_mask, responses, lengths, temperat
     # logits only at the positions that predict a response token (the last response_len + 1, less the
     # last): over a long prompt the LM head's output would be the largest tensor of the pass
     response_logits = model(**inputs, logits_to_keep=responses.shape[1] + 1).logits[:, :-1]
-    logprobs = logprobs_from_logits(response_logits, responses, temperature, top_p)
-    return logprobs.masked_fill(~mask, INVALID_LOGPROB)
+    if entropy:
+        logprobs, entropies = logprobs_from_logits(response_logits, responses, temperature, top_p, entropy=True)
+        return logprobs.masked_fill(~mask, INVALID_LOGPROB), entropies.masked_fill(~mask, 0.0)
+    return logprobs_from_logits(response_logits, responses, temperature, top_p).masked_fill(~mask, INVALID_LOGPROB)
 
 
 def in_chunks(function, chunk_size: int, *tensors: torch.Tensor):
@@ -604,16 +611,19 @@ def check_rewards(scores: torch.Tensor, update: int):
 
 def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> dict[str, float]:
     """The objective/* numbers of a rollout (ALGORITHMS.md); `logprobs` (N, R) are the sampling policy's,
-    `scores` (N,) the rewards after the missing-EOS penalty."""
-    kl = masked_sum(logprobs - ref_logprobs, rollout.mask)  # (N,)
-    return {
+    `scores` (N,) the rewards after the missing-EOS penalty; `ref_logprobs` None: no reference policy (GRPO's
+    beta 0), so no KL."""
+    metrics = {
         "objective/scores": scores.mean().item(),
-        "objective/kl": kl.mean().item(),
         "objective/entropy": -masked_sum(logprobs, rollout.mask).mean().item(),
-        "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
         # a count over the whole batch: all_reduce_mean of each rank's count times world_size is the sum
         "val/num_eos_tokens": rollout.contains_eos.sum().item() * torch.distributed.get_world_size(),
     }
+    if ref_logprobs is not None:
+        kl = masked_sum(logprobs - ref_logprobs, rollout.mask)  # (N,)
+        metrics.update({"objective/kl": kl.mean().item(),
+                        "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item()})
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -939,13 +949,14 @@ def plot_curves(output_dir: str):
     import matplotlib.pyplot as plt
 
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        evals = [m for m in map(json.loads, f) if "eval/kl" in m]
+        evals = [m for m in map(json.loads, f) if "eval/proxy_score" in m]
     # the headline: gold win-rate, else gold score, else (no gold scorer) the proxy reward
     headline = next(name for name in ("eval/gold_win_rate", "eval/gold_score", "eval/proxy_score") if name in evals[0])
-    column = {name: [m[name] for m in evals] for name in ("episode", headline, "eval/proxy_score", "eval/kl")}
+    kl = ["eval/kl"] if "eval/kl" in evals[0] else []  # none without a reference policy (GRPO's beta 0)
+    column = {name: [m[name] for m in evals] for name in ("episode", headline, "eval/proxy_score", *kl)}
     column["minutes"] = [(m["time"] - evals[0]["time"]) / 60 for m in evals]
-    panels = [("episode", headline), ("episode", "eval/proxy_score"), ("episode", "eval/kl"),
-              ("minutes", headline), ("minutes", "eval/proxy_score"), ("eval/kl", headline)]
+    panels = [("episode", headline), ("episode", "eval/proxy_score"), *(("episode", name) for name in kl),
+              ("minutes", headline), ("minutes", "eval/proxy_score"), *((name, headline) for name in kl)]
     figure, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
     for axis, (x, y) in zip(axes.flat, panels):
         axis.plot(column[x], column[y], marker="o", markersize=3)

@@ -32,7 +32,9 @@ def evaluate(args, task: common.Task, policy, ref_policy, reward_model, update: 
     tokenizer, eos_ids, gold_score = task.tokenizer, task.eos_ids, task.gold_score
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rows = task.eval_prompts.select(range(rank, len(task.eval_prompts), world_size))
-    totals = {"proxy_score": 0.0, "kl": 0.0, "num_eos_tokens": 0.0, "response_length": 0.0, "ref_nll": 0.0}
+    totals = {"proxy_score": 0.0, "num_eos_tokens": 0.0, "response_length": 0.0}
+    if ref_policy is not None:  # None: no reference policy (GRPO's beta 0), so no KL and no perplexity under it
+        totals.update(kl=0.0, ref_nll=0.0)
     if args.answer_column:
         totals["accuracy"] = 0.0
     if gold_score is not None:
@@ -76,18 +78,19 @@ def evaluate(args, task: common.Task, policy, ref_policy, reward_model, update: 
                                                tokenizer, task.reward_tokenizer)
             if args.missing_eos_penalty:  # as in training
                 proxy = torch.where(contains_eos, proxy, args.penalty_reward_value)
-            ref_logprobs = common.response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
-                                                    args.temperature)
-            greedy_ref_logprobs = common.response_logprobs(ref_policy, query_ids, query_mask, greedy, lengths, 1.0)
-            greedy_mask = common.response_mask(lengths, greedy.shape[1])
-            totals["ref_nll"] -= common.masked_sum(greedy_ref_logprobs, greedy_mask).sum().item()
+            if ref_policy is not None:
+                ref_logprobs = common.response_logprobs(ref_policy, query_ids, query_mask, sampled, sampled_lengths,
+                                                        args.temperature)
+                greedy_ref_logprobs = common.response_logprobs(ref_policy, query_ids, query_mask, greedy, lengths, 1.0)
+                greedy_mask = common.response_mask(lengths, greedy.shape[1])
+                totals["ref_nll"] -= common.masked_sum(greedy_ref_logprobs, greedy_mask).sum().item()
+                totals["kl"] += common.masked_sum(logprobs - ref_logprobs, mask).sum().item()
             totals["proxy_score"] += proxy.sum().item()
-            totals["kl"] += common.masked_sum(logprobs - ref_logprobs, mask).sum().item()
             totals["num_eos_tokens"] += contains_eos.float().sum().item()
             totals["response_length"] += lengths.float().sum().item()
     counts = torch.tensor([float(len(rows))] + list(totals.values()), dtype=torch.float64, device=policy.device)
     torch.distributed.all_reduce(counts)
     means = {name: value / counts[0].item() for name, value in zip(totals, counts[1:].tolist())}
-    # per token over every completion's tokens (not a mean of per-completion perplexities)
-    means["ref_perplexity"] = math.exp(means.pop("ref_nll") / max(means["response_length"], 1e-9))
+    if ref_policy is not None:  # per token over every completion's tokens (not a mean of per-completion ones)
+        means["ref_perplexity"] = math.exp(means.pop("ref_nll") / max(means["response_length"], 1e-9))
     return {f"eval/{name}": value for name, value in means.items()}

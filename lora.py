@@ -52,16 +52,18 @@ def with_lora(model, args, task_type: str):
                     "all-linear)")
 
 
-def load_policy(args, dtype):
+def load_policy(args, dtype, reference: bool = True):
     """The policy to train and its frozen reference, both --model_name_or_path with dropout off. With
     --use_peft the policy carries a LoRA adapter and the reference is None: the same model with the adapter
-    switched off (reference_policy), not a second copy in memory."""
+    switched off (reference_policy), not a second copy in memory. Without `reference` no copy is loaded."""
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     common.disable_dropout(policy)  # before the adapter: --lora_dropout stays as given
     if args.use_peft:
         return with_lora(policy, args, "CAUSAL_LM"), None
+    if not reference:
+        return policy, None
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
     common.disable_dropout(ref_policy)
     return policy, ref_policy

@@ -10,7 +10,8 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("online_dpo.py", "online_dpo_vllm.py", "ppo.py", "rloo.py", "bok.py", "rloo_vllm.py", "ppo_vllm.py")
+SCRIPTS = ("online_dpo.py", "online_dpo_vllm.py", "ppo.py", "rloo.py", "bok.py", "rloo_vllm.py", "ppo_vllm.py",
+           "grpo.py")
 # a short run: 16 prompts per update, a small evaluation
 QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--eval_num_prompts", "32",
          "--local_rollout_forward_batch_size", "32"]

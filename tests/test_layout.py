@@ -7,8 +7,9 @@ import sys
 
 from scripts import ROOT, environment
 
-KIT_MODULES = ("common", "data", "vllm_generator", "math_reward", "online_dpo", "online_dpo_vllm", "ppo",
-               "ppo_vllm", "rloo", "rloo_vllm", "bok", "sft", "reward_model", "eval_checkpoints")
+KIT_MODULES = ("cli", "common", "data", "evaluation", "lora", "vllm_generator", "math_reward", "online_dpo",
+               "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "sft", "reward_model",
+               "eval_checkpoints")
 
 
 def modules_after_import(*names: str) -> set[str]:
@@ -20,7 +21,8 @@ def modules_after_import(*names: str) -> set[str]:
 
 
 def test_the_synchronous_scripts_import_no_vllm_code():
-    loaded = modules_after_import("online_dpo", "ppo", "rloo", "bok", "sft", "reward_model", "eval_checkpoints")
+    loaded = modules_after_import("online_dpo", "ppo", "rloo", "bok", "grpo", "sft", "reward_model",
+                                  "eval_checkpoints")
     assert {"common", "data"} <= loaded
     assert not {name for name in loaded if name == "vllm_generator" or name.split(".")[0] == "vllm"}
 

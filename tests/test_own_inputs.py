@@ -9,7 +9,7 @@ import pytest
 from own_inputs import build, case_argv, cases
 from scripts import assert_trained_policy_saved, read_metrics, run_script
 
-SYNC_SCRIPTS = ["online_dpo.py", "ppo.py", "rloo.py", "bok.py"]
+SYNC_SCRIPTS = ["online_dpo.py", "ppo.py", "rloo.py", "bok.py", "grpo.py"]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from scripts import QUICK, SCRIPTS, assert_trained_policy_saved, read_metrics, r
 import common
 import toy
 
-NEEDS_PAIRS = {"online_dpo.py", "online_dpo_vllm.py", "rloo.py", "bok.py", "rloo_vllm.py"}  # k >= 2 per prompt
+# k >= 2 per prompt
+NEEDS_PAIRS = {"online_dpo.py", "online_dpo_vllm.py", "rloo.py", "bok.py", "rloo_vllm.py", "grpo.py"}
 # a fault mid-run goes through the same common code in every loop: the vLLM scripts other than the first
 # (each run starts an engine) are left out of those tests
 MID_RUN = ("online_dpo.py", "online_dpo_vllm.py", "ppo.py", "rloo.py", "bok.py")
@@ -70,6 +71,18 @@ def bad_input_cases(script, folder):
         cases.append((["--num_samples", "1"], "--num_samples must be at least 2"))
     if script in HAS_LOSS_TYPE:
         cases.append((["--loss_type", "hinge"], "invalid choice 'hinge' for argument '--loss_type'"))
+    if script == "grpo.py":
+        cases += [
+            (["--loss_type", "cispo"],
+             "--loss_type cispo caps the ratio itself at --epsilon_high, which must be above 1"),
+            (["--loss_type", "ppo"], "invalid choice 'ppo' for argument '--loss_type'"),
+            (["--epsilon", "1.5"], "--epsilon must be in (0, 1)"),
+            (["--epsilon_high", "0"], "--epsilon_high must be positive"),
+            (["--delta", "1.1"],
+             "--delta caps the unclipped ratio above its clip, so it must exceed 1 + epsilon_high = 1.2"),
+            (["--beta", "-0.1"], "--beta must be 0 or positive, got -0.1"),
+            (["--soft_punish_cache", "12"], "--soft_punish_cache 12 must be below --response_length 12"),
+        ]
     if script.startswith(("rloo", "ppo")):
         cases.append((["--decoupled_weight_cap", "0"], "--decoupled_weight_cap must be positive"))
     if script.endswith("_vllm.py"):

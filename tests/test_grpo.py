@@ -1,0 +1,110 @@
+"""grpo.py: every loss type, the clipping variants, GSPO's sequence ratio, the KL estimators, the entropy
+bonus and the advantages against numbers computed by hand on a tiny batch (two prompts of k=2, completions
+of 3, 1, 2 and 3 tokens, the first truncated). The script's bad flags: test_reliability.py."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common
+import grpo
+
+PAD = common.INVALID_LOGPROB
+# rows 0-1: prompt 1, rows 2-3: prompt 2; row 0 has no stop token (truncated at 3 tokens)
+MASK = torch.tensor([[1.0, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
+NEW = torch.tensor([[-0.5, -1.0, -2.0], [-0.3, PAD, PAD], [-1.0, -1.5, PAD], [-0.2, -0.4, -0.6]])
+LOG_RATIO = torch.tensor([[math.log(1.5), math.log(0.5), 0.0], [math.log(1.5), 0, 0], [0, 0, 0], [0, 0, 0]])
+ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5])
+# token level, clip [0.8, 1.2]: row 0 -> -1.2 (clipped), -0.5, -1; row 1 (A < 0) -> 1.5; row 2 -> -0.5, -0.5;
+# row 3 -> 0.5 x 3. Sums per row -2.7, 1.5, -1.0, 1.5: -0.7 over 9 tokens.
+
+
+def loss_of(mask=MASK, new=NEW, step_tokens=9.0, ref=None, entropy=None, **overrides):
+    args = SimpleNamespace(**{"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "delta": None,
+                              "importance_sampling_level": "token", "beta": 0.0, "kl_estimator": "k3",
+                              "entropy_coef": 0.0, "response_length": 3, **overrides})
+    return grpo.policy_loss(new, new - LOG_RATIO, ADVANTAGES, mask, args, step_tokens, ref, entropy)[0].item()
+
+
+@pytest.mark.parametrize(("loss_type", "expected"), [
+    ("grpo", (-2.7 / 3 + 1.5 - 1.0 / 2 + 1.5 / 3) / 4),  # each row's mean, then their mean: 0.15
+    ("bnpo", -0.7 / 9),  # over the micro-batch's 9 tokens
+    ("dr_grpo", -0.7 / (4 * 3)),  # over rows x --response_length
+    ("dapo", -0.7 / 9),  # over the step's tokens (here this micro-batch's)
+])
+def test_each_loss_type_averages_the_token_losses_as_it_says(loss_type, expected):
+    assert loss_of(loss_type=loss_type) == pytest.approx(expected, abs=1e-6)
+
+
+def test_dapo_divides_by_the_whole_steps_tokens_not_the_micro_batchs():
+    assert loss_of(step_tokens=18.0) == pytest.approx(-0.7 / 18, abs=1e-6)
+
+
+@pytest.mark.parametrize(("loss_type", "expected"), [
+    ("grpo", (0.0 + 1.5 - 0.5 + 0.5) / 4),  # the truncated row counts as 0 in the mean over rows
+    ("bnpo", 2.0 / 6), ("dr_grpo", 2.0 / 12), ("dapo", 2.0 / 6),
+])
+def test_masking_the_truncated_completion_drops_its_tokens(loss_type, expected):
+    mask = MASK * torch.tensor([0.0, 1, 1, 1])[:, None]  # what --mask_truncated_completions makes
+    assert loss_of(mask=mask, step_tokens=6.0, loss_type=loss_type) == pytest.approx(expected, abs=1e-6)
+
+
+def test_clip_higher_two_sided_clipping_and_the_sequence_ratio():
+    # clip-higher 0.28: row 0's first token -1.28 instead of -1.2
+    assert loss_of(epsilon_high=0.28, loss_type="bnpo") == pytest.approx(-0.78 / 9, abs=1e-6)
+    # delta 1.4: row 1 (ratio 1.5, A = -1) pays 1.4, not 1.5
+    assert loss_of(delta=1.4, loss_type="dr_grpo") == pytest.approx(-0.8 / 12, abs=1e-6)
+    # GSPO: row 0's ratio is exp(mean log-ratio) = 0.75 ** (1/3) = 0.90856 on each of its tokens (inside the clip)
+    row0 = -3 * 0.75 ** (1 / 3)
+    assert loss_of(importance_sampling_level="sequence") == pytest.approx((row0 + 1.5 - 1.0 + 1.5) / 9, abs=1e-6)
+
+
+def test_cispo_is_reinforce_weighted_by_the_capped_ratio_with_no_gradient_through_it():
+    # -min(ratio, 1.3) * A * logp: row 0: 0.65 + 0.5 + 2.0; row 1: -0.39; row 2: 0.5 + 0.75; row 3: -0.6
+    assert loss_of(loss_type="cispo", epsilon_high=1.3) == pytest.approx(3.41 / 9, abs=1e-6)
+    new = NEW.clone().requires_grad_()
+    args = SimpleNamespace(loss_type="cispo", epsilon=0.2, epsilon_high=1.3, delta=None, beta=0.0,
+                           importance_sampling_level="token", entropy_coef=0.0, response_length=3)
+    grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
+    assert new.grad[0, 0].item() == pytest.approx(-1.3 / 9)  # the weight, not its derivative
+
+
+def test_the_clipped_tokens_get_no_gradient():
+    new = NEW.clone().requires_grad_()
+    args = SimpleNamespace(loss_type="bnpo", epsilon=0.2, epsilon_high=None, delta=None, beta=0.0,
+                           importance_sampling_level="token", entropy_coef=0.0, response_length=3)
+    grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
+    assert new.grad[0, 0].item() == 0  # ratio 1.5 > 1.2 with A > 0: clipped
+    assert new.grad[0, 1].item() == pytest.approx(-0.5 / 9)  # ratio 0.5, A = 1: d(-ratio A)/dlogp / 9
+
+
+@pytest.mark.parametrize(("estimator", "kl"), [
+    ("k1", -math.log(2)), ("k2", 0.5 * math.log(2) ** 2), ("k3", 2 - math.log(2) - 1)])
+def test_the_kl_penalty_adds_beta_times_the_estimator_per_token(estimator, kl):
+    ref = NEW.clone()
+    ref[2, 0] += math.log(2)  # one token where the reference is twice as likely: r = log 2
+    expected = (-0.7 + 0.1 * kl) / 9
+    assert loss_of(ref=ref, beta=0.1, kl_estimator=estimator, loss_type="bnpo") == pytest.approx(expected, abs=1e-6)
+
+
+def test_the_entropy_bonus_is_subtracted_averaged_as_the_loss():
+    entropy = torch.ones_like(NEW)
+    assert loss_of(entropy=entropy, entropy_coef=0.1, loss_type="bnpo") == pytest.approx(-0.7 / 9 - 0.1, abs=1e-6)
+
+
+def test_advantages_by_group_by_batch_and_unscaled(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor: None)  # one rank
+    monkeypatch.setattr(common, "local_device", lambda: torch.device("cpu"))
+    rewards = torch.tensor([1.0, 0.0, 2.0, 2.0])  # the second group all equal: no signal
+    assert grpo.group_advantages(rewards, 2, "none").tolist() == [0.5, -0.5, 0.0, 0.0]
+    group = grpo.group_advantages(rewards, 2, "group")
+    assert group.tolist() == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-4), -0.5 / (math.sqrt(0.5) + 1e-4), 0, 0])
+    batch_std = math.sqrt(((1 - 1.25) ** 2 + 1.25 ** 2 + 2 * 0.75 ** 2) / 3)  # all rewards, n - 1
+    assert grpo.group_advantages(rewards, 2, "batch").tolist() == pytest.approx(
+        [0.5 / (batch_std + 1e-4), -0.5 / (batch_std + 1e-4), 0, 0])
+
+
+def test_dapos_soft_overlong_punishment():
+    assert grpo.soft_overlong_punishment(torch.tensor([6, 7, 10]), 10, 4).tolist() == [0.0, -0.25, -1.0]
