@@ -68,7 +68,8 @@ def test_cispo_is_reinforce_weighted_by_the_capped_ratio_with_no_gradient_throug
     args = SimpleNamespace(loss_type="cispo", epsilon=0.2, epsilon_high=1.3, delta=None, beta=0.0,
                            importance_sampling_level="token", entropy_coef=0.0, response_length=3)
     grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
-    assert new.grad[0, 0].item() == pytest.approx(-1.3 / 9)  # the weight, not its derivative
+    # the capped weight, with no derivative of its own: also where the cap does not bind (ratio 0.5, logp -1)
+    assert new.grad[0, :2].tolist() == pytest.approx([-1.3 / 9, -0.5 / 9])
 
 
 def test_the_clipped_tokens_get_no_gradient():
