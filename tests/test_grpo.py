@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from scripts import assert_learns, read_metrics, run_script
 
 import common
 import grpo
@@ -109,3 +110,15 @@ def test_advantages_by_group_by_batch_and_unscaled(monkeypatch):
 
 def test_dapos_soft_overlong_punishment():
     assert grpo.soft_overlong_punishment(torch.tensor([6, 7, 10]), 10, 4).tolist() == [0.0, -0.25, -1.0]
+
+
+def test_grpo_learns_the_toy_task_and_with_clip_higher_the_arithmetic(tmp_path):
+    """The default run's first 30 updates (dapo, no reference policy), and the arithmetic task with DAPO's
+    clip-higher: each gains far more than a broken loss could (measured: +0.55, and 0.34 -> 1.0)."""
+    run_script("--total_episodes", "960", "--eval_every", "30", "--output_dir", tmp_path / "toy", script="grpo.py")
+    assert_learns(tmp_path / "toy", min_gain=0.3)
+    assert not any("eval/kl" in m or "objective/kl" in m for m in read_metrics(tmp_path / "toy"))  # beta 0
+    run_script("--preset", "toy-math", "--epsilon_high", "0.28", "--eval_every", "16",
+               "--output_dir", tmp_path / "math", script="grpo.py")
+    accuracy = [m["eval/accuracy"] for m in read_metrics(tmp_path / "math") if "eval/accuracy" in m]
+    assert accuracy[0] < 0.5 and accuracy[-1] >= 0.8, accuracy
