@@ -215,7 +215,7 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
     if args.delta is not None and args.delta <= 1 + upper_clip(args):
         common.fail(f"--delta caps the unclipped ratio above its clip, so it must exceed 1 + epsilon_high = "
                     f"{1 + upper_clip(args):g}, got {args.delta}")
-    if args.soft_punish_cache >= args.response_length:
+    if args.soft_punish_cache and args.soft_punish_cache >= args.response_length:
         common.fail(f"--soft_punish_cache {args.soft_punish_cache} must be below --response_length "
                     f"{args.response_length}")
     return common.batch_sizes(args, world_size)
