@@ -29,7 +29,8 @@ SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "
            "bok.py": bok, "grpo.py": grpo}
 ALL_PRESETS = [(script, name) for script, module in SCRIPTS.items() for name in cli.presets(module.Args)]
 TLDR_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("tldr-")]
-GSM8K_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("gsm8k-")]
+GSM8K_PRESETS = [(script, name) for script, name in ALL_PRESETS
+                 if name.startswith("gsm8k-") and script != "grpo.py"]  # the reference's math runs
 PIPELINE_SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model}
 PIPELINE_PRESETS = [(script, name) for script, module in PIPELINE_SCRIPTS.items()
                     for name in cli.presets(module.Args)]
@@ -59,7 +60,7 @@ def test_the_paper_runs_are_all_there():
                                              "chatbot-llama3.1-8b-sync-8gpu"])
     assert names(ppo) == names(rloo) == ["gsm8k-rho1b-1gpu", "tldr-410m-1gpu", "toy-math"]
     assert names(bok) == ["tldr-410m-1gpu", "toy-math"]
-    assert names(grpo) == ["toy-math"]
+    assert names(grpo) == ["gsm8k-qwen2.5-0.5b-1gpu", "gsm8k-rho1b-1gpu", "toy-math"]
     assert names(ppo_vllm) == names(rloo_vllm) == ["gsm8k-rho1b-1gpu", "tldr-410m-1gpu", "tldr-410m-async-4gpu",
                                                    "toy-math"]
 
@@ -130,6 +131,20 @@ def test_gsm8k_presets_carry_the_reference_settings(script, name):
         assert (batch_size, num_updates) == expected[8:]
     if script.endswith("_vllm.py") and algorithm != "online_dpo":  # vLLM on the training GPU
         assert (args.vllm_device, args.async_steps) == ("shared", 0)
+
+
+def test_grpo_gsm8k_presets_are_the_papers_math_setting_and_verls_qwen_baseline():
+    rho = parse(grpo, "--preset", "gsm8k-rho1b-1gpu")
+    assert (rho.model_name_or_path, rho.dataset_name, rho.reward_fn, rho.num_samples, rho.loss_type) == (
+        "realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k:main", "math_reward:gsm8k_reward", 8, "dapo")
+    assert rho.prompt_template.format(question="Q?") == "[MATH_TASK] Problem:\nQ?\n\nSolution:"
+    assert common.batch_sizes(rho, 1) == (64, 256)  # RLOO's math run: 64 prompts x 8 samples, 256 updates
+    qwen = parse(grpo, "--preset", "gsm8k-qwen2.5-0.5b-1gpu")
+    assert (qwen.model_name_or_path, qwen.chat_template, qwen.eval_split, qwen.answer_column) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", True, "test", "answer")
+    assert qwen.prompt_template.format(question="Q?") == (
+        'Q? Let\'s think step by step and output the final answer after "####".')
+    assert common.batch_sizes(qwen, 1) == (64, 116)
 
 
 def test_toy_math_presets_run_the_arithmetic_task():
