@@ -1,4 +1,4 @@
-"""The vLLM generator of the asynchronous scripts (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py):
+"""The vLLM generator of the asynchronous scripts (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py, grpo_vllm.py):
 everything they need that the synchronous scripts do not. Nothing here imports vLLM until an engine starts.
 
 - Placement: where the engine runs (its own cores or GPU, or the trainer's device, "shared"), decided

@@ -8,7 +8,8 @@ import sys
 from scripts import ROOT, environment
 
 KIT_MODULES = ("cli", "common", "data", "evaluation", "lora", "vllm_generator", "math_reward", "online_dpo",
-               "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "sft", "reward_model",
+               "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm", "sft",
+               "reward_model",
                "eval_checkpoints")
 
 

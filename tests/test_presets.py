@@ -15,6 +15,7 @@ import cli
 import common
 import eval_checkpoints
 import grpo
+import grpo_vllm
 import online_dpo
 import online_dpo_vllm
 import ppo
@@ -26,7 +27,7 @@ import sft
 
 SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "ppo.py": ppo, "rloo.py": rloo,
            "rloo_vllm.py": rloo_vllm, "ppo_vllm.py": ppo_vllm,
-           "bok.py": bok, "grpo.py": grpo}
+           "bok.py": bok, "grpo.py": grpo, "grpo_vllm.py": grpo_vllm}
 ALL_PRESETS = [(script, name) for script, module in SCRIPTS.items() for name in cli.presets(module.Args)]
 TLDR_PRESETS = [(script, name) for script, name in ALL_PRESETS if name.startswith("tldr-")]
 GSM8K_PRESETS = [(script, name) for script, name in ALL_PRESETS
@@ -61,6 +62,7 @@ def test_the_paper_runs_are_all_there():
     assert names(ppo) == names(rloo) == ["gsm8k-rho1b-1gpu", "tldr-410m-1gpu", "toy-math"]
     assert names(bok) == ["tldr-410m-1gpu", "toy-math"]
     assert names(grpo) == ["gsm8k-qwen2.5-0.5b-1gpu", "gsm8k-rho1b-1gpu", "toy-math"]
+    assert names(grpo_vllm) == ["toy-math"]
     assert names(ppo_vllm) == names(rloo_vllm) == ["gsm8k-rho1b-1gpu", "tldr-410m-1gpu", "tldr-410m-async-4gpu",
                                                    "toy-math"]
 

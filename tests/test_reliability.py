@@ -11,7 +11,7 @@ import common
 import toy
 
 # k >= 2 per prompt
-NEEDS_PAIRS = {"online_dpo.py", "online_dpo_vllm.py", "rloo.py", "bok.py", "rloo_vllm.py", "grpo.py"}
+NEEDS_PAIRS = {"online_dpo.py", "online_dpo_vllm.py", "rloo.py", "bok.py", "rloo_vllm.py", "grpo.py", "grpo_vllm.py"}
 # a fault mid-run goes through the same common code in every loop: the vLLM scripts other than the first
 # (each run starts an engine) are left out of those tests
 MID_RUN = ("online_dpo.py", "online_dpo_vllm.py", "ppo.py", "rloo.py", "bok.py")
@@ -71,7 +71,7 @@ def bad_input_cases(script, folder):
         cases.append((["--num_samples", "1"], "--num_samples must be at least 2"))
     if script in HAS_LOSS_TYPE:
         cases.append((["--loss_type", "hinge"], "invalid choice 'hinge' for argument '--loss_type'"))
-    if script == "grpo.py":
+    if script.startswith("grpo"):
         cases += [
             (["--loss_type", "cispo"],
              "--loss_type cispo caps the ratio itself at --epsilon_high, which must be above 1"),

