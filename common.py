@@ -600,6 +600,21 @@ def rollout_rewards(reward_model, rollout: Rollout, prompt_rows: dict, task: Tas
                      rollout.responses, rollout.lengths, rollout.contains_eos)
 
 
+def groups_with_signal(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(prompts,) whether each group of k adjacent rewards (N,) holds two different ones: a group of equal
+    rewards has advantage 0 everywhere and teaches a group-baseline method nothing."""
+    per_prompt = scores.view(-1, k)
+    return per_prompt.amax(dim=1) > per_prompt.amin(dim=1)
+
+
+def groups_to_train(has_signal: torch.Tensor, size: int) -> torch.Tensor:
+    """(size,) the groups that DAPO's dynamic sampling trains on, of those sampled (has_signal: (groups,)
+    bools, in sampling order): the first `size` with unequal rewards; when there are fewer, the first groups
+    of equal rewards fill the rest."""
+    order = torch.cat([torch.nonzero(has_signal).flatten(), torch.nonzero(~has_signal).flatten()])
+    return order[:size].sort().values
+
+
 def check_rewards(scores: torch.Tensor, update: int):
     """Stop every rank, keeping the last complete checkpoint, when the reward is NaN or infinite."""
     bad = torch.tensor([float((~torch.isfinite(scores)).sum()), float(len(scores))], device=scores.device)

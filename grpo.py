@@ -6,11 +6,12 @@ A copy of rloo.py with the algorithm changed (`diff rloo.py grpo.py`); ALGORITHM
 
     python grpo.py                                         # toy task, one CPU process
     python grpo.py --loss_type dr_grpo --scale_rewards none   # Dr. GRPO
-    python grpo.py --preset toy-math --epsilon_high 0.28   # the arithmetic task, DAPO's clip-higher
+    python grpo.py --preset toy-math                       # the arithmetic task as DAPO: clip-higher, dynamic sampling
     deepspeed --num_gpus 2 grpo.py                         # two ranks (CPU: add --bind_cores_to_rank)
 """
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 import cli
 import common
@@ -110,6 +112,13 @@ class Args:
     """token: a ratio per token; sequence (GSPO): one per completion, exp of the mean per-token log-ratio"""
     mask_truncated_completions: bool = False
     """completions with no stop token leave the loss (their rewards still count in their group's baseline)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the groups whose k rewards are all equal (advantage 0: they teach nothing)
+    and sample more prompts, with the same weights, until the batch is full of groups with unequal rewards
+    (dynamic_sampling/* metrics; the prompts drawn and dropped are used up, as in DAPO)"""
+    max_sampling_rounds: int = 8
+    """with --dynamic_sampling, the most batches of prompts sampled for one update; when they hold too few
+    groups with unequal rewards, groups with equal ones fill the rest of the batch (dynamic_sampling/unfilled)"""
     soft_punish_cache: int = 0
     """DAPO's soft overlong punishment: completions longer than --response_length - this many tokens lose up
     to 1 reward, linearly (0: off)"""
@@ -206,6 +215,8 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
         common.fail(f"--epsilon must be in (0, 1): the ratio is clipped below at 1 - epsilon, "
                     f"got {args.epsilon}")
     common.check_signs(args, (), ("beta", "entropy_coef", "soft_punish_cache"))
+    if args.max_sampling_rounds < 1:
+        common.fail(f"--max_sampling_rounds must be at least 1 (the batch itself), got {args.max_sampling_rounds}")
     if args.loss_type == "cispo" and (args.epsilon_high is None or args.epsilon_high <= 1):
         common.fail(f"--loss_type cispo caps the ratio itself at --epsilon_high, which must be above 1 (e.g. 5.0), "
                     f"got {args.epsilon_high}")
@@ -241,6 +252,64 @@ def group_advantages(rewards: torch.Tensor, k: int, scale_rewards: str) -> torch
         count, total, squares = sums.tolist()
         advantages = advantages / (math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) + 1e-4)
     return advantages.flatten()
+
+
+def final_scores(reward_model, rollout: common.Rollout, prompt_rows: dict, task: common.Task, args,
+                 update: int) -> torch.Tensor:
+    """(N,) the rewards that make the advantages: the reward model's score or --reward_fn's value, then the
+    missing-EOS penalty, then DAPO's soft overlong punishment."""
+    scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)
+    if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
+    if args.soft_punish_cache:
+        scores = scores + soft_overlong_punishment(rollout.lengths, args.response_length, args.soft_punish_cache)
+    return scores
+
+
+def sample_round(policy, reward_model, task: common.Task, sampler, args, update: int):
+    """The sampler's next prompts, k samples each, truncated after the first stop token, and their rewards:
+    (prompt_rows {column: values}, rollout, scores (N,))."""
+    prompt_rows = task.train_prompts[sampler.next_indices()]
+    # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
+    query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], args.num_samples,
+                                                               args, task)
+    rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+    return prompt_rows, rollout, final_scores(reward_model, rollout, prompt_rows, task, args, update)
+
+
+def fill_with_signal(first_round, next_round, args, task: common.Task):
+    """DAPO's dynamic sampling: to the round `first_round` (prompt_rows, rollout, scores), add rounds of
+    next_round() until they hold as many groups with unequal rewards as the batch has prompts (on every rank:
+    all ranks sample as many rounds, generate being collective under ZeRO-3), or --max_sampling_rounds; the
+    batch is then common.groups_to_train of them. Returns the batch as a round, and dynamic_sampling/*."""
+    rounds, k, size = [first_round], args.num_samples, len(first_round[0]["input_ids"])
+    while True:
+        has_signal = torch.cat([common.groups_with_signal(scores, k) for _, _, scores in rounds])  # (groups,)
+        shortfall = torch.tensor(float(max(size - has_signal.sum().item(), 0)), device=common.local_device())
+        torch.distributed.all_reduce(shortfall, torch.distributed.ReduceOp.MAX)
+        if shortfall.item() == 0 or len(rounds) == args.max_sampling_rounds:
+            break
+        rounds.append(next_round())
+    groups = common.groups_to_train(has_signal, size)  # (B,)
+    rows = (groups[:, None] * k + torch.arange(k)).flatten()  # (N,)
+    pad = task.tokenizer.pad_token_id
+    prompt_width = max(rollout.query_ids.shape[1] for _, rollout, _ in rounds)
+    response_width = max(rollout.responses.shape[1] for _, rollout, _ in rounds)
+    query_ids = torch.cat([F.pad(r.query_ids, (prompt_width - r.query_ids.shape[1], 0), value=pad)
+                           for _, r, _ in rounds])
+    query_mask = torch.cat([F.pad(r.query_mask, (prompt_width - r.query_mask.shape[1], 0)) for _, r, _ in rounds])
+    responses = torch.cat([F.pad(r.responses, (0, response_width - r.responses.shape[1]), value=pad)
+                           for _, r, _ in rounds])
+    scores = torch.cat([scores for _, _, scores in rounds])
+    prompt_rows = {name: [value for rows_of_round, _, _ in rounds for value in rows_of_round[name]]
+                   for name in first_round[0]}
+    unfilled = (~has_signal[groups]).sum().item()
+    metrics = {"dynamic_sampling/rounds": len(rounds),
+               "dynamic_sampling/dropped_groups": (~has_signal).sum().item() - unfilled,
+               "dynamic_sampling/unfilled": unfilled,
+               "dynamic_sampling/sampled_scores": scores.mean().item()}
+    return ({name: [values[g] for g in groups.tolist()] for name, values in prompt_rows.items()},
+            common.truncate_rollout(query_ids[rows], query_mask[rows], responses[rows], task), scores[rows], metrics)
 
 
 def soft_overlong_punishment(lengths: torch.Tensor, response_length: int, cache: int) -> torch.Tensor:
@@ -348,22 +417,19 @@ def main(args: Args):
     mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
-        # Rollout: k samples per prompt, then the details in order: truncate after the first stop
-        # token, reference log-probs (with --beta), the reward at the last real token, the missing-EOS
-        # penalty, DAPO's soft overlong punishment.
+        # Rollout: k samples per prompt, truncated after the first stop token, and their rewards (with
+        # --dynamic_sampling, more rounds until the groups with unequal rewards fill the batch); then
+        # the reference log-probs (with --beta) and the sampling weights' log-probs.
         t0 = time.time()
-        prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
-        # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
-        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task)
+        prompt_rows, rollout, scores = sample_round(policy, reward_model, task, sampler, args, update)
+        sampling_metrics = {}
+        if args.dynamic_sampling:
+            prompt_rows, rollout, scores, sampling_metrics = fill_with_signal(
+                (prompt_rows, rollout, scores),
+                functools.partial(sample_round, policy, reward_model, task, sampler, args, update), args, task)
         t1 = time.time()
-        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
-        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args) if args.beta else None  # (N, R)
-        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
-        if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
-            scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
-        if args.soft_punish_cache:
-            scores = scores + soft_overlong_punishment(rollout.lengths, args.response_length, args.soft_punish_cache)
         common.check_rewards(scores, update)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args) if args.beta else None  # (N, R)
         logprobs = common.rollout_logprobs(policy, rollout, args, args.top_p)  # (N, R) the sampling weights'
 
         # Advantages: each reward against its group's; the tokens that count in the loss.
@@ -421,7 +487,8 @@ def main(args: Args):
             # groups whose k rewards are all equal: their advantages are 0, they teach nothing
             "objective/zero_std_groups": (scores.view(-1, k).std(dim=1) == 0).float().mean().item(),
             **rollout_stats,
-            "time/generate": t1 - t0,
+            **sampling_metrics,
+            "time/generate": t1 - t0,  # and the rewards
             "time/score": t2 - t1,
             "time/train": t3 - t2,
         })

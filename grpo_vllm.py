@@ -113,6 +113,15 @@ class Args:
     """token: a ratio per token; sequence (GSPO): one per completion, exp of the mean per-token log-ratio"""
     mask_truncated_completions: bool = False
     """completions with no stop token leave the loss (their rewards still count in their group's baseline)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the groups whose k rewards are all equal (advantage 0: they teach nothing)
+    and sample more prompts, with the same weights, until the batch is full of groups with unequal rewards
+    (dynamic_sampling/* metrics; the prompts drawn and dropped are used up, as in DAPO). The engine's process
+    scores each round (with a copy of the reward model on its device, or --reward_fn) and samples the further
+    prompts; the trainer takes its rewards"""
+    max_sampling_rounds: int = 8
+    """with --dynamic_sampling, the most batches of prompts sampled for one update; when they hold too few
+    groups with unequal rewards, groups with equal ones fill the rest of the batch (dynamic_sampling/unfilled)"""
     soft_punish_cache: int = 0
     """DAPO's soft overlong punishment: completions longer than --response_length - this many tokens lose up
     to 1 reward, linearly (0: off)"""
@@ -252,6 +261,8 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
         common.fail(f"--epsilon must be in (0, 1): the ratio is clipped below at 1 - epsilon, "
                     f"got {args.epsilon}")
     common.check_signs(args, (), ("beta", "entropy_coef", "soft_punish_cache"))
+    if args.max_sampling_rounds < 1:
+        common.fail(f"--max_sampling_rounds must be at least 1 (the batch itself), got {args.max_sampling_rounds}")
     if args.loss_type == "cispo" and (args.epsilon_high is None or args.epsilon_high <= 1):
         common.fail(f"--loss_type cispo caps the ratio itself at --epsilon_high, which must be above 1 (e.g. 5.0), "
                     f"got {args.epsilon_high}")
@@ -287,6 +298,18 @@ def group_advantages(rewards: torch.Tensor, k: int, scale_rewards: str) -> torch
         count, total, squares = sums.tolist()
         advantages = advantages / (math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) + 1e-4)
     return advantages.flatten()
+
+
+def final_scores(reward_model, rollout: common.Rollout, prompt_rows: dict, task: common.Task, args,
+                 update: int) -> torch.Tensor:
+    """(N,) the rewards that make the advantages: the reward model's score or --reward_fn's value, then the
+    missing-EOS penalty, then DAPO's soft overlong punishment."""
+    scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)
+    if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
+        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
+    if args.soft_punish_cache:
+        scores = scores + soft_overlong_punishment(rollout.lengths, args.response_length, args.soft_punish_cache)
+    return scores
 
 
 def soft_overlong_punishment(lengths: torch.Tensor, response_length: int, cache: int) -> torch.Tensor:
@@ -391,7 +414,8 @@ def main(args: Args):
     # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them.
-    generator = vllm_generator.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples)
+    generator = vllm_generator.AsyncGenerator(args, task, sampler, state, num_updates, args.num_samples,
+                                              final_scores if args.dynamic_sampling else None)
     if state.update == 0 and args.eval_every:
         logger.log_evaluation(0, 0, evaluation.evaluate(args, task, policy, ref_policy, reward_model, 0))
     generator.wait_for_engine()
@@ -411,11 +435,10 @@ def main(args: Args):
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args) if args.beta else None  # (N, R)
-        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
-        if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
-            scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
-        if args.soft_punish_cache:
-            scores = scores + soft_overlong_punishment(rollout.lengths, args.response_length, args.soft_punish_cache)
+        if args.dynamic_sampling:  # the engine's process scored every round to choose the groups
+            scores = batch["scores"].to(policy.device)  # (N,)
+        else:
+            scores = final_scores(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
         common.check_rewards(scores, update)
         # (N, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
         # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
@@ -467,8 +490,8 @@ def main(args: Args):
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
         ratios = torch.cat(stats.pop("ratio"))
         stats = {name: sum(values) / len(values) for name, values in stats.items() if values}
-        # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
-        state.update, state.episode, state.data_position = update, state.episode + batch_size, update
+        # the generator has drawn ahead; the prompts drawn up to this batch (several rounds with --dynamic_sampling)
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, batch["data_position"]
         rollout_stats = common.rollout_metrics(args, rollout, logprobs, None, scores)
         if args.beta:
             rollout_stats["objective/kl"] = common.masked_sum(logprobs - ref_logprobs, rollout.mask).mean().item()

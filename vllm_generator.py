@@ -14,6 +14,7 @@ everything they need that the synchronous scripts do not. Nothing here imports v
 import atexit
 import collections
 import contextlib
+import dataclasses
 import datetime
 import functools
 import itertools
@@ -27,6 +28,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 import common
@@ -546,11 +548,11 @@ def check_async_args(args, world_size: int):
 ENGINE_STARTED = {"engine": "started"}  # the generator process's first message (errors are text)
 
 
-def row_seeds(seed: int, update: int, rows: range) -> list[int]:
-    """The sampling seeds of rows `rows` of the global batch of `update`. They depend on (seed, update, row)
-    alone: the samples do not depend on how vLLM batches them, on a resume, nor on how many engines
-    share the batch."""
-    rng = random.Random(seed * 1_000_003 + update)
+def row_seeds(seed: int, update: int, rows: range, sampling_round: int = 0) -> list[int]:
+    """The sampling seeds of rows `rows` of the global batch of `update` (and of its further rounds of prompts,
+    with --dynamic_sampling). They depend on (seed, update, round, row) alone: the samples do not depend on
+    how vLLM batches them, on a resume, nor on how many engines share the batch."""
+    rng = random.Random(seed * 1_000_003 + update if sampling_round == 0 else f"{seed}/{update}/{sampling_round}")
     return [rng.getrandbits(63) for _ in range(rows.stop)][rows.start:]
 
 
@@ -613,6 +615,72 @@ class GeneratorJob:
     released: object  # queue: the shared buffers handed back once loaded
     batches: object  # queue: ENGINE_STARTED, then each batch, or the error that stopped the process, as text
     requests: object | None  # queue: the updates whose batch the trainer asks for (an engine on its device)
+    # --dynamic_sampling: the script's final_scores(reward_model, rollout, prompt_rows, task, args, update), and
+    # its task without what does not cross processes (the reward function, evaluation)
+    score: object | None = None
+    task: common.Task | None = None
+
+
+def engine_share(indices: list[int], engine: tuple[int, int]) -> list[int]:
+    """The share of a global batch's prompts that engine (index, engines) samples."""
+    index, engines = engine
+    return indices[index * len(indices) // engines:(index + 1) * len(indices) // engines]
+
+
+def group_scorer(job: GeneratorJob, device):
+    """--dynamic_sampling in the generator process: a function (batch, update) -> (N,) rewards of the batch's
+    rows, as the trainer computes them (job.score), with the run's reward model (a copy on `device`) or
+    --reward_fn."""
+    args = job.args
+    reward_fn = data.load_reward_function(args.reward_fn) if args.reward_fn else None
+    task = dataclasses.replace(job.task, reward_fn=reward_fn)
+    reward_model = None
+    if not args.reward_fn:
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        reward_model = data.load_reward_model(args.reward_model_path, dtype).to(device).eval()
+
+    @torch.no_grad()
+    def score(batch: dict, update: int) -> torch.Tensor:
+        query_ids, query_mask = common.left_pad(batch["queries"], job.pad_token_id, device)
+        responses = torch.from_numpy(batch["responses"]).to(device)
+        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
+        return job.score(reward_model, rollout, task.train_prompts[batch["prompt_indices"]], task, args, update).cpu()
+
+    return score
+
+
+def fill_with_signal(job: GeneratorJob, llm, batch: dict, update: int, score) -> dict:
+    """DAPO's dynamic sampling: to `batch` (its first round), add rounds of this engine's share of the
+    sampler's next global batches, sampled with the same weights, until they hold as many groups with unequal
+    rewards as the batch had prompts, or --max_sampling_rounds; the batch is then common.groups_to_train of
+    them, with their rewards ("scores") and dynamic_sampling/* in its metrics."""
+    args, k, size, t0 = job.args, job.num_samples, len(batch["prompt_indices"]), time.time()
+    rounds = [{**batch, "scores": score(batch, update)}]
+    has_signal = common.groups_with_signal(rounds[0]["scores"], k)  # (groups,)
+    while has_signal.sum().item() < size and len(rounds) < args.max_sampling_rounds:
+        indices = engine_share(job.sampler.next_indices(), job.engine)
+        queries = [job.prompts[i] for i in indices for _ in range(k)]
+        rows = range(job.engine[0] * len(queries), (job.engine[0] + 1) * len(queries))  # in the global batch
+        responses, logprobs = vllm_generate(llm, queries, row_seeds(args.seed, update, rows, len(rounds)), args,
+                                            job.eos_ids, job.pad_token_id)
+        extra = {"prompt_indices": indices, "queries": queries, "responses": responses.numpy(),
+                 "logprobs": logprobs.numpy()}
+        rounds.append({**extra, "scores": score(extra, update)})
+        has_signal = torch.cat([has_signal, common.groups_with_signal(rounds[-1]["scores"], k)])
+    groups = common.groups_to_train(has_signal, size).tolist()
+    rows = [group * k + sample for group in groups for sample in range(k)]
+    prompt_indices = [index for r in rounds for index in r["prompt_indices"]]
+    queries = [query for r in rounds for query in r["queries"]]
+    scores = torch.cat([r["scores"] for r in rounds])
+    unfilled = (~has_signal[groups]).sum().item()
+    metrics = {"dynamic_sampling/rounds": len(rounds),
+               "dynamic_sampling/dropped_groups": (~has_signal).sum().item() - unfilled,
+               "dynamic_sampling/unfilled": unfilled,
+               "dynamic_sampling/sampled_scores": scores.mean().item(),
+               "time/dynamic_sampling": time.time() - t0}  # scoring every round, sampling the further ones
+    return {**batch, "prompt_indices": [prompt_indices[g] for g in groups], "queries": [queries[r] for r in rows],
+            **{name: numpy.concatenate([r[name] for r in rounds])[rows] for name in ("responses", "logprobs")},
+            "scores": scores[rows].numpy(), "metrics": {**batch["metrics"], **metrics}}
 
 
 def generate_ahead(job: GeneratorJob):
@@ -660,6 +728,7 @@ def generate_ahead(job: GeneratorJob):
             module.do_not_compile = True
         checked = one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
         receiver = WeightReceiver(args, job.placement, job.weight_port, sampling_policy, job.published, job.released)
+        score = group_scorer(job, sampling_policy.device) if job.score is not None else None
         loaded = 0  # the engine starts with the SFT weights, version 0
         if job.placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
             sleep_until(job.updates.start, llm, loaded, args, job.first_version)
@@ -683,20 +752,22 @@ def generate_ahead(job: GeneratorJob):
             if job.placement.sleeps_between_turns:
                 llm.wake_up(tags=["kv_cache"])
             weight_load = time.time() - t0
-            indices = job.sampler.next_indices()  # the global batch's prompts; this engine's share of them:
-            index, engines = job.engine
-            indices = indices[index * len(indices) // engines:(index + 1) * len(indices) // engines]
+            indices = engine_share(job.sampler.next_indices(), job.engine)  # of the global batch's prompts
             queries = [job.prompts[i] for i in indices for _ in range(job.num_samples)]
-            rows = range(index * len(queries), (index + 1) * len(queries))  # in the global batch
+            rows = range(job.engine[0] * len(queries), (job.engine[0] + 1) * len(queries))  # in the global batch
             batch = sample_batch(llm, sampling_policy, queries, row_seeds(args.seed, update, rows), update, args,
                                  job.eos_ids, job.pad_token_id)
             if version != loaded and "async/logprob_diff" in batch["metrics"]:  # and the layers it cannot see
                 check_engine_took_weights(batch["metrics"]["async/logprob_diff"], version, args)
+            batch["prompt_indices"] = indices
+            if score is not None:
+                batch = fill_with_signal(job, llm, batch, update, score)
             loaded = version
             if job.placement.sleeps_between_turns:
                 sleep_until(update + 1, llm, loaded, args, job.first_version)
             batch["metrics"]["time/weight_load"] = weight_load
-            job.batches.put({**batch, "prompt_indices": indices, "engine": job.engine, "version": version})
+            job.batches.put({**batch, "engine": job.engine, "version": version,
+                             "data_position": job.sampler.position})  # the global batches drawn so far
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         job.batches.put(f"{type(error).__name__}: {error}")
 
@@ -740,7 +811,7 @@ class AsyncGenerator:
     """
 
     def __init__(self, args, task: common.Task, sampler: data.PromptSampler, state: common.OnlineTrainerState,
-                 num_updates: int, num_samples: int):
+                 num_updates: int, num_samples: int, score=None):
         self.args, rank, world_size = args, torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.num_updates, self.num_samples = num_updates, num_samples
         engine_ranks = ranks_per_engine(args, world_size, os.environ)
@@ -756,7 +827,7 @@ class AsyncGenerator:
             common.fail(f"--resume: the checkpoint's sampled-ahead batches are engine {sampled_for[0]} of "
                         f"{sampled_for[1]}'s, and this rank's engine would be {self.engine[0]} of {self.engine[1]}: "
                         "resume with the nodes, ranks per node and engines per node of the interrupted run")
-        sampler.position = state.data_position + len(self.sampled_ahead)
+        sampler.position = self.sampled_ahead[-1]["data_position"] if self.sampled_ahead else state.data_position
         self.published = self.released = self.batches = self.requests = self.process = self.placement = None
         self.store = self.channel = None  # over NCCL
         self.shared, self.free_shared = {}, []  # SharedWeights by handle, and those the generator handed back
@@ -779,7 +850,8 @@ class AsyncGenerator:
                 args, self.placement, self.engine, task.train_prompts["input_ids"], sampler,
                 range(first_update, num_updates + 1), state.update, num_samples, task.eos_ids,
                 task.tokenizer.pad_token_id, self.store.port if self.store else 0, self.published, self.released,
-                self.batches, self.requests),))
+                self.batches, self.requests, score,
+                dataclasses.replace(task, reward_fn=None, eval_prompts=None, gold_score=None) if score else None),))
             atexit.register(self.stop)  # however the trainer exits
             common.STOP_BEFORE_FAILING.append(self.stop)
             if self.placement.takes_turns:  # on the trainer's GPU, it measures its memory before the trainer's
@@ -814,8 +886,8 @@ class AsyncGenerator:
             self.requests.put(self.requested)
         timeout = self.args.generator_timeout
         item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
-        return {**item, "responses": torch.from_numpy(item["responses"]),
-                "logprobs": torch.from_numpy(item["logprobs"])}
+        return {**item, **{name: torch.from_numpy(item[name]) for name in ("responses", "logprobs", "scores")
+                           if name in item}}
 
     def wait_for_engine(self):
         """Wait until the engine has started (it loads the model and warms up while the trainer sets up and
@@ -838,7 +910,8 @@ class AsyncGenerator:
             assert batch["update"] == update
             prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
             shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
-                       **{name: batch[name][r * rows:(r + 1) * rows] for name in ("queries", "responses", "logprobs")}}
+                       **{name: batch[name][r * rows:(r + 1) * rows]
+                          for name in ("queries", "responses", "logprobs", "scores") if name in batch}}
                       for r in range(torch.distributed.get_world_size(self.engine_group))]
         received = [None]
         torch.distributed.scatter_object_list(received, shares, group=self.engine_group, group_src=0)

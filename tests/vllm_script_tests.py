@@ -30,6 +30,7 @@ LEARNING_SCRIPTS = ("rloo_vllm.py", "ppo_vllm.py", "grpo_vllm.py")
 K1_RUN = {"online_dpo_vllm.py": ASYNC_QUICK,
           **{script: [*toy_run(script), "--eval_every", "5", "--logprob_check_every", "2"]
              for script in LEARNING_SCRIPTS}}
+K1_RUN["grpo_vllm.py"].append("--dynamic_sampling")  # the engine's process scores each round with the reward model
 # online DPO goes through every interruption; RLOO, PPO and GRPO, whose loops save and restore the same
 # state through the same code, through the kill while checkpoint 4 is written (it resumes from checkpoint 2,
 # with the batch sampled ahead of it)
