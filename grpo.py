@@ -430,7 +430,11 @@ def main(args: Args):
         t1 = time.time()
         common.check_rewards(scores, update)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args) if args.beta else None  # (N, R)
-        logprobs = common.rollout_logprobs(policy, rollout, args, args.top_p)  # (N, R) the sampling weights'
+        orders = [torch.randperm(local_batch_size) for _ in range(args.num_epochs)]  # (B,) prompts, shuffled
+        # (N, R) the sampling weights' log-probs, the ratios' denominator: the first optimizer step's forward
+        # computes them for its rows (under the same weights); one forward here for every other row
+        first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
+        logprobs = common.logprobs_not_trained_first(policy, rollout, args, first_rows)
 
         # Advantages: each reward against its group's; the tokens that count in the loss.
         advantages = group_advantages(scores, k, args.scale_rewards)  # (N,)
@@ -443,9 +447,8 @@ def main(args: Args):
         # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
         # micro-batches of per_device_train_batch_size prompts with all their k samples.
         stats = {name: [] for name in ("loss", "clipfrac", "entropy", "ratio")}
-        for _ in range(args.num_epochs):
-            order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
-            for mini_batch in order.split(mini_batch_size):
+        for epoch, order in enumerate(orders):
+            for step, mini_batch in enumerate(order.split(mini_batch_size)):
                 # dapo and cispo average over every completion token of the step (all micro-batches, all
                 # ranks); DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
                 # the ranks' gradients, so each micro-batch divides its sum by its share of that count
@@ -459,6 +462,8 @@ def main(args: Args):
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
                         rollout.lengths[rows], args.temperature, args.top_p, entropy=args.entropy_coef > 0)
                     new_logprobs, entropy = new_logprobs if args.entropy_coef else (new_logprobs, None)
+                    if epoch == step == 0:  # still the sampling weights
+                        logprobs[rows] = new_logprobs.detach()
                     loss, clipfrac, ratio = policy_loss(
                         new_logprobs, logprobs[rows], advantages[rows], mask[rows], args, step_tokens,
                         ref_logprobs[rows] if args.beta else None, entropy)

@@ -128,6 +128,9 @@ def test_grpo_learns_the_toy_task_and_with_dapo_the_arithmetic(tmp_path):
     run_script("--total_episodes", "960", "--eval_every", "30", "--output_dir", tmp_path / "toy", script="grpo.py")
     assert_learns(tmp_path / "toy", min_gain=0.3)
     assert not any("eval/kl" in m or "objective/kl" in m for m in read_metrics(tmp_path / "toy"))  # beta 0
+    # one epoch of one optimizer step: its own forward gave the sampling weights' log-probs, so every ratio is 1
+    train = [m for m in read_metrics(tmp_path / "toy") if "val/ratio" in m]
+    assert all(m["val/ratio"] == 1 and m["val/ratio_var"] == 0 and m["policy/clipfrac_avg"] == 0 for m in train)
     run_script("--preset", "toy-math", "--max_sampling_rounds", "2", "--eval_every", "16",
                "--output_dir", tmp_path / "math", script="grpo.py")
     metrics = read_metrics(tmp_path / "math")
