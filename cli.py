@@ -27,6 +27,16 @@ TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_
                                                           "SFT_DATASET", "PREFERENCE_DATASET")}
 
 
+# flags that were renamed: the one-line pointer to what replaces them (given the old value)
+RENAMED = {"decoupled_weight_cap": "--off_policy_correction decoupled --is_cap {value}"}
+
+
+def check_renamed(name: str, value, where: str):
+    """Stop with a pointer to the new flags when `name` (given a value) was renamed; None: the old default."""
+    if name in RENAMED and value is not None:
+        common.fail(f"{where}--{name} is now {RENAMED[name].format(value=value)}")
+
+
 def parse(args_class, run_fields: tuple[str, ...] = ()):
     """Parse the command line into `args_class` with tyro, in three layers: `--preset NAME` (the file
     configs/<script>/NAME.yaml), then `--config FILE`, then every flag given, each overriding the one before
@@ -44,7 +54,11 @@ def parse(args_class, run_fields: tuple[str, ...] = ()):
     parser.add_argument("--preset")
     parser.add_argument("--config")
     parser.add_argument("--run_dir")
+    for name in RENAMED:
+        parser.add_argument(f"--{name}")
     given = parser.parse_known_args()[0]
+    for name in RENAMED:
+        check_renamed(name, getattr(given, name), "")
     file_flags, file_preset = config_flags(given.config, args_class) if given.config else ([], None)
     if run_fields and given.run_dir:
         if not os.path.isfile(os.path.join(given.run_dir, "args.json")):
@@ -97,6 +111,9 @@ def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> 
     flags = []
     for name, value in values.items():
         if only is not None and name not in only:
+            continue
+        if name in RENAMED:  # an older run's or file's flag
+            check_renamed(name, value, f"--config {path!r}: ")
             continue
         if name not in fields:
             nearest = difflib.get_close_matches(str(name), fields, n=1)

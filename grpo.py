@@ -127,6 +127,20 @@ class Args:
     all (then no KL is logged, in training or evaluation)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator of --beta, r = ref_logp - logp: k1 -r, k2 r^2 / 2, k3 exp(r) - r - 1"""
+    off_policy_correction: Literal["none", "decoupled", "tis", "mask"] = "none"
+    """how the loss treats samples drawn with other weights than those it trains (ALGORITHMS.md, "Off-policy
+    corrections"): none, the ratio against the sampling weights' log-probs; decoupled (AReaL's decoupled PPO, the
+    kit's variant), against the weights just before each optimizer step, each term weighted by
+    min(pi_those / pi_sampling, --is_cap); tis (truncated importance sampling), against the weights at the
+    start of the update, weighted by min(pi_start / pi_sampling, --is_cap); mask (IcePop), the same ratio and
+    weight, but terms whose weight lies outside [--is_mask_low, --is_cap] are dropped"""
+    is_level: Literal["token", "sequence"] = "token"
+    """importance weights per token, or per completion (sequence: exp of its summed log-ratio, on every token)"""
+    is_cap: float | None = None
+    """upper bound of the importance weight: default 5 with decoupled (AReaL's), 2 with tis (verl's, slime's), 5
+    with mask (IcePop's); with none, the bound that async/is_truncated_frac counts against (2)"""
+    is_mask_low: float = 0.5
+    """with --off_policy_correction mask, the smallest weight kept (IcePop's 0.5)"""
     entropy_coef: float = 0.0
     """weight of an entropy bonus: the loss minus entropy_coef times the policy's mean token entropy"""
 
@@ -347,10 +361,12 @@ def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, resp
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, ref_logprobs=None,
-                entropy=None):
-    """The GRPO-family loss of n rows: new_logprobs (the training forward), old_logprobs (the sampling
-    weights'), ref_logprobs (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,).
-    Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+                entropy=None, weights=1.0):
+    """The GRPO-family loss of n rows: new_logprobs (the training forward), old_logprobs (those the ratio is
+    taken against), ref_logprobs (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages
+    (n,); weights, each policy term's importance weight (1, or those of --off_policy_correction:
+    common.off_policy_terms), (n, R) or (n, 1). Returns (loss, share of masked tokens whose clip binds, the
+    ratios (n, R) or (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
@@ -364,6 +380,7 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
         capped = ratio if args.delta is None else torch.clamp(ratio, max=args.delta)
         per_token = -torch.min(capped * a, clipped_ratio * a)
         clipped = capped * a > clipped_ratio * a
+    per_token = weights * per_token  # the KL and entropy terms are not reweighted (as TRL's, slime's)
     if args.beta:
         per_token = per_token + args.beta * token_kl(new_logprobs, ref_logprobs, args.kl_estimator)
     loss = token_average(per_token, mask, args.loss_type, args.response_length, step_tokens)
@@ -435,6 +452,7 @@ def main(args: Args):
         # computes them for its rows (under the same weights); one forward here for every other row
         first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
         logprobs = common.logprobs_not_trained_first(policy, rollout, args, first_rows)
+        start_logprobs = logprobs  # the sampler is the trainer, at the start of the update
 
         # Advantages: each reward against its group's; the tokens that count in the loss.
         advantages = group_advantages(scores, k, args.scale_rewards)  # (N,)
@@ -446,7 +464,7 @@ def main(args: Args):
         # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
         # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
         # micro-batches of per_device_train_batch_size prompts with all their k samples.
-        stats = {name: [] for name in ("loss", "clipfrac", "entropy", "ratio")}
+        stats = {name: [] for name in ("loss", "clipfrac", "entropy", "ratio", "off_policy")}
         for epoch, order in enumerate(orders):
             for step, mini_batch in enumerate(order.split(mini_batch_size)):
                 # dapo and cispo average over every completion token of the step (all micro-batches, all
@@ -464,9 +482,12 @@ def main(args: Args):
                     new_logprobs, entropy = new_logprobs if args.entropy_coef else (new_logprobs, None)
                     if epoch == step == 0:  # still the sampling weights
                         logprobs[rows] = new_logprobs.detach()
+                    old_logprobs, weights, diagnostics = common.off_policy_terms(
+                        new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows], args)
                     loss, clipfrac, ratio = policy_loss(
-                        new_logprobs, logprobs[rows], advantages[rows], mask[rows], args, step_tokens,
-                        ref_logprobs[rows] if args.beta else None, entropy)
+                        new_logprobs, old_logprobs, advantages[rows], mask[rows], args, step_tokens,
+                        ref_logprobs[rows] if args.beta else None, entropy, weights)
+                    stats["off_policy"].append(diagnostics)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["loss"].append(loss.item())
@@ -477,7 +498,7 @@ def main(args: Args):
         t3 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
-        ratios = torch.cat(stats.pop("ratio"))
+        ratios, off_policy = torch.cat(stats.pop("ratio")), common.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items() if values}
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
         rollout_stats = common.rollout_metrics(args, rollout, logprobs, None, scores)
@@ -489,6 +510,7 @@ def main(args: Args):
             **({"policy/entropy_avg": stats["entropy"]} if args.entropy_coef else {}),
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
+            **off_policy,
             # groups whose k rewards are all equal: their advantages are 0, they teach nothing
             "objective/zero_std_groups": (scores.view(-1, k).std(dim=1) == 0).float().mean().item(),
             **rollout_stats,

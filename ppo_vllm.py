@@ -101,10 +101,20 @@ class Args:
     """lambda of GAE"""
     cliprange: float = 0.2
     """clip range of the per-token policy ratio"""
-    decoupled_weight_cap: float | None = None
-    """off (default): the ratio is taken against the weights that sampled the batch. A number: the decoupled
-    objective (AReaL's decoupled PPO): the ratio is taken against the proximal weights, those just before
-    the current optimizer step, and each term is weighted by min(pi_proximal / pi_sampling, this cap)"""
+    off_policy_correction: Literal["none", "decoupled", "tis", "mask"] = "none"
+    """how the loss treats samples drawn with other weights than those it trains (ALGORITHMS.md, "Off-policy
+    corrections"): none, the ratio against the sampling weights' log-probs; decoupled (AReaL's decoupled PPO, the
+    kit's variant), against the weights just before each optimizer step, each term weighted by
+    min(pi_those / pi_sampling, --is_cap); tis (truncated importance sampling), against the weights at the
+    start of the update, weighted by min(pi_start / pi_sampling, --is_cap); mask (IcePop), the same ratio and
+    weight, but terms whose weight lies outside [--is_mask_low, --is_cap] are dropped"""
+    is_level: Literal["token", "sequence"] = "token"
+    """importance weights per token, or per completion (sequence: exp of its summed log-ratio, on every token)"""
+    is_cap: float | None = None
+    """upper bound of the importance weight: default 5 with decoupled (AReaL's), 2 with tis (verl's, slime's), 5
+    with mask (IcePop's); with none, the bound that async/is_truncated_frac counts against (2)"""
+    is_mask_low: float = 0.5
+    """with --off_policy_correction mask, the smallest weight kept (IcePop's 0.5)"""
     cliprange_value: float = 0.2
     """clip range of the value prediction around the rollout's value"""
     vf_coef: float = 0.1
@@ -297,20 +307,10 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return advantages, advantages + values
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float,
-                decoupled_weight_cap: float | None = None):
-    """Clipped surrogate on per-token ratios, averaged over real tokens; old: the sampling weights'
-    log-probs. Returns (loss, clipfrac, ratio).
-
-    Decoupled (a `decoupled_weight_cap`): the ratio is taken against the proximal weights, those just
-    before this optimizer step, which are the weights this forward ran under (new_logprobs detached, so
-    the ratio is 1 in value and only its gradient counts), and each token's term is weighted by
-    min(pi_proximal / pi_sampling, cap): stale tokens still move the policy, by a bounded weight."""
-    weights = 1.0
-    if decoupled_weight_cap is not None:
-        proximal = new_logprobs.detach()
-        weights = torch.clamp(torch.exp(proximal - old_logprobs), max=decoupled_weight_cap)
-        old_logprobs = proximal
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float, weights=1.0):
+    """Clipped surrogate on per-token ratios, each term times its importance weight (1, or those of
+    --off_policy_correction: common.off_policy_terms), averaged over real tokens; old: the log-probs the ratio
+    is taken against. Returns (loss, clipfrac, ratio)."""
     ratio = torch.exp(new_logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
@@ -398,8 +398,8 @@ def main(args: Args):
             scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
         common.check_rewards(scores, update)
         rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
-        with torch.no_grad():  # the values of the sampled tokens
-            _, values, _ = common.in_chunks(
+        with torch.no_grad():  # the values of the sampled tokens, and their log-probs at the start of the update
+            start_logprobs, values, _ = common.in_chunks(
                 lambda *chunk: forward_responses(agent, *chunk, args.temperature, args.top_p),
                 args.local_rollout_forward_batch_size, *rows)  # (B, R)
         # (B, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
@@ -420,16 +420,19 @@ def main(args: Args):
         # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
         # micro-batches of per_device_train_batch_size prompts.
         stats = {name: [] for name in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "entropy",
-                                       "ratio")}
+                                       "ratio", "off_policy")}
         for _ in range(args.num_epochs):
             order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
             for mini_batch in order.split(mini_batch_size):
                 for micro_batch in mini_batch.split(args.per_device_train_batch_size):
                     new_logprobs, new_values, entropy = forward_responses(
                         agent, *(tensor[micro_batch] for tensor in rows), args.temperature, args.top_p)
-                    old_logprobs, micro_mask = logprobs[micro_batch], mask[micro_batch]
+                    micro_mask = mask[micro_batch]
+                    old_logprobs, weights, diagnostics = common.off_policy_terms(
+                        new_logprobs, logprobs[micro_batch], start_logprobs[micro_batch], micro_mask, args)
                     pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
-                                                              micro_mask, args.cliprange, args.decoupled_weight_cap)
+                                                              micro_mask, args.cliprange, weights)
+                    stats["off_policy"].append(diagnostics)
                     vf_loss, vf_clipfrac = value_loss(new_values, values[micro_batch], returns[micro_batch],
                                                       micro_mask, args.cliprange_value)
                     agent.backward(pg_loss + args.vf_coef * vf_loss)
@@ -449,7 +452,7 @@ def main(args: Args):
         t4 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
-        ratios = torch.cat(stats.pop("ratio"))
+        ratios, off_policy = torch.cat(stats.pop("ratio")), common.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
         state.update, state.episode, state.data_position = update, state.episode + batch_size, update
@@ -462,6 +465,7 @@ def main(args: Args):
             "val/clipfrac_avg": stats["vf_clipfrac"],
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
+            **off_policy,
             **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
             "objective/non_score_reward": non_score_reward,
             "time/wait": t1 - t0,

@@ -89,10 +89,18 @@ class Args:
     """weight of the sequence KL in the reward: reward = score - kl_coef * sum_t (logp - ref_logp)"""
     cliprange: float = 0.2
     """clip range of the sequence-level policy ratio"""
-    decoupled_weight_cap: float | None = None
-    """off (default): the ratio is taken against the weights that sampled the batch. A number: the decoupled
-    objective (AReaL's decoupled PPO): the ratio is taken against the proximal weights, those just before
-    the current optimizer step, and each term is weighted by min(pi_proximal / pi_sampling, this cap)"""
+    off_policy_correction: Literal["none", "decoupled", "tis", "mask"] = "none"
+    """how the loss treats samples drawn with other weights than those it trains (ALGORITHMS.md, "Off-policy
+    corrections"): none, the ratio against the sampling weights' log-probs; decoupled (AReaL's decoupled PPO, the
+    kit's variant), against the weights just before each optimizer step, each term weighted by
+    min(pi_those / pi_sampling, --is_cap); tis (truncated importance sampling), against the weights at the
+    start of the update, weighted by min(pi_start / pi_sampling, --is_cap); mask (IcePop), the same ratio and
+    weight, but terms whose weight lies outside [--is_mask_low, --is_cap] are dropped"""
+    is_cap: float | None = None
+    """upper bound of the importance weight: default 5 with decoupled (AReaL's), 2 with tis (verl's, slime's), 5
+    with mask (IcePop's); with none, the bound that async/is_truncated_frac counts against (2)"""
+    is_mask_low: float = 0.5
+    """with --off_policy_correction mask, the smallest weight kept (IcePop's 0.5)"""
 
     # Optimisation
     total_episodes: int = 4480
@@ -186,20 +194,11 @@ def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return (per_prompt - baselines).flatten()
 
 
-def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float,
-                         decoupled_weight_cap: float | None = None):
-    """Clipped surrogate on the sequence-level ratio exp(sum new_logp - sum old_logp), averaged over
-    sequences. All inputs (batch,); old: the sampling weights'. Returns (loss, clipfrac, ratio).
-
-    Decoupled (a `decoupled_weight_cap`): the ratio is taken against the proximal weights, those just
-    before this optimizer step, which are the weights this forward ran under (new_seq_logps detached,
-    so the ratio is 1 in value and only its gradient counts), and each sequence's term is weighted by
-    min(pi_proximal / pi_sampling, cap): stale samples still move the policy, by a bounded weight."""
-    weights = 1.0
-    if decoupled_weight_cap is not None:
-        proximal = new_seq_logps.detach()
-        weights = torch.clamp(torch.exp(proximal - old_seq_logps), max=decoupled_weight_cap)
-        old_seq_logps = proximal
+def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float, weights=1.0):
+    """Clipped surrogate on the sequence-level ratio exp(sum new_logp - sum old_logp), each sequence's term
+    times its importance weight (1, or those of --off_policy_correction: common.off_policy_terms), averaged
+    over sequences. All inputs (batch,); old: the log-probs the ratio is taken against. Returns (loss,
+    clipfrac, ratio)."""
     ratio = torch.exp(new_seq_logps - old_seq_logps)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
@@ -264,9 +263,9 @@ def main(args: Args):
         # (N, R) under the sampling weights: the old policy. Not the training forward's: the advantages
         # need them (the KL penalty) for every row before the first one trains
         logprobs = common.rollout_logprobs(policy, rollout, args, args.top_p)
+        start_logprobs = logprobs  # the sampler is the trainer, at the start of the update
 
         # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.
-        seq_logps = common.masked_sum(logprobs, rollout.mask)  # (N,)
         kl = common.masked_sum(logprobs - ref_logprobs, rollout.mask)  # (N,)
         advantages = leave_one_out_advantages(scores - args.kl_coef * kl, k)  # (N,)
         t2 = time.time()
@@ -274,27 +273,32 @@ def main(args: Args):
         # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
         # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
         # micro-batches of per_device_train_batch_size prompts with all their k samples.
-        stats = {name: [] for name in ("loss", "clipfrac", "approxkl", "ratio")}
+        stats = {name: [] for name in ("loss", "clipfrac", "approxkl", "ratio", "off_policy")}
         for _ in range(args.num_epochs):
             order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
             for mini_batch in order.split(mini_batch_size):
                 for prompt_ids in mini_batch.split(args.per_device_train_batch_size):
                     rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
-                    new_seq_logps = common.masked_sum(common.response_logprobs(
+                    new_logprobs = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.temperature, args.top_p), rollout.mask[rows])
-                    loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, seq_logps[rows], advantages[rows],
-                                                                 args.cliprange, args.decoupled_weight_cap)
+                        rollout.lengths[rows], args.temperature, args.top_p)  # (n, R)
+                    old_logprobs, weights, diagnostics = common.off_policy_terms(
+                        new_logprobs, logprobs[rows], start_logprobs[rows], rollout.mask[rows], args)
+                    new_seq_logps = common.masked_sum(new_logprobs, rollout.mask[rows])  # (n,)
+                    old_seq_logps = common.masked_sum(old_logprobs, rollout.mask[rows])
+                    loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, old_seq_logps, advantages[rows],
+                                                                 args.cliprange, weights.flatten())
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["loss"].append(loss.item())
                     stats["clipfrac"].append(clipfrac.item())
-                    stats["approxkl"].append(0.5 * ((new_seq_logps.detach() - seq_logps[rows]) ** 2).mean().item())
+                    stats["approxkl"].append(0.5 * ((new_seq_logps.detach() - old_seq_logps) ** 2).mean().item())
+                    stats["off_policy"].append(diagnostics)
                     stats["ratio"].append(ratio.detach())
         t3 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
-        ratios = torch.cat(stats.pop("ratio"))
+        ratios, off_policy = torch.cat(stats.pop("ratio")), common.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
         metrics = common.all_reduce_mean({
@@ -303,6 +307,7 @@ def main(args: Args):
             "policy/approxkl_avg": stats["approxkl"],
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
+            **off_policy,
             **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
             "time/generate": t1 - t0,
             "time/score": t2 - t1,

@@ -6,7 +6,7 @@ learning schedule; only N, the mini-batches per generated batch (`--num_mini_bat
 generation of N mini-batches, then N optimizer steps, so the i-th step trains on data i-1 updates
 stale. N = 1 is on-policy. The arms: online DPO, PPO, RLOO, best-of-k, GRPO with the dapo loss and as
 Dr. GRPO (dr_grpo loss, unscaled advantages), all one epoch each, as in the paper's TL;DR runs, so every
-arm takes the same steps; and PPO and RLOO with the decoupled objective (`--decoupled_weight_cap`). One
+arm takes the same steps; and PPO and RLOO with the decoupled objective (`--off_policy_correction decoupled`). One
 learning rate per algorithm, the same across N and sizes, as in the paper. Two sizes: the toy's
 0.45M-parameter SFT policy and the 7.7x larger one (`python toy.py large`), with the same reward model and
 prompts.
@@ -54,7 +54,7 @@ class Args:
         "online_dpo": 3e-5, "ppo": 3e-5, "rloo": 3e-5, "bok": 3e-5, "grpo": 3e-5})
     """one learning rate per algorithm (the decoupled arms take their algorithm's); 3e-5 brings every
     on-policy run of the small policy to the task's plateau (win-rate ~0.55) in 32-48 of the 64 steps"""
-    decoupled_weight_cap: float = 5.0
+    is_cap: float = 5.0
     """the decoupled arms' cap on the importance weight from the sampling to the proximal weights"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per arm, N and size"""
@@ -66,15 +66,15 @@ class Args:
     """where the runs, results.json and the figure go (default runs/bench-off-policy-<time>)"""
 
 
-ARMS = {  # arm: (script, its flags; "decoupled_weight_cap" takes --decoupled_weight_cap's value)
+ARMS = {  # arm: (script, its flags; "is_cap" takes --is_cap's value)
     "online_dpo": ("online_dpo", {}),
     "ppo": ("ppo", {}),
     "rloo": ("rloo", {}),
     "bok": ("bok", {}),
     "grpo_dapo": ("grpo", {"loss_type": "dapo"}),
     "grpo_dr_grpo": ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "none"}),
-    "ppo_decoupled": ("ppo", {"decoupled_weight_cap": None}),
-    "rloo_decoupled": ("rloo", {"decoupled_weight_cap": None}),
+    "ppo_decoupled": ("ppo", {"off_policy_correction": "decoupled", "is_cap": None}),
+    "rloo_decoupled": ("rloo", {"off_policy_correction": "decoupled", "is_cap": None}),
 }
 
 
@@ -87,8 +87,7 @@ def train(arm: str, size: str, mini_batches: int, seed: int, args: Args) -> dict
     metrics = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(os.path.join(output_dir, "done")):
         script, extra = ARMS[arm]
-        extra = {key: args.decoupled_weight_cap if key == "decoupled_weight_cap" else value
-                 for key, value in extra.items()}
+        extra = {key: args.is_cap if key == "is_cap" else value for key, value in extra.items()}
         module = importlib.import_module(script)
         policy = toy.LARGE_SFT_POLICY if size == "large" else toy.SFT_POLICY
         run_args = module.Args(seed=seed, output_dir=output_dir, model_name_or_path=policy,
@@ -160,7 +159,7 @@ def figure(table: dict, results: dict, args: Args, path: str) -> None:
     colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for (size, arms), row_axes in zip(table.items(), axes):
         for arm, row in arms.items():
-            decoupled = "decoupled_weight_cap" in ARMS[arm][1]
+            decoupled = "is_cap" in ARMS[arm][1]
             for axis, (name, _) in zip(row_axes, panels):
                 means, stds = zip(*row[name].values())
                 axis.errorbar(args.mini_batches, means, yerr=stds, color=colors[arm], marker="o", capsize=3,

@@ -14,7 +14,8 @@ def test_off_policy_quick(tmp_path):
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy.py")
     results = json.loads((tmp_path / "results.json").read_text())
     table = results["table"]["small"]
-    assert sorted(table) == ["bok", "online_dpo", "ppo", "ppo_decoupled", "rloo", "rloo_decoupled"]
+    assert sorted(table) == ["bok", "grpo_dapo", "grpo_dr_grpo", "online_dpo", "ppo", "ppo_decoupled", "rloo",
+                             "rloo_decoupled"]
     for arm, row in table.items():
         runs = {n: read_metrics(tmp_path / f"small-{arm}-mb{n}-seed1") for n in ("1", "2")}
         for n, metrics in runs.items():

@@ -2,7 +2,9 @@
 asynchronous GRPO with DAPO's dynamic sampling (the K=1 runs) learns on the toy task, one update off-policy,
 and resumes exactly."""
 
-from scripts import assert_learns, assert_same_weights_and_metrics, read_metrics
+import math
+
+from scripts import assert_learns, assert_same_weights_and_metrics, read_metrics, run_script
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 
 SCRIPT = "grpo_vllm.py"
@@ -20,3 +22,15 @@ def test_dynamic_sampling_fills_the_batch_with_groups_of_unequal_rewards_and_res
     assert all(m["objective/zero_std_groups"] * 32 == m["dynamic_sampling/unfilled"] for m in train)
     # the interrupted run drew the same prompts for every round, with the same seeds
     assert_same_weights_and_metrics(*k1_runs, ["dynamic_sampling/rounds", "dynamic_sampling/sampled_scores"])
+
+
+def test_off_policy_diagnostics_at_staleness_4_with_truncated_importance_sampling(tmp_path):
+    run_script("--preset", "toy-math", "--async_steps", "4", "--off_policy_correction", "tis",
+               "--total_episodes", "384", "--eval_every", "0", "--output_dir", tmp_path / "run", script=SCRIPT)
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert [m["async/staleness"] for m in train] == [0, 1, 2, 3, 4, 4]
+    names = ("async/mismatch_kl", "async/is_ratio_mean", "async/is_ratio_max", "async/is_truncated_frac")
+    assert all(math.isfinite(m[name]) for m in train for name in names)
+    # fresh samples: the engine's log-probs are the trainer's (fp32); stale ones: the weights moved since
+    assert train[0]["async/mismatch_kl"] < 1e-6 and train[0]["async/is_ratio_max"] < 1 + 1e-4
+    assert all(m["async/mismatch_kl"] > 1e-4 for m in train[2:])

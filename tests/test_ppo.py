@@ -75,20 +75,6 @@ def test_clipped_policy_loss_on_hand_computed_numbers():
     assert ratio[0, :3].tolist() == pytest.approx([1.5, 0.5, 0.5])
 
 
-def test_decoupled_policy_loss_on_hand_computed_numbers():
-    # the same tokens, now stale: pi_proximal / pi_sampling = 1.5, 0.5, 0.5 (capped at 1.2: 1.2, 0.5, 0.5)
-    old = torch.zeros(1, 4)
-    new = torch.tensor([[math.log(1.5), math.log(0.5), math.log(0.5), 3.0]], requires_grad=True)
-    advantages = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, clipfrac, ratio = ppo.policy_loss(new, old, advantages, mask, cliprange=0.2, decoupled_weight_cap=1.2)
-    # the ratio against the proximal weights (this forward's) is 1: never clipped; per token -w A
-    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.5) / 3)
-    assert clipfrac.item() == 0 and ratio[0, :3].tolist() == pytest.approx([1.0, 1.0, 1.0])
-    loss.backward()  # d/d new_t of -w_t A_t exp(new_t - proximal_t) at new_t = proximal_t: -w_t A_t / 3
-    assert new.grad[0].tolist() == pytest.approx([-1.2 / 3, -0.5 / 3, 0.5 / 3, 0.0])
-
-
 def test_clipped_value_loss_on_hand_computed_numbers():
     old, new = torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[1.5, 1.1, 4.0]])
     returns = torch.tensor([[2.0, 0.0, 0.0]])

@@ -83,8 +83,14 @@ def bad_input_cases(script, folder):
             (["--beta", "-0.1"], "--beta must be 0 or positive, got -0.1"),
             (["--soft_punish_cache", "12"], "--soft_punish_cache 12 must be below --response_length 12"),
         ]
-    if script.startswith(("rloo", "ppo")):
-        cases.append((["--decoupled_weight_cap", "0"], "--decoupled_weight_cap must be positive"))
+    if script.startswith(("rloo", "ppo", "grpo")):
+        cases.append((["--is_cap", "0"], "--is_cap must be positive (an importance weight's upper bound), got 0.0"))
+        cases.append((["--off_policy_correction", "mask", "--is_mask_low", "5"],
+                      "--is_mask_low 5.0 must be at least 0 and below --is_cap 5"))
+        cases.append((["--decoupled_weight_cap", "5"],
+                      "--decoupled_weight_cap is now --off_policy_correction decoupled --is_cap 5"))
+    if script.startswith(("online_dpo", "bok")):  # no policy ratio, no correction
+        cases.append((["--off_policy_correction", "tis"], "Unrecognized options: --off_policy_correction"))
     if script.endswith("_vllm.py"):
         cases.append((["--logprob_check_rows", "0"], "--logprob_check_rows must be at least 1"))
         cases.append((["--logprob_check_every", "0"], "--logprob_check_every must be at least 1 (1: every batch)"))

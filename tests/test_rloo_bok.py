@@ -43,18 +43,6 @@ def test_sequence_level_clipped_loss():
     assert clipfrac.item() == pytest.approx(2 / 3) and ratio.tolist() == pytest.approx([1.5, 0.5, 0.5])
 
 
-def test_decoupled_sequence_level_loss():
-    old = torch.tensor([-3.0, -3.0, -3.0])
-    new = (old + torch.log(torch.tensor([1.5, 0.5, 0.5]))).requires_grad_()  # stale: the sampling weights' were old
-    advantages = torch.tensor([2.0, 1.0, -1.0])
-    loss, clipfrac, ratio = rloo.sequence_policy_loss(new, old, advantages, cliprange=0.2, decoupled_weight_cap=1.2)
-    # weights min(pi_proximal / pi_sampling, 1.2) = 1.2, 0.5, 0.5 times -A (the ratio to the proximal weights is 1)
-    assert loss.item() == pytest.approx((-2.4 - 0.5 + 0.5) / 3)
-    assert clipfrac.item() == 0 and ratio.tolist() == pytest.approx([1.0, 1.0, 1.0])
-    loss.backward()
-    assert new.grad.tolist() == pytest.approx([-2.4 / 3, -0.5 / 3, 0.5 / 3])
-
-
 def test_best_of_k_selection_with_ties():
     scores = torch.tensor([0.1, 0.9, 0.5,   # a clear best: row 1
                            0.7, 0.2, 0.7,   # a tie for best: the first of them, row 3
@@ -110,7 +98,10 @@ def test_the_decoupled_objective_takes_its_ratio_against_the_proximal_weights(tm
     # 2 mini-batches x 4 epochs: 7 of the 8 optimizer steps train on samples from earlier weights, yet
     # against the weights of their own step the ratio is 1 and never clipped
     run_script(*QUICK, "--total_episodes", "16", "--num_mini_batches", "2", "--gradient_accumulation_steps", "1",
-               "--decoupled_weight_cap", "2", "--eval_every", "0", "--output_dir", tmp_path / "run", script=script)
+               "--off_policy_correction", "decoupled", "--is_cap", "2", "--eval_every", "0",
+               "--output_dir", tmp_path / "run", script=script)
     [update] = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
     assert update["val/ratio"] == pytest.approx(1.0) and update["val/ratio_var"] == pytest.approx(0, abs=1e-10)
     assert update["policy/clipfrac_avg"] == 0
+    # the steps after the first see weights that moved since sampling: the diagnostics say by how much
+    assert update["async/mismatch_kl"] > 0 and update["async/is_ratio_max"] > 1

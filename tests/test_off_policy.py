@@ -1,0 +1,99 @@
+"""The off-policy corrections (--off_policy_correction none, decoupled, tis, mask) on hand-computed numbers:
+the ratio's denominator, each term's weight and the diagnostics (common.off_policy_terms), through PPO's,
+RLOO's and GRPO's losses; every correction equals none when nothing is stale."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common
+import grpo
+import ppo
+import rloo
+
+PAD = common.INVALID_LOGPROB
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+SAMPLING = torch.tensor([[0.0, 0.0, 0.0, PAD]])  # log-probs that sampled the tokens
+STEP = torch.log(torch.tensor([[1.5, 0.5, 3.0, 1.0]]))  # the training forward's: pi_step / pi_sampling 1.5, 0.5, 3
+START = torch.log(torch.tensor([[1.2, 0.8, 2.5, 1.0]]))  # at the start of the update: pi_start / pi_sampling
+ADVANTAGES = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
+
+
+def terms(correction, level="token", cap=None, new=STEP):
+    args = SimpleNamespace(off_policy_correction=correction, is_level=level, is_cap=cap, is_mask_low=0.5)
+    return common.off_policy_terms(new, SAMPLING, START, MASK, args)
+
+
+def ppo_loss(correction, level="token", cap=None):
+    anchor, weights, _ = terms(correction, level, cap)
+    return ppo.policy_loss(STEP, anchor, ADVANTAGES, MASK, 0.2, weights)[0].item()
+
+
+def test_none_takes_the_ratio_against_the_sampling_weights_unweighted():
+    # ratios 1.5, 0.5, 3: max(-1.5, -1.2) = -1.2; max(-0.5, -0.8) = -0.5; A = -1: max(3, 1.2) = 3
+    assert ppo_loss("none") == pytest.approx((-1.2 - 0.5 + 3.0) / 3)
+
+
+def test_decoupled_weights_each_term_by_the_capped_step_to_sampling_ratio_and_never_clips():
+    anchor, weights, _ = terms("decoupled", cap=1.2)
+    assert torch.equal(anchor, STEP) and weights[0, :3].tolist() == pytest.approx([1.2, 0.5, 1.2])
+    assert ppo_loss("decoupled", cap=1.2) == pytest.approx((-1.2 - 0.5 + 1.2) / 3)  # -w A, the ratio being 1
+
+
+def test_tis_takes_the_ratio_against_the_start_of_the_update_and_truncates_the_weight():
+    # ratio to the start 1.25, 0.625, 1.2: -1.2 (clipped), -0.625, 1.2; weights min(1.2, 0.8, 2.5; 2)
+    assert ppo_loss("tis") == pytest.approx((1.2 * -1.2 + 0.8 * -0.625 + 2.0 * 1.2) / 3)
+    # one weight per completion: 1.2 x 0.8 x 2.5 = 2.4, capped at 2, on every token
+    assert ppo_loss("tis", level="sequence") == pytest.approx(2.0 * (-1.2 - 0.625 + 1.2) / 3)
+
+
+def test_mask_drops_the_terms_whose_weight_leaves_its_bounds():
+    # weights 1.2 and 0.8 kept, 2.5 outside [0.5, 2]: its term drops out (the denominator keeps its token)
+    assert ppo_loss("mask", cap=2.0) == pytest.approx((1.2 * -1.2 + 0.8 * -0.625) / 3)
+    _, weights, diagnostics = terms("mask", cap=2.0)
+    assert weights[0, :3].tolist() == pytest.approx([1.2, 0.8, 0.0])
+    assert diagnostics["async/is_masked_frac"] == pytest.approx(1 / 3)
+
+
+def test_the_diagnostics():
+    _, _, none = terms("none")
+    # k3 of pi_step / pi_sampling = r: r - 1 - log r, averaged over the 3 real tokens
+    assert none["async/mismatch_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in (1.5, 0.5, 3.0)) / 3)
+    assert none["async/is_ratio_mean"] == pytest.approx(5 / 3) and none["async/is_ratio_max"] == pytest.approx(3)
+    assert none["async/is_truncated_frac"] == pytest.approx(1 / 3)  # 3 > 2, the cap none counts against
+    _, _, tis = terms("tis")
+    assert tis["async/is_ratio_mean"] == pytest.approx(1.5) and tis["async/is_ratio_max"] == pytest.approx(2.5)
+    assert "async/is_masked_frac" not in tis
+    merged = common.merge_diagnostics([none, tis])
+    assert merged["async/is_ratio_max"] == pytest.approx(3) and merged["async/is_ratio_mean"] == pytest.approx(19 / 12)
+
+
+@pytest.mark.parametrize("correction", ["none", "decoupled", "tis", "mask"])
+def test_nothing_stale_every_correction_is_none(correction):
+    """K = 0, one mini-batch: the sampling, start-of-update and step log-probs are the same."""
+    fresh = SAMPLING.clone().requires_grad_()
+    args = SimpleNamespace(off_policy_correction=correction, is_level="token", is_cap=None, is_mask_low=0.5)
+    anchor, weights, diagnostics = common.off_policy_terms(fresh, SAMPLING, SAMPLING, MASK, args)
+    assert torch.equal(weights, torch.ones_like(weights)) and torch.equal(anchor, SAMPLING)
+    assert diagnostics["async/mismatch_kl"] == 0 and diagnostics["async/is_ratio_mean"] == 1
+    assert diagnostics["async/is_ratio_max"] == 1 and diagnostics["async/is_truncated_frac"] == 0
+    loss = ppo.policy_loss(fresh, anchor, ADVANTAGES, MASK, 0.2, weights)[0]
+    loss.backward()
+    assert loss.item() == pytest.approx(-1 / 3) and fresh.grad[0].tolist() == pytest.approx([-1 / 3, -1 / 3, 1 / 3, 0])
+
+
+def test_rloo_and_grpo_weight_their_terms_the_same_way():
+    anchor, weights, _ = terms("tis", level="sequence")
+    new_seq, old_seq = common.masked_sum(STEP, MASK), common.masked_sum(anchor, MASK)
+    advantage = torch.tensor([1.0])
+    # ratio exp(sum log 1.5 0.5 3 - sum log 1.2 0.8 2.5) = 2.25 / 2.4 = 0.9375: inside the clip; weight 2
+    loss = rloo.sequence_policy_loss(new_seq, old_seq, advantage, 0.2, weights.flatten())[0]
+    assert loss.item() == pytest.approx(-2.0 * 0.9375)
+    args = SimpleNamespace(loss_type="bnpo", epsilon=0.2, epsilon_high=None, delta=None, beta=0.0,
+                           importance_sampling_level="token", entropy_coef=0.0, response_length=4)
+    anchor, weights, _ = terms("tis")
+    loss = grpo.policy_loss(STEP, anchor, ADVANTAGES[0, :1].repeat(1), MASK, args, 3.0, weights=weights)[0]
+    # A = 1 on every token: -1.2 (clipped), -0.625, -1.2 (clipped at 1.2), weighted 1.2, 0.8, 2
+    assert loss.item() == pytest.approx((1.2 * -1.2 + 0.8 * -0.625 + 2.0 * -1.2) / 3)
