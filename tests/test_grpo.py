@@ -131,6 +131,9 @@ def test_grpo_learns_the_toy_task_and_with_dapo_the_arithmetic(tmp_path):
     # one epoch of one optimizer step: its own forward gave the sampling weights' log-probs, so every ratio is 1
     train = [m for m in read_metrics(tmp_path / "toy") if "val/ratio" in m]
     assert all(m["val/ratio"] == 1 and m["val/ratio_var"] == 0 and m["policy/clipfrac_avg"] == 0 for m in train)
+    # and nothing is stale: the off-policy diagnostics read 0 and 1
+    assert all(m["async/mismatch_kl"] == 0 and m["async/is_ratio_mean"] == m["async/is_ratio_max"] == 1
+               and m["async/is_truncated_frac"] == 0 for m in train)
     run_script("--preset", "toy-math", "--max_sampling_rounds", "2", "--eval_every", "16",
                "--output_dir", tmp_path / "math", script="grpo.py")
     metrics = read_metrics(tmp_path / "math")
