@@ -320,10 +320,12 @@ def main(args: Args):
         # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
         logprobs = batch["logprobs"][:, :rollout.responses.shape[1]].to(policy.device)
         orders = [torch.randperm(local_batch_size) for _ in range(args.num_epochs)]  # (B,) prompts, shuffled
-        # (N, R) the trainer's log-probs at the start of the update (tis and mask take the ratio against them):
+        # (N, R) the trainer's log-probs at the start of the update, which tis and mask take the ratio against:
         # the first optimizer step's forward computes them for its rows; one forward here for every other row
+        # (none and decoupled never read them: a copy stands in)
         first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
-        start_logprobs = common.logprobs_not_trained_first(policy, rollout, args, first_rows)
+        start_logprobs = (common.logprobs_not_trained_first(policy, rollout, args, first_rows)
+                          if args.off_policy_correction in ("tis", "mask") else logprobs.clone())
 
         # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.
         kl = common.masked_sum(logprobs - ref_logprobs, rollout.mask)  # (N,)

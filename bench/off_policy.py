@@ -5,11 +5,11 @@ Every arm trains from the same SFT policy on the same prompts with the same opti
 learning schedule; only N, the mini-batches per generated batch (`--num_mini_batches`), varies: one
 generation of N mini-batches, then N optimizer steps, so the i-th step trains on data i-1 updates
 stale. N = 1 is on-policy. The arms: online DPO, PPO, RLOO, best-of-k, GRPO with the dapo loss and as
-Dr. GRPO (dr_grpo loss, unscaled advantages), all one epoch each, as in the paper's TL;DR runs, so every
-arm takes the same steps; and PPO and RLOO with the decoupled objective (`--off_policy_correction decoupled`). One
-learning rate per algorithm, the same across N and sizes, as in the paper. Two sizes: the toy's
-0.45M-parameter SFT policy and the 7.7x larger one (`python toy.py large`), with the same reward model and
-prompts.
+Dr. GRPO (dr_grpo loss, unscaled advantages), both with DeepSeekMath's KL penalty (beta 0.04), all one
+epoch each, as in the paper's TL;DR runs, so every arm takes the same steps; and PPO and RLOO with the
+decoupled objective (`--off_policy_correction decoupled`). One learning rate per algorithm, the same
+across N and sizes, as in the paper. Two sizes: the toy's 0.45M-parameter SFT policy and the 7.7x larger
+one (`python toy.py large`), with the same reward model and prompts.
 
 Prints, per size, gold win-rate half-way and at the end, and final KL, per arm and N (mean ± standard
 deviation over seeds), and each arm's drop in final win-rate from N = 1 to the largest N; writes
@@ -71,8 +71,9 @@ ARMS = {  # arm: (script, its flags; "is_cap" takes --is_cap's value)
     "ppo": ("ppo", {}),
     "rloo": ("rloo", {}),
     "bok": ("bok", {}),
-    "grpo_dapo": ("grpo", {"loss_type": "dapo"}),
-    "grpo_dr_grpo": ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "none"}),
+    # GRPO with DeepSeekMath's KL penalty (beta 0.04): a reference policy, and a KL, like every other arm
+    "grpo_dapo": ("grpo", {"loss_type": "dapo", "beta": 0.04}),
+    "grpo_dr_grpo": ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "none", "beta": 0.04}),
     "ppo_decoupled": ("ppo", {"off_policy_correction": "decoupled", "is_cap": None}),
     "rloo_decoupled": ("rloo", {"off_policy_correction": "decoupled", "is_cap": None}),
 }

@@ -2,8 +2,9 @@
 RLOO and PPO in their vLLM scripts at exact staleness K (`--async_steps`), each with every
 `--off_policy_correction` (none, decoupled, tis, mask, at their default caps), on the arithmetic task
 (toy-math: final accuracy, and KL where the script has a reference policy) and the toy TL;DR task (final
-gold win-rate and KL), a few seeds. At K = 0 the corrections equal none (the tests prove it: every weight is
-1), so K = 0 runs none only.
+gold win-rate and KL), a few seeds; the score a quarter of the way too, where the toy tasks still learn.
+At K = 0 the corrections equal none (the tests prove it: every weight is
+1), so K = 0 runs none only, which stands for every correction in the table and figure.
 
 Every run is the script's own preset (toy-math) or default (TL;DR) with only --async_steps,
 --off_policy_correction and --seed changed; a finished run (its `done` marker) is not run again, so an
@@ -68,9 +69,12 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
         open(os.path.join(output_dir, "done"), "w").close()
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
-    final = [m for m in metrics if SCORE[task] in m][-1]
+    evaluations = [m for m in metrics if SCORE[task] in m]
+    final = evaluations[-1]
     train_metrics = [m for m in metrics if "async/mismatch_kl" in m]
     return {"score": final[SCORE[task]], "kl": final.get("eval/kl"),
+            # a quarter of the way (toy-math: update 8), where the toy tasks are still learning
+            "early_score": evaluations[(len(evaluations) - 1) // 4][SCORE[task]],
             "mismatch_kl": statistics.mean(m["async/mismatch_kl"] for m in train_metrics),
             "truncated_frac": statistics.mean(m["async/is_truncated_frac"] for m in train_metrics)}
 
@@ -89,10 +93,11 @@ def figure(table: dict, args: Args, path: str):
     import matplotlib.pyplot as plt
 
     cells = [(algorithm, task) for algorithm in args.algorithms for task in args.tasks]
-    fig, axes = plt.subplots(2, len(cells), figsize=(5 * len(cells), 8), squeeze=False)
+    fig, axes = plt.subplots(3, len(cells), figsize=(5 * len(cells), 12), squeeze=False)
     for column, (algorithm, task) in enumerate(cells):
         for correction in CORRECTIONS:
-            for row, (metric, label) in enumerate((("score", SCORE[task]), ("kl", "eval/kl"))):
+            for row, (metric, label) in enumerate((("early_score", f"{SCORE[task]} a quarter of the way"),
+                                                   ("score", f"final {SCORE[task]}"), ("kl", "final eval/kl"))):
                 points = [(k, table[f"{algorithm} {task}"][k][correction][metric]) for k in args.async_steps
                           if table[f"{algorithm} {task}"][k].get(correction)
                           and table[f"{algorithm} {task}"][k][correction][metric]]
@@ -103,7 +108,7 @@ def figure(table: dict, args: Args, path: str):
                 axes[row][column].set_xscale("log", base=2)
                 axes[row][column].set_xticks([k + 0.5 for k in args.async_steps], [str(k) for k in args.async_steps])
                 axes[row][column].set_xlabel("K (--async_steps)")
-                axes[row][column].set_ylabel(f"final {label}")
+                axes[row][column].set_ylabel(label)
                 axes[row][column].set_title(f"{algorithm}_vllm.py, {task}")
         axes[0][column].legend(fontsize=8)
     fig.tight_layout()
@@ -125,20 +130,23 @@ def main(args: Args):
                     runs = [train(algorithm, task, k, correction, seed, args) for seed in args.seeds]
                     table[f"{algorithm} {task}"][k][correction] = {
                         name: summary([run[name] for run in runs]) for name in runs[0]}
+            if 0 in args.async_steps:  # nothing is stale: none's runs stand for every correction
+                table[f"{algorithm} {task}"][0] = dict.fromkeys(CORRECTIONS, table[f"{algorithm} {task}"][0]["none"])
     print(f"the runs took {(time.time() - start) / 60:.1f} min; mean ± std over seeds {list(args.seeds)}")
     for cell, by_k in table.items():
-        print(f"\n{cell}: final score (KL), mean mismatch KL and truncated share over the updates")
-        print(f"{'K':>3} " + "".join(f"{correction:>34}" for correction in CORRECTIONS))
+        print(f"\n{cell}: score a quarter of the way / final (final KL), mean mismatch KL and truncated share")
+        print(f"{'K':>3} " + "".join(f"{correction:>44}" for correction in CORRECTIONS))
         for k, by_correction in by_k.items():
             row = []
             for correction in CORRECTIONS:
                 cell_values = by_correction.get(correction)
                 if cell_values is None:
-                    row.append(f"{'-':>34}")
+                    row.append(f"{'-':>44}")
                     continue
                 kl = f" ({cell_values['kl'][0]:.2f})" if cell_values["kl"] else ""
-                row.append(f"{cell_values['score'][0]:.3f} ± {cell_values['score'][1]:.3f}{kl} "
-                           f"{cell_values['mismatch_kl'][0]:.1e} {cell_values['truncated_frac'][0]:.2f}".rjust(34))
+                row.append(f"{cell_values['early_score'][0]:.3f} / {cell_values['score'][0]:.3f} ± "
+                           f"{cell_values['score'][1]:.3f}{kl} {cell_values['mismatch_kl'][0]:.1e} "
+                           f"{cell_values['truncated_frac'][0]:.2f}".rjust(44))
             print(f"{k:>3} " + "".join(row))
     destinations = [os.path.join(args.output_dir, "results")]
     if not args.quick:

@@ -81,9 +81,10 @@ def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run
     out = {0: k0_shared_run, 1: k1_runs[0], 2: two_rank_k2_run}[async_steps]
     train = train_metrics(out)
     assert [m["async/staleness"] for m in train] == [min(u, async_steps) for u in range(len(train))]
-    # the engine's log-probs match the trainer's under the same weights: no stale-weight bug
+    # the engine's log-probs match the trainer's under the same weights, to the fp32 level the README promises
+    # (measured 0 to 1.2e-7 per token): no stale-weight bug, no drift
     checked = [m["async/logprob_diff"] for m in train if "async/logprob_diff" in m]
-    assert len(checked) == (len(train) + 1) // 2 and max(checked) < 1e-3, checked  # updates 1, 3, ...
+    assert len(checked) == (len(train) + 1) // 2 and max(checked) < 1e-6, checked  # updates 1, 3, ...
     assert_trained_policy_saved(out)
 
 
