@@ -9,7 +9,7 @@ At K = 0 the corrections equal none (the tests prove it: every weight is
 Every run is the script's own preset (toy-math) or default (TL;DR) with only --async_steps,
 --off_policy_correction and --seed changed; a finished run (its `done` marker) is not run again, so an
 interrupted sweep goes on where it stopped when given the same --output_dir. Prints a table (mean ± std over
-seeds) and writes results.json and a figure (final score and KL against K, one line per correction) to
+seeds) and writes results.json and a figure (scores, KL and mismatch KL against K, one line per correction) to
 --output_dir, and for a full run also to bench/results/off_policy_corrections.{json,png}.
 
     python bench/off_policy_corrections.py                          # GRPO, RLOO, PPO on toy-math: ~2 h on 2 cores
@@ -93,11 +93,12 @@ def figure(table: dict, args: Args, path: str):
     import matplotlib.pyplot as plt
 
     cells = [(algorithm, task) for algorithm in args.algorithms for task in args.tasks]
-    fig, axes = plt.subplots(3, len(cells), figsize=(5 * len(cells), 12), squeeze=False)
+    fig, axes = plt.subplots(4, len(cells), figsize=(5 * len(cells), 16), squeeze=False)
     for column, (algorithm, task) in enumerate(cells):
         for correction in CORRECTIONS:
             for row, (metric, label) in enumerate((("early_score", f"{SCORE[task]} a quarter of the way"),
-                                                   ("score", f"final {SCORE[task]}"), ("kl", "final eval/kl"))):
+                                                   ("score", f"final {SCORE[task]}"), ("kl", "final eval/kl"),
+                                                   ("mismatch_kl", "async/mismatch_kl, mean over updates"))):
                 points = [(k, table[f"{algorithm} {task}"][k][correction][metric]) for k in args.async_steps
                           if table[f"{algorithm} {task}"][k].get(correction)
                           and table[f"{algorithm} {task}"][k][correction][metric]]

@@ -116,6 +116,18 @@ def test_eval_checkpoints_evaluates_every_snapshot_as_training_did(runs, tmp_pat
     assert [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()] == table
 
 
+def test_eval_checkpoints_scores_a_given_model_folder_as_training_did(runs, tmp_path):
+    # --model_paths with no run: the folder's trained.json names its update (5), which seeds the evaluation
+    out = tmp_path / "eval"
+    run_script("--model_paths", runs[0] / "policy", "--eval_num_prompts", "128", "--output_dir", out,
+               script="eval_checkpoints.py")
+    [row] = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    logged = [m for m in read_metrics(runs[0]) if "eval/gold_win_rate" in m][-1]
+    assert row["policy"] == str(runs[0] / "policy") and row["update"] == logged["update"] == 5
+    assert {name: value for name, value in row.items() if name.startswith("eval/")} == pytest.approx(
+        {name: value for name, value in logged.items() if name.startswith("eval/")}, rel=1e-6, abs=1e-7)
+
+
 def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):
     assert_same_weights_and_metrics(*runs, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
