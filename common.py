@@ -29,7 +29,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -267,7 +266,9 @@ def batch_sizes(args, world_size: int) -> tuple[int, int]:
     if not 0 < args.top_p <= 1:
         fail(f"--top_p must be in (0, 1] (1: no nucleus truncation), got {args.top_p}")
     if hasattr(args, "off_policy_correction"):  # PPO, RLOO, GRPO
-        check_off_policy_args(args)
+        import corrections
+
+        corrections.check_args(args)
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * world_size
     if args.total_episodes % batch_size:
@@ -613,67 +614,6 @@ def groups_to_train(has_signal: torch.Tensor, size: int) -> torch.Tensor:
     of equal rewards fill the rest."""
     order = torch.cat([torch.nonzero(has_signal).flatten(), torch.nonzero(~has_signal).flatten()])
     return order[:size].sort().values
-
-
-# The off-policy corrections of the scripts with a policy ratio (ALGORITHMS.md, "Off-policy corrections")
-DEFAULT_IS_CAP = {"none": 2.0, "decoupled": 5.0, "tis": 2.0, "mask": 5.0}  # none: what is_truncated_frac counts
-
-
-def is_cap(args) -> float:
-    """--is_cap, or its default for --off_policy_correction."""
-    return DEFAULT_IS_CAP[args.off_policy_correction] if args.is_cap is None else args.is_cap
-
-
-def check_off_policy_args(args):
-    if args.is_cap is not None and args.is_cap <= 0:
-        fail(f"--is_cap must be positive (an importance weight's upper bound), got {args.is_cap}")
-    if not 0 <= args.is_mask_low < is_cap(args):
-        fail(f"--is_mask_low {args.is_mask_low} must be at least 0 and below --is_cap {is_cap(args):g} "
-             "(mask keeps the weights between the two)")
-
-
-def off_policy_terms(new_logprobs, sampling_logprobs, start_logprobs, mask, args):
-    """What --off_policy_correction makes of a micro-batch, all (n, R): the training forward's log-probs (the
-    weights just before this optimizer step), the sampling weights', the trainer's at the start of the update
-    (start_logprobs), and the mask of real tokens. Returns the log-probs the ratio is taken against (n, R),
-    each term's weight (n, R), or (n, 1) with --is_level sequence (one per completion, from its summed
-    log-ratio), detached, and the diagnostics (floats):
-      none:      the sampling weights'; weight 1
-      decoupled: the weights just before this step (the ratio is 1 in value: no clip binds); w = min(pi_step /
-                 pi_sampling, cap)
-      tis:       the start of the update's; w = min(pi_start / pi_sampling, cap)
-      mask:      the start of the update's; w = pi_start / pi_sampling where it lies in [is_mask_low, cap], else 0
-    async/mismatch_kl is the k3 estimate of KL(pi_sampling || pi_step) per token; async/is_ratio_* and
-    async/is_truncated_frac describe the weight before truncation, pi_step / pi_sampling under none."""
-    step_logprobs = new_logprobs.detach()
-    correction, cap = args.off_policy_correction, is_cap(args)
-    anchor = {"none": sampling_logprobs, "decoupled": step_logprobs}.get(correction, start_logprobs)
-    base = start_logprobs if correction in ("tis", "mask") else step_logprobs
-    log_weights = torch.clamp(base - sampling_logprobs, -20, 20) * mask  # (n, R); exp stays finite
-    sequence = getattr(args, "is_level", "sequence") == "sequence"  # RLOO's loss is per sequence
-    real = mask.bool()
-    if sequence:
-        log_weights, real = log_weights.sum(dim=1, keepdim=True), torch.ones_like(real[:, :1])  # (n, 1)
-    raw = torch.exp(log_weights)
-    weights = torch.ones_like(raw)
-    if correction in ("decoupled", "tis"):
-        weights = torch.clamp(raw, max=cap)
-    elif correction == "mask":
-        weights = torch.where((raw >= args.is_mask_low) & (raw <= cap), raw, 0.0)
-    step_log_ratio = step_logprobs - sampling_logprobs
-    diagnostics = {"async/mismatch_kl": masked_mean(torch.exp(step_log_ratio) - step_log_ratio - 1, mask),
-                   "async/is_ratio_mean": raw[real].mean().item(), "async/is_ratio_max": raw[real].max().item(),
-                   "async/is_truncated_frac": (raw[real] > cap).float().mean().item()}
-    if correction == "mask":
-        diagnostics["async/is_masked_frac"] = (weights[real] == 0).float().mean().item()
-    return anchor, weights, diagnostics
-
-
-def merge_diagnostics(diagnostics: list[dict]) -> dict[str, float]:
-    """The micro-batches' off_policy_terms diagnostics as one update's: the largest async/is_ratio_max, the
-    mean of the others."""
-    return {name: (max if name.endswith("_max") else statistics.mean)([d[name] for d in diagnostics])
-            for name in diagnostics[0]}
 
 
 def check_rewards(scores: torch.Tensor, update: int):

@@ -23,6 +23,7 @@ import torch
 
 import cli
 import common
+import corrections
 import data
 import evaluation
 import lora
@@ -365,7 +366,7 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
     """The GRPO-family loss of n rows: new_logprobs (the training forward), old_logprobs (those the ratio is
     taken against), ref_logprobs (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages
     (n,); weights, each policy term's importance weight (1, or those of --off_policy_correction:
-    common.off_policy_terms), (n, R) or (n, 1). Returns (loss, share of masked tokens whose clip binds, the
+    corrections.off_policy_terms), (n, R) or (n, 1). Returns (loss, share of masked tokens whose clip binds, the
     ratios (n, R) or (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
@@ -496,7 +497,7 @@ def main(args: Args):
                     new_logprobs, entropy = new_logprobs if args.entropy_coef else (new_logprobs, None)
                     if epoch == step == 0:  # still the weights at the start of the update
                         start_logprobs[rows] = new_logprobs.detach()
-                    old_logprobs, weights, diagnostics = common.off_policy_terms(
+                    old_logprobs, weights, diagnostics = corrections.off_policy_terms(
                         new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows], args)
                     loss, clipfrac, ratio = policy_loss(
                         new_logprobs, old_logprobs, advantages[rows], mask[rows], args, step_tokens,
@@ -516,7 +517,7 @@ def main(args: Args):
         t4 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
-        ratios, off_policy = torch.cat(stats.pop("ratio")), common.merge_diagnostics(stats.pop("off_policy"))
+        ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items() if values}
         # the generator has drawn ahead; the prompts drawn up to this batch (several rounds with --dynamic_sampling)
         state.update, state.episode, state.data_position = update, state.episode + batch_size, batch["data_position"]

@@ -17,6 +17,7 @@ import torch
 
 import cli
 import common
+import corrections
 import data
 import evaluation
 import lora
@@ -262,7 +263,7 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
 
 def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float, weights=1.0):
     """Clipped surrogate on per-token ratios, each term times its importance weight (1, or those of
-    --off_policy_correction: common.off_policy_terms), averaged over real tokens; old: the log-probs the ratio
+    --off_policy_correction: corrections.off_policy_terms), averaged over real tokens; old: the log-probs the ratio
     is taken against. Returns (loss, clipfrac, ratio)."""
     ratio = torch.exp(new_logprobs - old_logprobs)
     unclipped = -advantages * ratio
@@ -372,7 +373,7 @@ def main(args: Args):
                     new_logprobs, new_values, entropy = forward_responses(
                         agent, *(tensor[micro_batch] for tensor in rows), args.temperature, args.top_p)
                     micro_mask = mask[micro_batch]
-                    old_logprobs, weights, diagnostics = common.off_policy_terms(
+                    old_logprobs, weights, diagnostics = corrections.off_policy_terms(
                         new_logprobs, logprobs[micro_batch], start_logprobs[micro_batch], micro_mask, args)
                     pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
                                                               micro_mask, args.cliprange, weights)
@@ -392,7 +393,7 @@ def main(args: Args):
         t3 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
-        ratios, off_policy = torch.cat(stats.pop("ratio")), common.merge_diagnostics(stats.pop("off_policy"))
+        ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
         metrics = common.all_reduce_mean({

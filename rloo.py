@@ -17,6 +17,7 @@ import torch
 
 import cli
 import common
+import corrections
 import data
 import evaluation
 import lora
@@ -196,7 +197,7 @@ def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float, weights=1.0):
     """Clipped surrogate on the sequence-level ratio exp(sum new_logp - sum old_logp), each sequence's term
-    times its importance weight (1, or those of --off_policy_correction: common.off_policy_terms), averaged
+    times its importance weight (1, or those of --off_policy_correction: corrections.off_policy_terms), averaged
     over sequences. All inputs (batch,); old: the log-probs the ratio is taken against. Returns (loss,
     clipfrac, ratio)."""
     ratio = torch.exp(new_seq_logps - old_seq_logps)
@@ -282,7 +283,7 @@ def main(args: Args):
                     new_logprobs = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
                         rollout.lengths[rows], args.temperature, args.top_p)  # (n, R)
-                    old_logprobs, weights, diagnostics = common.off_policy_terms(
+                    old_logprobs, weights, diagnostics = corrections.off_policy_terms(
                         new_logprobs, logprobs[rows], start_logprobs[rows], rollout.mask[rows], args)
                     new_seq_logps = common.masked_sum(new_logprobs, rollout.mask[rows])  # (n,)
                     old_seq_logps = common.masked_sum(old_logprobs, rollout.mask[rows])
@@ -298,7 +299,7 @@ def main(args: Args):
         t3 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
-        ratios, off_policy = torch.cat(stats.pop("ratio")), common.merge_diagnostics(stats.pop("off_policy"))
+        ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
         metrics = common.all_reduce_mean({

@@ -21,6 +21,7 @@ import torch
 
 import cli
 import common
+import corrections
 import data
 import evaluation
 import lora
@@ -244,7 +245,7 @@ def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float, weights=1.0):
     """Clipped surrogate on the sequence-level ratio exp(sum new_logp - sum old_logp), each sequence's term
-    times its importance weight (1, or those of --off_policy_correction: common.off_policy_terms), averaged
+    times its importance weight (1, or those of --off_policy_correction: corrections.off_policy_terms), averaged
     over sequences. All inputs (batch,); old: the log-probs the ratio is taken against. Returns (loss,
     clipfrac, ratio)."""
     ratio = torch.exp(new_seq_logps - old_seq_logps)
@@ -345,7 +346,7 @@ def main(args: Args):
                         rollout.lengths[rows], args.temperature, args.top_p)  # (n, R)
                     if epoch == step == 0:  # still the weights at the start of the update
                         start_logprobs[rows] = new_logprobs.detach()
-                    old_logprobs, weights, diagnostics = common.off_policy_terms(
+                    old_logprobs, weights, diagnostics = corrections.off_policy_terms(
                         new_logprobs, logprobs[rows], start_logprobs[rows], rollout.mask[rows], args)
                     new_seq_logps = common.masked_sum(new_logprobs, rollout.mask[rows])  # (n,)
                     old_seq_logps = common.masked_sum(old_logprobs, rollout.mask[rows])
@@ -365,7 +366,7 @@ def main(args: Args):
         t4 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
-        ratios, off_policy = torch.cat(stats.pop("ratio")), common.merge_diagnostics(stats.pop("off_policy"))
+        ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
         state.update, state.episode, state.data_position = update, state.episode + batch_size, update

@@ -7,10 +7,9 @@ import sys
 
 from scripts import ROOT, environment
 
-KIT_MODULES = ("cli", "common", "data", "evaluation", "lora", "vllm_generator", "math_reward", "online_dpo",
-               "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm", "sft",
-               "reward_model",
-               "eval_checkpoints")
+KIT_MODULES = ("cli", "common", "corrections", "data", "evaluation", "lora", "vllm_generator", "math_reward",
+               "online_dpo", "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm",
+               "sft", "reward_model", "eval_checkpoints")
 
 
 def modules_after_import(*names: str) -> set[str]:

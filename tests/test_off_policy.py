@@ -1,5 +1,5 @@
 """The off-policy corrections (--off_policy_correction none, decoupled, tis, mask) on hand-computed numbers:
-the ratio's denominator, each term's weight and the diagnostics (common.off_policy_terms), through PPO's,
+the ratio's denominator, each term's weight and the diagnostics (corrections.off_policy_terms), through PPO's,
 RLOO's and GRPO's losses; every correction equals none when nothing is stale."""
 
 import math
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import corrections
 import grpo
 import ppo
 import rloo
@@ -23,7 +24,7 @@ ADVANTAGES = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
 
 def terms(correction, level="token", cap=None, new=STEP):
     args = SimpleNamespace(off_policy_correction=correction, is_level=level, is_cap=cap, is_mask_low=0.5)
-    return common.off_policy_terms(new, SAMPLING, START, MASK, args)
+    return corrections.off_policy_terms(new, SAMPLING, START, MASK, args)
 
 
 def ppo_loss(correction, level="token", cap=None):
@@ -66,7 +67,7 @@ def test_the_diagnostics():
     _, _, tis = terms("tis")
     assert tis["async/is_ratio_mean"] == pytest.approx(1.5) and tis["async/is_ratio_max"] == pytest.approx(2.5)
     assert "async/is_masked_frac" not in tis
-    merged = common.merge_diagnostics([none, tis])
+    merged = corrections.merge_diagnostics([none, tis])
     assert merged["async/is_ratio_max"] == pytest.approx(3) and merged["async/is_ratio_mean"] == pytest.approx(19 / 12)
 
 
@@ -75,7 +76,7 @@ def test_nothing_stale_every_correction_is_none(correction):
     """K = 0, one mini-batch: the sampling, start-of-update and step log-probs are the same."""
     fresh = SAMPLING.clone().requires_grad_()
     args = SimpleNamespace(off_policy_correction=correction, is_level="token", is_cap=None, is_mask_low=0.5)
-    anchor, weights, diagnostics = common.off_policy_terms(fresh, SAMPLING, SAMPLING, MASK, args)
+    anchor, weights, diagnostics = corrections.off_policy_terms(fresh, SAMPLING, SAMPLING, MASK, args)
     assert torch.equal(weights, torch.ones_like(weights)) and torch.equal(anchor, SAMPLING)
     assert diagnostics["async/mismatch_kl"] == 0 and diagnostics["async/is_ratio_mean"] == 1
     assert diagnostics["async/is_ratio_max"] == 1 and diagnostics["async/is_truncated_frac"] == 0
