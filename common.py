@@ -616,6 +616,14 @@ def groups_to_train(has_signal: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
+def dynamic_sampling_metrics(rounds: int, has_signal: torch.Tensor, groups, scores: torch.Tensor) -> dict:
+    """dynamic_sampling/*: the rounds sampled, the equal-reward groups dropped and those that fill the batch
+    (`groups`, of groups_to_train), and the mean reward of everything sampled (scores: every round's rows)."""
+    unfilled = (~has_signal[groups]).sum().item()
+    return {"dynamic_sampling/rounds": rounds, "dynamic_sampling/dropped_groups": (~has_signal).sum().item() - unfilled,
+            "dynamic_sampling/unfilled": unfilled, "dynamic_sampling/sampled_scores": scores.mean().item()}
+
+
 def check_rewards(scores: torch.Tensor, update: int):
     """Stop every rank, keeping the last complete checkpoint, when the reward is NaN or infinite."""
     bad = torch.tensor([float((~torch.isfinite(scores)).sum()), float(len(scores))], device=scores.device)

@@ -318,11 +318,7 @@ def fill_with_signal(first_round, next_round, args, task: common.Task):
     scores = torch.cat([scores for _, _, scores in rounds])
     prompt_rows = {name: [value for rows_of_round, _, _ in rounds for value in rows_of_round[name]]
                    for name in first_round[0]}
-    unfilled = (~has_signal[groups]).sum().item()
-    metrics = {"dynamic_sampling/rounds": len(rounds),
-               "dynamic_sampling/dropped_groups": (~has_signal).sum().item() - unfilled,
-               "dynamic_sampling/unfilled": unfilled,
-               "dynamic_sampling/sampled_scores": scores.mean().item()}
+    metrics = common.dynamic_sampling_metrics(len(rounds), has_signal, groups, scores)
     return ({name: [values[g] for g in groups.tolist()] for name, values in prompt_rows.items()},
             common.truncate_rollout(query_ids[rows], query_mask[rows], responses[rows], task), scores[rows], metrics)
 

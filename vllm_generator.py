@@ -672,11 +672,7 @@ def fill_with_signal(job: GeneratorJob, llm, batch: dict, update: int, score) ->
     prompt_indices = [index for r in rounds for index in r["prompt_indices"]]
     queries = [query for r in rounds for query in r["queries"]]
     scores = torch.cat([r["scores"] for r in rounds])
-    unfilled = (~has_signal[groups]).sum().item()
-    metrics = {"dynamic_sampling/rounds": len(rounds),
-               "dynamic_sampling/dropped_groups": (~has_signal).sum().item() - unfilled,
-               "dynamic_sampling/unfilled": unfilled,
-               "dynamic_sampling/sampled_scores": scores.mean().item(),
+    metrics = {**common.dynamic_sampling_metrics(len(rounds), has_signal, groups, scores),
                "time/dynamic_sampling": time.time() - t0}  # scoring every round, sampling the further ones
     return {**batch, "prompt_indices": [prompt_indices[g] for g in groups], "queries": [queries[r] for r in rows],
             **{name: numpy.concatenate([r[name] for r in rounds])[rows] for name in ("responses", "logprobs")},
