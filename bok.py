@@ -173,9 +173,10 @@ def best_of_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     return offsets + per_prompt.argmax(dim=1)  # argmax returns the first maximum
 
 
-def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Negative log-likelihood per real token, averaged over the micro-batch's tokens.  (batch, len)"""
-    return -(logprobs * mask).sum() / mask.sum()
+def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor, step_tokens: float) -> torch.Tensor:
+    """Negative log-likelihood summed over real tokens and divided by `step_tokens`
+    (common.step_share: every token of the optimizer step weighs the same).  (batch, len)"""
+    return -(logprobs * mask).sum() / step_tokens
 
 
 # Shapes: B prompts per update on this rank (local_batch_size), k samples per prompt, N = B*k rollout
@@ -227,7 +228,8 @@ def main(args: Args):
         t0 = time.time()
         prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
         # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
-        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task,
+                                                                   sampler)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R), for the logged KL only
@@ -247,6 +249,7 @@ def main(args: Args):
         losses = []
         for epoch, order in enumerate(orders):
             for step, mini_batch in enumerate(order.split(mini_batch_size)):
+                step_tokens = common.step_share(rollout.mask[best_rows[mini_batch]], args)
                 for prompt_ids in mini_batch.split(args.per_device_train_batch_size):
                     rows = best_rows[prompt_ids]
                     new_logprobs = common.response_logprobs(
@@ -254,7 +257,7 @@ def main(args: Args):
                         rollout.lengths[rows], args.temperature, args.top_p)  # (prompts, R)
                     if epoch == step == 0:  # still the sampling weights
                         logprobs[rows] = new_logprobs.detach()
-                    loss = nll_loss(new_logprobs, rollout.mask[rows])
+                    loss = nll_loss(new_logprobs, rollout.mask[rows], step_tokens)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     losses.append(loss.item())

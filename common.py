@@ -244,6 +244,15 @@ def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, stacked.tolist()))
 
 
+def all_reduce_masked_means(values: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
+    """The mean of each of `values` over the entries `mask` keeps on every rank together (0 where none): not
+    the mean of the ranks' means, which would weigh an entry by how few its rank keeps."""
+    sums = torch.stack([mask.sum(), *((value * mask).sum() for value in values.values())])
+    sums = sums.to(local_device(), torch.float64)  # NCCL: GPU only
+    torch.distributed.all_reduce(sums)
+    return {name: (total / sums[0].clamp(min=1)).item() for name, total in zip(values, sums[1:])}
+
+
 def check_signs(args, positive: tuple[str, ...], non_negative: tuple[str, ...] = ()):
     """A one-line error for the first of the `positive` flags that is not above 0, or of the `non_negative`
     ones that is below 0."""
@@ -412,6 +421,17 @@ def in_chunks(function, chunk_size: int, *tensors: torch.Tensor):
     return torch.cat(results)
 
 
+def step_share(mask: torch.Tensor, args) -> float:
+    """The real tokens (or valid pairs) of one optimizer step, over every micro-batch and rank, divided by the
+    micro-batches DeepSpeed averages the gradient over (accumulation steps x ranks). A micro-batch that
+    divides its summed loss by this weighs every token of the step the same, whatever micro-batch or rank it
+    falls in: two ranks train as one. `mask`: this rank's, for the step's rows. Never 0 (a step of nothing to
+    learn from has loss 0)."""
+    count = mask.sum().to(torch.float64)
+    torch.distributed.all_reduce(count)
+    return max(count.item(), 1e-9) / (torch.distributed.get_world_size() * args.gradient_accumulation_steps)
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over real tokens of each row.  values, mask: (batch, len) -> (batch,)"""
     return (values * mask).sum(dim=1)
@@ -520,21 +540,31 @@ def generate(model, query_ids, query_mask, response_length, temperature, eos_ids
     return F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
 
 
-def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, task: Task, part: str | None = None):
-    """`num_samples` completions per prompt with HF generate, each prompt's samples adjacent.
+def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, task: Task, sampler,
+                     part: str | None = None):
+    """`num_samples` completions per prompt with HF generate, each prompt's samples adjacent, for the prompts
+    the sampler (a data.PromptSampler) has just drawn.
 
-    Returns query_ids, query_mask (N, P) left-padded and raw responses (N, R), for N = prompts x
-    num_samples rows. `part`: the policy's attribute name when the engine trains more than the policy (PPO).
+    Each chunk of --local_rollout_forward_batch_size rows is padded and seeded on its own, by (--seed, the
+    sampler's batch, the chunk's first row in the global batch): the samples do not depend on how many ranks
+    share the batch, as long as the chunk size divides each rank's rows. Returns query_ids, query_mask (N, P)
+    left-padded and raw responses (N, R), for N = prompts x num_samples rows. `part`: the policy's attribute
+    name when the engine trains more than the policy (PPO).
     """
-    pad = task.tokenizer.pad_token_id
-    query_ids, query_mask = left_pad(prompts, pad, policy.device)
-    query_ids, query_mask = query_ids.repeat_interleave(num_samples, 0), query_mask.repeat_interleave(num_samples, 0)
+    pad, chunk_size = task.tokenizer.pad_token_id, args.local_rollout_forward_batch_size
+    rows = [prompt for prompt in prompts for _ in range(num_samples)]
+    first_row = sampler.rank * sampler.local_batch_size * num_samples  # this rank's rows in the global batch
+    device = local_device()
+    responses = []
     with torch.no_grad(), full_parameters(policy, part) as model:
-        responses = in_chunks(functools.partial(
-            generate, model, response_length=args.response_length, temperature=args.temperature,
-            eos_ids=task.eos_ids, pad_token_id=pad, top_p=args.top_p), args.local_rollout_forward_batch_size,
-            query_ids, query_mask)
-    return query_ids, query_mask, responses
+        for start in range(0, len(rows), chunk_size):
+            chunk_ids, chunk_mask = left_pad(rows[start:start + chunk_size], pad, device)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(random.Random(f"{args.seed}/{sampler.position}/{first_row + start}").getrandbits(63))
+                responses.append(generate(model, chunk_ids, chunk_mask, args.response_length, args.temperature,
+                                          task.eos_ids, pad, args.top_p))
+    query_ids, query_mask = left_pad(rows, pad, device)
+    return query_ids, query_mask, torch.cat(responses)
 
 
 @dataclass

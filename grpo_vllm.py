@@ -482,12 +482,9 @@ def main(args: Args):
         stats = {name: [] for name in ("loss", "clipfrac", "entropy", "ratio", "off_policy")}
         for epoch, order in enumerate(orders):
             for step, mini_batch in enumerate(order.split(mini_batch_size)):
-                # dapo and cispo average over every completion token of the step (all micro-batches, all
-                # ranks); DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
-                # the ranks' gradients, so each micro-batch divides its sum by its share of that count
-                step_tokens = mask[(mini_batch[:, None] * k + torch.arange(k)).flatten()].sum()
-                torch.distributed.all_reduce(step_tokens)
-                step_tokens = step_tokens.item() / (world_size * args.gradient_accumulation_steps)
+                # dapo and cispo average over every completion token of the step (all micro-batches, all ranks)
+                step_rows = (mini_batch[:, None] * k + torch.arange(k)).flatten()
+                step_tokens = common.step_share(mask[step_rows], args)
                 for prompt_ids in mini_batch.split(args.per_device_train_batch_size):
                     rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
                     # (n, R); the entropy (n, R) too with --entropy_coef: it costs a pass over the vocabulary

@@ -247,7 +247,8 @@ def main(args: Args):
         t0 = time.time()
         prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
         # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
-        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task,
+                                                                   sampler)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
@@ -274,6 +275,7 @@ def main(args: Args):
                                        "rejected_logps", "valid")}
         for epoch, order in enumerate(orders):
             for step, mini_batch in enumerate(order.split(mini_batch_size)):
+                step_pairs = common.step_share(valid[mini_batch], args)  # non-tied, every rank's
                 for pairs in mini_batch.split(args.per_device_train_batch_size):
                     rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
                     token_logprobs = common.response_logprobs(
@@ -287,7 +289,7 @@ def main(args: Args):
                     losses = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
                                       args.loss_type)
                     pair_mask = valid[pairs]
-                    loss = (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
+                    loss = (losses * pair_mask).sum() / step_pairs
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["loss"].append(losses.detach())
@@ -302,17 +304,19 @@ def main(args: Args):
         stats = {name: torch.cat(values) for name, values in stats.items()}
         pair_valid = stats.pop("valid")
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
-        metrics = common.all_reduce_mean({
-            "loss/policy_avg": common.masked_mean(stats["loss"], pair_valid),
-            "rewards/chosen": common.masked_mean(stats["chosen_rewards"], pair_valid),
-            "rewards/rejected": common.masked_mean(stats["rejected_rewards"], pair_valid),
-            "rewards/accuracies": common.masked_mean(
-                (stats["chosen_rewards"] > stats["rejected_rewards"]).float(), pair_valid),
-            "rewards/margins": common.masked_mean(stats["chosen_rewards"] - stats["rejected_rewards"], pair_valid),
-            "logps/chosen": common.masked_mean(stats["chosen_logps"], pair_valid),
-            "logps/rejected": common.masked_mean(stats["rejected_logps"], pair_valid),
+        metrics = common.all_reduce_masked_means({
+            "loss/policy_avg": stats["loss"],
+            "rewards/chosen": stats["chosen_rewards"],
+            "rewards/rejected": stats["rejected_rewards"],
+            "rewards/accuracies": (stats["chosen_rewards"] > stats["rejected_rewards"]).float(),
+            "rewards/margins": stats["chosen_rewards"] - stats["rejected_rewards"],
+            "logps/chosen": stats["chosen_logps"],
+            "logps/rejected": stats["rejected_logps"],
+        }, pair_valid)
+        metrics |= common.all_reduce_masked_means(
+            {"objective/scores_margin": scores[chosen_rows] - scores[rejected_rows]}, valid)
+        metrics |= common.all_reduce_mean({
             **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
-            "objective/scores_margin": common.masked_mean(scores[chosen_rows] - scores[rejected_rows], valid),
             "objective/tie_fraction": 1 - valid.mean().item(),
             "time/generate": t1 - t0,
             "time/score": t2 - t1,

@@ -328,6 +328,7 @@ def main(args: Args):
         for _ in range(args.num_epochs):
             order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
             for mini_batch in order.split(mini_batch_size):
+                step_pairs = common.step_share(valid[mini_batch], args)  # non-tied, every rank's
                 for pairs in mini_batch.split(args.per_device_train_batch_size):
                     rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
                     seq_logps = common.masked_sum(common.response_logprobs(
@@ -338,7 +339,7 @@ def main(args: Args):
                     losses = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
                                       args.loss_type)
                     pair_mask = valid[pairs]
-                    loss = (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
+                    loss = (losses * pair_mask).sum() / step_pairs
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["loss"].append(losses.detach())
@@ -358,17 +359,19 @@ def main(args: Args):
         pair_valid = stats.pop("valid")
         # the generator has drawn ahead; the trainer has consumed exactly one global batch per update
         state.update, state.episode, state.data_position = update, state.episode + batch_size, update
-        metrics = common.all_reduce_mean({
-            "loss/policy_avg": common.masked_mean(stats["loss"], pair_valid),
-            "rewards/chosen": common.masked_mean(stats["chosen_rewards"], pair_valid),
-            "rewards/rejected": common.masked_mean(stats["rejected_rewards"], pair_valid),
-            "rewards/accuracies": common.masked_mean(
-                (stats["chosen_rewards"] > stats["rejected_rewards"]).float(), pair_valid),
-            "rewards/margins": common.masked_mean(stats["chosen_rewards"] - stats["rejected_rewards"], pair_valid),
-            "logps/chosen": common.masked_mean(stats["chosen_logps"], pair_valid),
-            "logps/rejected": common.masked_mean(stats["rejected_logps"], pair_valid),
+        metrics = common.all_reduce_masked_means({
+            "loss/policy_avg": stats["loss"],
+            "rewards/chosen": stats["chosen_rewards"],
+            "rewards/rejected": stats["rejected_rewards"],
+            "rewards/accuracies": (stats["chosen_rewards"] > stats["rejected_rewards"]).float(),
+            "rewards/margins": stats["chosen_rewards"] - stats["rejected_rewards"],
+            "logps/chosen": stats["chosen_logps"],
+            "logps/rejected": stats["rejected_logps"],
+        }, pair_valid)
+        metrics |= common.all_reduce_masked_means(
+            {"objective/scores_margin": scores[chosen_rows] - scores[rejected_rows]}, valid)
+        metrics |= common.all_reduce_mean({
             **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
-            "objective/scores_margin": common.masked_mean(scores[chosen_rows] - scores[rejected_rows], valid),
             "objective/tie_fraction": 1 - valid.mean().item(),
             "time/wait": t1 - t0,
             "time/score": t2 - t1,

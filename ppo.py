@@ -225,12 +225,15 @@ def forward_responses(model, query_ids, query_mask, responses, lengths, temperat
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(values - mean) / std over the real entries (unbiased variance); the mean is added back
-    when `shift_mean` is False. Padded entries are returned as 0."""
-    count = mask.sum()
-    mean = (values * mask).sum() / count
-    variance = (((values - mean) * mask) ** 2).sum() / (count - 1)
-    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    """(values - mean) / std over the real entries of the whole batch, every rank's (unbiased variance): the
+    same numbers however many ranks share the batch. The mean is added back when `shift_mean` is False.
+    Padded entries are returned as 0."""
+    count_and_sum = torch.stack([mask.sum(), (values * mask).sum()]).to(torch.float64)
+    torch.distributed.all_reduce(count_and_sum)
+    count, mean = count_and_sum[0], (count_and_sum[1] / count_and_sum[0]).to(values.dtype)
+    squares = (((values - mean) * mask) ** 2).sum().to(torch.float64)
+    torch.distributed.all_reduce(squares)
+    whitened = (values - mean) * torch.rsqrt((squares / (count - 1)).to(values.dtype) + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
@@ -261,24 +264,25 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return advantages, advantages + values
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float, weights=1.0):
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float, step_tokens: float, weights=1.0):
     """Clipped surrogate on per-token ratios, each term times its importance weight (1, or those of
-    --off_policy_correction: corrections.off_policy_terms), averaged over real tokens; old: the log-probs the ratio
-    is taken against. Returns (loss, clipfrac, ratio)."""
+    --off_policy_correction: corrections.off_policy_terms), summed over real tokens and divided by
+    `step_tokens` (common.step_share: every token of the optimizer step weighs the same); old: the
+    log-probs the ratio is taken against. Returns (loss, clipfrac, ratio)."""
     ratio = torch.exp(new_logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    loss = (weights * torch.max(unclipped, clipped) * mask).sum() / mask.sum()
+    loss = (weights * torch.max(unclipped, clipped) * mask).sum() / step_tokens
     clipfrac = ((clipped > unclipped).float() * mask).sum() / mask.sum()
     return loss, clipfrac, ratio
 
 
-def value_loss(new_values, old_values, returns, mask, cliprange_value: float):
-    """0.5 * max((V - returns)^2, (clip(V, V_old +- c) - returns)^2), averaged over real tokens.
-    Returns (loss, clipfrac)."""
+def value_loss(new_values, old_values, returns, mask, cliprange_value: float, step_tokens: float):
+    """0.5 * max((V - returns)^2, (clip(V, V_old +- c) - returns)^2), summed over real tokens and divided by
+    `step_tokens` (as the policy loss). Returns (loss, clipfrac)."""
     clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
     unclipped_loss, clipped_loss = (new_values - returns) ** 2, (clipped_values - returns) ** 2
-    loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / mask.sum()
+    loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / step_tokens
     clipfrac = ((clipped_loss > unclipped_loss).float() * mask).sum() / mask.sum()
     return loss, clipfrac
 
@@ -334,7 +338,7 @@ def main(args: Args):
         prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
         # query_ids, query_mask: (B, P), left-padded; responses: (B, R)
         query_ids, query_mask, responses = common.sample_responses(agent, prompt_rows["input_ids"], 1, args,
-                                                                   task, part="policy")
+                                                                   task, sampler, part="policy")
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (B, R)
@@ -358,7 +362,7 @@ def main(args: Args):
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)
         advantages, returns = gae_advantages(rewards, values, mask, args.gamma, args.lam)  # (B, R) each
-        advantages = masked_whiten(advantages, mask)  # over this rank's batch
+        advantages = masked_whiten(advantages, mask)  # over the whole batch, every rank's
         t2 = time.time()
 
         # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
@@ -369,6 +373,7 @@ def main(args: Args):
         for _ in range(args.num_epochs):
             order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
             for mini_batch in order.split(mini_batch_size):
+                step_tokens = common.step_share(mask[mini_batch], args)
                 for micro_batch in mini_batch.split(args.per_device_train_batch_size):
                     new_logprobs, new_values, entropy = forward_responses(
                         agent, *(tensor[micro_batch] for tensor in rows), args.temperature, args.top_p)
@@ -376,10 +381,10 @@ def main(args: Args):
                     old_logprobs, weights, diagnostics = corrections.off_policy_terms(
                         new_logprobs, logprobs[micro_batch], start_logprobs[micro_batch], micro_mask, args)
                     pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
-                                                              micro_mask, args.cliprange, weights)
+                                                              micro_mask, args.cliprange, step_tokens, weights)
                     stats["off_policy"].append(diagnostics)
                     vf_loss, vf_clipfrac = value_loss(new_values, values[micro_batch], returns[micro_batch],
-                                                      micro_mask, args.cliprange_value)
+                                                      micro_mask, args.cliprange_value, step_tokens)
                     agent.backward(pg_loss + args.vf_coef * vf_loss)
                     agent.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["pg_loss"].append(pg_loss.item())

@@ -253,7 +253,8 @@ def main(args: Args):
         t0 = time.time()
         prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
         # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
-        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task,
+                                                                   sampler)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)

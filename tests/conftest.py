@@ -58,3 +58,22 @@ def tiny_dir(tmp_path_factory):
     LlamaForSequenceClassification(LlamaConfig(**config.to_dict(), num_labels=1)).save_pretrained(folder / "reward")
     tokenizer.save_pretrained(folder / "reward")
     return folder
+
+
+@pytest.fixture
+def one_rank_group():
+    """torch.distributed as a plain `python script.py` has it: one gloo rank (for the functions that reduce
+    over ranks)."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+            patch.setenv(name, value)
+        import common
+
+        patch.setenv("MASTER_PORT", str(common.free_port()))
+        torch.distributed.init_process_group("gloo")
+        try:
+            yield
+        finally:
+            torch.distributed.destroy_process_group()

@@ -153,10 +153,14 @@ def toy_run(script: str) -> list[str]:
     return [*TOY_RUN, *learning_rate]
 
 
-def uninterrupted_and_resumed_runs(folder, script, args, interruptions, launcher=(sys.executable,), env=None):
-    """Run `script` once without interruption, and once interrupted by each of `interruptions` (KILL_POINTS
-    and PREEMPTIONS) in turn, resuming with --resume after each; returns both run directories."""
-    run_script(*args, "--output_dir", folder / "whole", script=script, launcher=launcher, env=env)
+def uninterrupted_and_resumed_runs(folder, script, args, interruptions, launcher=(sys.executable,), env=None,
+                                   keep_weights=False):
+    """Run `script` once without interruption (`keep_weights`: through tests/run_with_kept_weights.py), and
+    once interrupted by each of `interruptions` (KILL_POINTS and PREEMPTIONS) in turn, resuming with --resume
+    after each; returns both run directories."""
+    whole = [script.removesuffix(".py"), *args] if keep_weights else args
+    run_script(*whole, "--output_dir", folder / "whole", launcher=launcher, env=env,
+               script="tests/run_with_kept_weights.py" if keep_weights else script)
     for interruption in interruptions:
         interrupt = kill_at if interruption in KILL_POINTS else preempt
         interrupt(script, [*args, "--resume"], folder / "interrupted", interruption, launcher=launcher, env=env)
@@ -179,6 +183,19 @@ def assert_same_weights_and_metrics(whole, resumed, names, after_update=-1):
         logged = [[m[name] for m in read_metrics(d) if name in m and m["update"] > after_update]
                   for d in (whole, resumed)]
         assert logged[0] == logged[1] and logged[0], name
+
+
+def assert_two_ranks_train_as_one(two, one):
+    """A two-rank run and a one-rank run of the same global batches: the same samples (scores within 1e-6),
+    each update's loss within 1e-5 and the final weights within 1e-4 (the order of float sums)."""
+    import pytest
+
+    two_metrics, one_metrics = ([m for m in read_metrics(run) if "loss/policy_avg" in m] for run in (two, one))
+    assert len(two_metrics) == len(one_metrics) > 0
+    for name, tolerance in (("objective/scores", 1e-6), ("loss/policy_avg", 1e-5)):
+        assert [m[name] for m in two_metrics] == pytest.approx([m[name] for m in one_metrics], abs=tolerance), name
+    two_weights, one_weights = load_policy_weights(two), load_policy_weights(one)
+    assert max((two_weights[name] - one_weights[name]).abs().max().item() for name in one_weights) < 1e-4
 
 
 def assert_learns(run_dir, min_gain=0.10):

@@ -29,7 +29,7 @@ def terms(correction, level="token", cap=None, new=STEP):
 
 def ppo_loss(correction, level="token", cap=None):
     anchor, weights, _ = terms(correction, level, cap)
-    return ppo.policy_loss(STEP, anchor, ADVANTAGES, MASK, 0.2, weights)[0].item()
+    return ppo.policy_loss(STEP, anchor, ADVANTAGES, MASK, 0.2, MASK.sum().item(), weights)[0].item()
 
 
 def test_none_takes_the_ratio_against_the_sampling_weights_unweighted():
@@ -80,7 +80,7 @@ def test_nothing_stale_every_correction_is_none(correction):
     assert torch.equal(weights, torch.ones_like(weights)) and torch.equal(anchor, SAMPLING)
     assert diagnostics["async/mismatch_kl"] == 0 and diagnostics["async/is_ratio_mean"] == 1
     assert diagnostics["async/is_ratio_max"] == 1 and diagnostics["async/is_truncated_frac"] == 0
-    loss = ppo.policy_loss(fresh, anchor, ADVANTAGES, MASK, 0.2, weights)[0]
+    loss = ppo.policy_loss(fresh, anchor, ADVANTAGES, MASK, 0.2, MASK.sum().item(), weights)[0]
     loss.backward()
     assert loss.item() == pytest.approx(-1 / 3) and fresh.grad[0].tolist() == pytest.approx([-1 / 3, -1 / 3, 1 / 3, 0])
 

@@ -5,6 +5,7 @@ never starting engine), Ctrl-C, several nodes and engines."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,13 +92,18 @@ def test_an_engine_that_does_not_start_stops_the_trainer(tmp_path):
     assert not (tmp_path / "run" / "policy").exists()
 
 
-def test_with_top_p_the_trainers_log_probs_are_the_engines(tmp_path):
-    # the engine's log-probs are those of its nucleus (processed_logprobs): the trainer's must cut the same one
+def test_with_top_p_and_many_weight_buckets_the_trainers_log_probs_are_the_engines(tmp_path):
+    """The engine's log-probs are those of its nucleus (processed_logprobs): the trainer's must cut the same
+    one. And the weights travel in many buckets, gathered one at a time under ZeRO-3, as a large policy's do
+    (the toy's fit one bucket): every one lands in its place."""
     out = tmp_path / "run"
-    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--top_p", "0.9", "--logprob_check_every", "1",
-               "--output_dir", out, script="online_dpo_vllm.py")
+    result = run_script(SCRIPT.removesuffix(".py"), 16384, *QUICK, "--total_episodes", "64", "--eval_every", "100",
+                        "--top_p", "0.9", "--logprob_check_every", "1", "--zero_stage", "3", "--output_dir", out,
+                        script="tests/run_with_small_weight_buckets.py")
+    assert len(set(re.findall(r"weight buckets: (\d+) for", result.stdout))) == 1
+    assert int(re.search(r"weight buckets: (\d+) for", result.stdout).group(1)) > 5, result.stdout[-2000:]
     diffs = [m["async/logprob_diff"] for m in read_metrics(out) if "async/logprob_diff" in m]
-    assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
+    assert len(diffs) == 4 and max(diffs) < 1e-6, diffs
 
 
 def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_start(tmp_path):

@@ -55,7 +55,7 @@ def test_gae_matches_a_plain_loop_with_padding():
         assert torch.allclose(returns, (expected + values) * mask, atol=1e-6)
 
 
-def test_masked_whitening():
+def test_masked_whitening(one_rank_group):
     values = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     # mean 2, unbiased variance 1 over the three real entries; the pad is ignored and zeroed
@@ -68,9 +68,10 @@ def test_clipped_policy_loss_on_hand_computed_numbers():
     new = torch.tensor([[math.log(1.5), math.log(0.5), math.log(0.5), 3.0]])  # the last is a pad
     advantages = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, clipfrac, ratio = ppo.policy_loss(new, old, advantages, mask, cliprange=0.2)
+    # this micro-batch's share of the step's tokens: 4 (its 3 and another micro-batch's 5, over 2)
+    loss, clipfrac, ratio = ppo.policy_loss(new, old, advantages, mask, cliprange=0.2, step_tokens=4.0)
     # per token max(-A r, -A clip(r)): max(-1.5, -1.2) = -1.2; max(-0.5, -0.8) = -0.5; max(0.5, 0.8) = 0.8
-    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8) / 3)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8) / 4)
     assert clipfrac.item() == pytest.approx(2 / 3)
     assert ratio[0, :3].tolist() == pytest.approx([1.5, 0.5, 0.5])
 
@@ -79,9 +80,9 @@ def test_clipped_value_loss_on_hand_computed_numbers():
     old, new = torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[1.5, 1.1, 4.0]])
     returns = torch.tensor([[2.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, clipfrac = ppo.value_loss(new, old, returns, mask, cliprange_value=0.2)
+    loss, clipfrac = ppo.value_loss(new, old, returns, mask, cliprange_value=0.2, step_tokens=3.0)
     # token 0: max((1.5-2)^2, (1.2-2)^2) = 0.64 (clipped); token 1: max(1.21, 1.21) = 1.21
-    assert loss.item() == pytest.approx(0.5 * (0.64 + 1.21) / 2)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 1.21) / 3)
     assert clipfrac.item() == pytest.approx(0.5)
 
 

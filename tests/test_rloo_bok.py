@@ -1,9 +1,11 @@
 """rloo.py and bok.py: advantages, loss and selection on hand-made numbers, and both scripts end to end."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from scripts import (
     QUICK,
     SYNC_INTERRUPTIONS,
@@ -17,6 +19,7 @@ from scripts import (
 )
 
 import bok
+import common
 import rloo
 
 
@@ -51,10 +54,14 @@ def test_best_of_k_selection_with_ties():
     assert bok.best_of_k(torch.tensor([2.0, 1.0, 1.0, 2.0]), k=2).tolist() == [0, 3]
 
 
-def test_nll_averages_over_real_tokens():
+def test_nll_sums_real_tokens_over_the_steps_share(one_rank_group):
     logprobs = torch.tensor([[-1.0, -2.0, 1.0], [-3.0, 1.0, 1.0]])  # 1.0 is the pad sentinel
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert bok.nll_loss(logprobs, mask).item() == pytest.approx(2.0)
+    assert bok.nll_loss(logprobs, mask, step_tokens=3.0).item() == pytest.approx(2.0)
+    # a step of this micro-batch and another with 5 tokens, accumulated over 2: each divides by (3 + 5) / 2
+    other_mask = torch.ones(1, 5)
+    args = SimpleNamespace(gradient_accumulation_steps=2)
+    assert common.step_share(torch.cat([F.pad(mask, (0, 2)), other_mask]), args) == 4.0
 
 
 @pytest.fixture(scope="module", params=["rloo.py", "bok.py"])

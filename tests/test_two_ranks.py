@@ -10,6 +10,7 @@ from scripts import (
     SCRIPTS,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
+    assert_two_ranks_train_as_one,
     preempt,
     read_metrics,
     run_script,
@@ -35,7 +36,9 @@ LORA_ON_TWO_RANKS = ("rloo.py", "bok.py", "rloo_vllm.py", "ppo_vllm.py")
 # with online DPO, and in the vLLM scripts' own K=2 two-rank runs
 @pytest.mark.parametrize(("script", "zero_stage"), [("online_dpo.py", 2), *((script, 3) for script in SCRIPTS)])
 def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
-    """Two ranks of 16 prompts each (LORA_ON_TWO_RANKS: with a LoRA adapter). With ZeRO-3 a second run
+    """Two ranks of 16 prompts each (LORA_ON_TWO_RANKS: with a LoRA adapter) train as one rank taking the same
+    global batches (samples, losses and weights: HF generate's rows are seeded by their place in the global
+    batch, the vLLM engine's by row). With ZeRO-3 a second run
     resumes on two ranks and ends with the same weights and metrics as the first, bit for bit: after a
     preemption in its first update of its own (a SIGTERM to the whole job, launcher, ranks and engine, as
     the first batch is sampled; or SIGUSR1 to the ranks while the first update trains, then SIGTERM again
@@ -44,10 +47,14 @@ def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
     out = tmp_path / "run"
     port = common.free_port()
     updates = 3 if zero_stage == 3 else 2
-    args = [*QUICK, "--total_episodes", 32 * updates, "--eval_every", "1", "--save_every", "2",
-            "--zero_stage", zero_stage, *(["--use_peft"] if script in LORA_ON_TWO_RANKS else [])]
+    # sampling chunks of 16 rows: each rank's rows, whatever k, are whole chunks (seeded by their place)
+    args = [*QUICK, "--local_rollout_forward_batch_size", "16", "--total_episodes", 32 * updates, "--eval_every", "1",
+            "--save_every", "2", "--zero_stage", zero_stage, *(["--use_peft"] if script in LORA_ON_TWO_RANKS else [])]
     launcher, env = (*TWO_RANKS, str(port)), {"OMP_NUM_THREADS": "1"}
     run_script(*args, "--output_dir", out, script=script, launcher=launcher, env=env)
+    # one rank taking the same 32 prompts per update in 4 micro-batches trains the same
+    run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script=script, env=env)
+    assert_two_ranks_train_as_one(out, tmp_path / "one")
     metrics = read_metrics(out)
     # 16 prompts per rank per update, counted over both ranks
     assert [m["episode"] for m in metrics if "loss/policy_avg" in m] == [32 * (u + 1) for u in range(updates)]

@@ -6,12 +6,14 @@ generator's own behaviour, the same for all three (faults, a shared device, inli
 tested once, in test_online_dpo_vllm.py."""
 
 import pytest
+import torch
 from scripts import (
     INTERRUPTIONS,
     KILL_POINTS,
     QUICK,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
+    assert_two_ranks_train_as_one,
     read_metrics,
     run_script,
     toy_run,
@@ -38,6 +40,44 @@ K1_INTERRUPTIONS = {"online_dpo_vllm.py": INTERRUPTIONS,
                     **dict.fromkeys(LEARNING_SCRIPTS, [p for p in INTERRUPTIONS if p in KILL_POINTS])}
 
 
+def run_keeping_weights(script, *args, **options):
+    """`script` through tests/run_with_kept_weights.py: its output directory gets kept.pt."""
+    return run_script(script.removesuffix(".py"), *args, script="tests/run_with_kept_weights.py", **options)
+
+
+def assert_sampled_by_the_weights_k_updates_old(out, async_steps: int):
+    """By behaviour, not by the version the generator reports: the engine's log-probs of (rank 0's share of)
+    batch t equal, in fp32, those of the trainer's weights after update t-1-K, kept as they were published,
+    and differ from those after update t-K."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import toy
+
+    kept = torch.load(out / "kept.pt")
+    policy, tokenizer = (load.from_pretrained(toy.SFT_POLICY) for load in (AutoModelForCausalLM, AutoTokenizer))
+    # the engine starts from the policy's files
+    kept["weights"].setdefault(0, {name: value.clone() for name, value in policy.state_dict().items()})
+    pad = tokenizer.pad_token_id
+
+    def largest_difference(batch: dict, version: int) -> float:
+        policy.load_state_dict(kept["weights"][version])
+        query_ids, query_mask = common.left_pad(batch["queries"], pad, "cpu")
+        responses, lengths, _ = common.truncate_after_eos(batch["responses"], [tokenizer.eos_token_id], pad)
+        with torch.no_grad():
+            logprobs = common.response_logprobs(policy, query_ids, query_mask, responses, lengths,
+                                                kept["temperature"], kept["top_p"])
+        mask = common.response_mask(lengths, responses.shape[1])
+        return (logprobs - batch["logprobs"][:, :responses.shape[1]])[mask].abs().max().item()
+
+    assert sorted(kept["batches"]) == list(range(1, len(kept["batches"]) + 1)) and len(kept["batches"]) >= 4
+    for update, batch in kept["batches"].items():
+        sampled_with = max(update - 1 - async_steps, 0)
+        assert batch["version"] == sampled_with
+        assert largest_difference(batch, sampled_with) < 1e-5, update
+        if update - async_steps > 0:  # the next weights exist: the engine must not have used them
+            assert largest_difference(batch, update - async_steps) > 1e-3, update
+
+
 def train_metrics(out) -> list[dict]:
     return [m for m in read_metrics(out) if "loss/policy_avg" in m]
 
@@ -46,8 +86,8 @@ def train_metrics(out) -> list[dict]:
 def k0_shared_run(request, tmp_path_factory):
     """K=0 with the engine on the trainer's own cores (--vllm_device shared)."""
     out = tmp_path_factory.mktemp("k0") / "run"
-    run_script(*ASYNC_QUICK, "--async_steps", "0", "--vllm_device", "shared", "--output_dir", out,
-               script=request.module.SCRIPT)
+    run_keeping_weights(request.module.SCRIPT, *ASYNC_QUICK, "--async_steps", "0", "--vllm_device", "shared",
+                        "--output_dir", out)
     return out
 
 
@@ -57,7 +97,8 @@ def k1_runs(request, tmp_path_factory):
     killed while writing checkpoint 4) and resumed."""
     script = request.module.SCRIPT
     return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("k1"), script,
-                                          [*K1_RUN[script], "--async_steps", "1"], K1_INTERRUPTIONS[script])
+                                          [*K1_RUN[script], "--async_steps", "1"], K1_INTERRUPTIONS[script],
+                                          keep_weights=True)
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +111,9 @@ def two_rank_k2_run(request, tmp_path_factory):
     launcher = ("torchrun", "--nproc_per_node", "2", "--master_port", port)
     if request.module.SCRIPT != "online_dpo_vllm.py":
         launcher = ("deepspeed", "--num_gpus", "2", "--master_port", port)
-    run_script(*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2",
-               "--logprob_check_every", "2", "--output_dir", out,
-               script=request.module.SCRIPT, launcher=launcher, env={"OMP_NUM_THREADS": "1"})
+    run_keeping_weights(request.module.SCRIPT, *QUICK, "--total_episodes", "128", "--eval_every", "100",
+                        "--async_steps", "2", "--logprob_check_every", "2", "--output_dir", out, launcher=launcher,
+                        env={"OMP_NUM_THREADS": "1"})
     return out
 
 
@@ -85,6 +126,7 @@ def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run
     # (measured 0 to 1.2e-7 per token): no stale-weight bug, no drift
     checked = [m["async/logprob_diff"] for m in train if "async/logprob_diff" in m]
     assert len(checked) == (len(train) + 1) // 2 and max(checked) < 1e-6, checked  # updates 1, 3, ...
+    assert_sampled_by_the_weights_k_updates_old(out, async_steps)
     assert_trained_policy_saved(out)
 
 
@@ -97,3 +139,14 @@ def test_k1_resumes_after_preemptions_and_kills_with_the_same_weights_and_sample
 
 def test_two_training_ranks_and_one_engine(two_rank_k2_run):
     assert [m["episode"] for m in train_metrics(two_rank_k2_run)] == [32, 64, 96, 128]  # 16 of 32 prompts a rank
+
+
+def test_two_ranks_train_as_one_on_the_same_global_batch(request, two_rank_k2_run, tmp_path):
+    """The two-rank run (ZeRO-2, 16 prompts a rank per optimizer step) against one rank taking the same 32
+    prompts per step in 4 micro-batches: the engine samples the same rows whatever the layout (per-row
+    seeds), and every loss weighs each token (pair, sequence) the same whatever micro-batch or rank it
+    falls in."""
+    run_script(*QUICK, "--gradient_accumulation_steps", "4", "--total_episodes", "128", "--eval_every", "100",
+               "--async_steps", "2", "--logprob_check_every", "2", "--output_dir", tmp_path / "one",
+               script=request.module.SCRIPT, env={"OMP_NUM_THREADS": "1"})
+    assert_two_ranks_train_as_one(two_rank_k2_run, tmp_path / "one")

@@ -1,0 +1,46 @@
+"""A vLLM kit script (named by the first argument) that keeps, on rank 0, the trainer's weights at every
+version it publishes to the engine and its share of every batch it trains on (the engine's samples and
+log-probs), and saves both to kept.pt in the run's output directory: what a test needs to check, from
+outside the generator, which weights sampled each batch.
+
+    PYTHONPATH=. python tests/run_with_kept_weights.py online_dpo_vllm --async_steps 2 --output_dir runs/x ...
+"""
+
+import importlib
+import os
+import sys
+
+import torch
+
+import cli
+import common
+import vllm_generator
+
+if __name__ == "__main__":
+    # the first argument, after the --local_rank=N the deepspeed launcher puts first
+    name = next(argument for argument in sys.argv[1:] if not argument.startswith("--local_rank"))
+    sys.argv.remove(name)
+    script = importlib.import_module(name)
+    leader = int(os.environ.get("RANK", "0")) == 0
+    kept = {"weights": {}, "batches": {}}
+    batch_for, publish_weights = vllm_generator.AsyncGenerator.batch_for, vllm_generator.AsyncGenerator.publish_weights
+
+    def keeping_batch_for(generator, update: int) -> dict:
+        batch = batch_for(generator, update)
+        if leader:
+            kept["batches"][update] = {name: batch[name] for name in ("queries", "responses", "logprobs", "version")}
+        return batch
+
+    def keeping_publish_weights(generator, engine, version: int, part: str | None = None):
+        with common.full_parameters(engine, part) as model:  # every rank: ZeRO-3 gathers
+            if leader:
+                kept["weights"][version] = {name: value.detach().clone() for name, value in model.state_dict().items()}
+        return publish_weights(generator, engine, version, part)
+
+    vllm_generator.AsyncGenerator.batch_for = keeping_batch_for
+    vllm_generator.AsyncGenerator.publish_weights = keeping_publish_weights
+    args = cli.parse(script.Args)
+    script.main(args)
+    if leader:
+        torch.save({**kept, "temperature": args.temperature, "top_p": args.top_p},
+                   os.path.join(args.output_dir, "kept.pt"))
