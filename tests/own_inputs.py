@@ -188,7 +188,8 @@ def cases(paths: dict[str, str]) -> dict[str, dict]:
 
 
 def case_argv(script: str, case: dict, output_dir) -> list[str]:
-    value_model = ["--value_model_path", case["value_model"]] if script == "ppo.py" and case["value_model"] else []
+    value_model = (["--value_model_path", case["value_model"]]
+                   if script.startswith("ppo") and case["value_model"] else [])
     # GRPO with a KL penalty: a reference policy, whose KL evaluation reports as it does for the others
     beta = ["--beta", "0.01"] if script == "grpo.py" else []
     return [*SHORT_RUN, *case["flags"], *value_model, *beta, "--output_dir", str(output_dir)]

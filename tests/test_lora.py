@@ -150,7 +150,8 @@ def test_learns_with_lora(tmp_path, script):
     train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
     if script.endswith("_vllm.py"):  # the engine's log-probs are the trainer's: it holds base + adapter
         assert [m["async/staleness"] for m in train] == [0, 1, 1, 1, 1]
-        assert max(m["async/logprob_diff"] for m in train) < 1e-3, [m["async/logprob_diff"] for m in train]
+        # the fp32 level: the engine's merged weights against the trainer's base + adapter (measured: 3e-7)
+        assert max(m["async/logprob_diff"] for m in train) < 1e-6, [m["async/logprob_diff"] for m in train]
     if script.startswith("ppo"):  # policy and value model each train their adapter, the value head in full
         saved = torch.load(out / "checkpoints" / "update-4" / "engine" / "mp_rank_00_model_states.pt",
                            weights_only=False)["module"]

@@ -1,7 +1,7 @@
 """The steps around RL: the README's whole pipeline on the toy world (sft.py -> reward_model.py ->
-online_dpo.py -> eval_checkpoints.py), SFT's resume, and sft.py and reward_model.py on a researcher's own
-models (an untrained Qwen2 with a chat template, a BERT encoder reward model); eval_checkpoints.py's errors
-(its tables are checked against a training run's own evaluations in test_online_dpo.py)."""
+online_dpo.py -> eval_checkpoints.py), SFT's and the reward model's resume, and sft.py and reward_model.py on a
+researcher's own models (an untrained Qwen2 with a chat template, a BERT encoder reward model);
+eval_checkpoints.py's errors (its tables are checked against a training run's own evaluations in test_online_dpo.py)."""
 
 import json
 import os
@@ -77,12 +77,18 @@ def test_the_readmes_pipeline_runs_and_its_rl_step_learns(pipeline):
     assert table[-1]["eval/num_eos_tokens"] > table[0]["eval/num_eos_tokens"] + 0.2, table
 
 
-def test_sft_resumes_exactly_after_a_preemption(pipeline, tmp_path):
-    # the pipeline's SFT run again, preempted (SIGTERM) once it logged step 5: it finishes the step,
-    # checkpoints it and exits 75; resumed, it ends with the same weights and losses
+SAVED_MODEL = {"sft.py": "policy", "reward_model.py": "reward_model"}  # in each pipeline script's output_dir
+
+
+@pytest.mark.parametrize("step", [0, 1], ids=["sft.py", "reward_model.py"])
+def test_pipeline_steps_resume_exactly_after_a_preemption(pipeline, tmp_path, step):
+    # the pipeline's SFT (reward model) run again, preempted (SIGTERM) once it logged step 5: it finishes the
+    # step, checkpoints it and exits 75; resumed, it ends with the same weights and losses
     folder, _ = pipeline
-    args = [*readme_pipeline()[0][2:], *SHORTER["sft.py"], "--output_dir", tmp_path / "resumed"]
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *args], cwd=folder, env=environment(),
+    _, script, *args = readme_pipeline()[step]
+    whole = folder / next(value for flag, value in zip(args, args[1:]) if flag == "--output_dir")
+    args = [*args, *SHORTER[script], "--output_dir", tmp_path / "resumed"]
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=folder, env=environment(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "resumed" / "metrics.jsonl"
     deadline = time.time() + 600
@@ -92,15 +98,18 @@ def test_sft_resumes_exactly_after_a_preemption(pipeline, tmp_path):
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE
-    run_script(*args, "--resume", script="sft.py")
+    assert not (tmp_path / "resumed" / SAVED_MODEL[script]).exists()
+    subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args), "--resume"], cwd=folder,
+                   env=environment(), check=True, capture_output=True, timeout=600)
 
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
 
-    whole, resumed = (AutoModelForCausalLM.from_pretrained(run / "policy").state_dict()
-                      for run in (folder / "runs" / "sft", tmp_path / "resumed"))
-    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
-    assert evaluations(folder / "runs" / "sft", "train/loss") == evaluations(tmp_path / "resumed", "train/loss")
-    assert evaluations(folder / "runs" / "sft", "eval/loss") == evaluations(tmp_path / "resumed", "eval/loss")
+    whole_weights, resumed_weights = (load_file(run / SAVED_MODEL[script] / "model.safetensors")
+                                      for run in (whole, tmp_path / "resumed"))
+    assert whole_weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(whole_weights[name], resumed_weights[name]) for name in whole_weights)
+    for name in ("train/loss", "eval/loss"):
+        assert evaluations(whole, name) == evaluations(tmp_path / "resumed", name) != [], name
 
 
 def test_sft_loss_is_the_token_mean_of_a_chat_policy_and_falls(tmp_path):

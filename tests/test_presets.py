@@ -278,3 +278,27 @@ def test_a_bad_config_file_is_a_one_line_error(tmp_path, text, message):
     assert "\n" not in str(stop.value.code)
     with pytest.raises(SystemExit, match="--config '.*missing.yaml' does not exist"):
         parse(online_dpo, "--config", str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("name", ["gsm8k-rho1b-1gpu", "gsm8k-qwen2.5-0.5b-1gpu"])
+def test_gsm8k_prompts_are_the_template_as_the_scripts_apply_it(tmp_path, name):
+    """What the policy is given for a GSM8k row: the preset's --prompt_template filled with the row's question,
+    tokenized as it stands (rho-1b) or inside the tokenizer's chat template (Qwen2.5-Instruct)."""
+    from own_inputs import CHAT_TEMPLATE, byte_level_bpe_tokenizer, write_jsonl
+
+    import data
+
+    args = parse(grpo, "--preset", name)
+    tokenizer = byte_level_bpe_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    question = "what is two plus three ?"
+    args.dataset_name = write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": question, "answer": "#### 5"}])
+    [prompt] = data.load_prompts(args, tokenizer, "train")["input_ids"]
+    filled = {"gsm8k-rho1b-1gpu": f"[MATH_TASK] Problem:\n{question}\n\nSolution:",
+              "gsm8k-qwen2.5-0.5b-1gpu":
+                  f'{question} Let\'s think step by step and output the final answer after "####".'}
+    if args.chat_template:  # one user turn, then the assistant's cue
+        assert tokenizer.decode(prompt) == f"user : {filled[name]} assistant : "
+    else:
+        assert prompt == tokenizer(filled[name], add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(prompt) == filled[name]
