@@ -173,6 +173,9 @@ def uninterrupted_and_resumed_runs(folder, script, args, interruptions, launcher
 # before any checkpoint, too (the vLLM scripts go through the same code there).
 INTERRUPTIONS = (*PREEMPTIONS, "SIGKILL while checkpoint 4 is being written")
 SYNC_INTERRUPTIONS = ("SIGKILL during update 1, before any checkpoint", *INTERRUPTIONS)
+# what the scripts whose loops save and restore the same state through the same code as online DPO's go
+# through: the kill while checkpoint 4 is written (they resume from checkpoint 2)
+SHORT_INTERRUPTIONS = ("SIGKILL while checkpoint 4 is being written",)
 
 
 def assert_same_weights_and_metrics(whole, resumed, names, after_update=-1):

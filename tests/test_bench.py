@@ -3,6 +3,7 @@ the number its run logged."""
 
 import json
 
+import pytest
 from scripts import read_metrics, run_script
 
 
@@ -59,3 +60,20 @@ def test_math_sync_vs_async_quick(tmp_path):
         assert evals[-1] >= evals[0] + 0.2, (run, evals)  # each of the six scripts learns
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
     assert "online_dpo async vs sync: total time" in result.stdout
+
+
+def test_off_policy_corrections_quick(tmp_path):
+    """GRPO on the arithmetic task at K = 2 with each correction, 4 updates: each cell is its run's numbers."""
+    result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy_corrections.py")
+    table = json.loads((tmp_path / "results.json").read_text())["table"]["grpo math"]
+    assert list(table) == ["2"] and list(table["2"]) == ["none", "decoupled", "tis", "mask"]
+    for correction, cell in table["2"].items():
+        metrics = read_metrics(tmp_path / f"grpo-math-k2-{correction}-seed1")
+        evaluations = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+        train = [m for m in metrics if "async/mismatch_kl" in m]
+        assert [m["async/staleness"] for m in train] == [0, 1, 2, 2]
+        assert cell["score"] == [evaluations[-1], 0.0] and cell["early_score"] == [evaluations[0], 0.0]
+        assert cell["mismatch_kl"][0] == pytest.approx(sum(m["async/mismatch_kl"] for m in train) / 4), correction
+        assert cell["mismatch_kl"][0] > 0
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+    assert "grpo math: score a quarter of the way" in result.stdout

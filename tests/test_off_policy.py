@@ -1,12 +1,14 @@
 """The off-policy corrections (--off_policy_correction none, decoupled, tis, mask) on hand-computed numbers:
 the ratio's denominator, each term's weight and the diagnostics (corrections.off_policy_terms), through PPO's,
-RLOO's and GRPO's losses; every correction equals none when nothing is stale."""
+RLOO's and GRPO's losses; every correction equals none when nothing is stale, and on fresh samples every ratio
+is 1."""
 
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from scripts import QUICK, read_metrics, run_script
 
 import common
 import corrections
@@ -98,3 +100,13 @@ def test_rloo_and_grpo_weight_their_terms_the_same_way():
     loss = grpo.policy_loss(STEP, anchor, ADVANTAGES[0, :1].repeat(1), MASK, args, 3.0, weights=weights)[0]
     # A = 1 on every token: -1.2 (clipped), -0.625, -1.2 (clipped at 1.2), weighted 1.2, 0.8, 2
     assert loss.item() == pytest.approx((1.2 * -1.2 + 0.8 * -0.625 + 2.0 * -1.2) / 3)
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_on_fresh_samples_every_ratio_is_1_and_nothing_is_clipped(tmp_path, script):
+    """Synchronous, one epoch of one mini-batch: every optimizer step starts from the weights that sampled its
+    batch, so the ratios are 1 (to the float rounding of two forwards of different batch shapes)."""
+    run_script(*QUICK, "--num_epochs", "1", "--total_episodes", "32", "--eval_every", "0",
+               "--output_dir", tmp_path / "run", script=script)
+    train = [m for m in read_metrics(tmp_path / "run") if "val/ratio" in m]
+    assert len(train) == 2 and all(abs(m["val/ratio"] - 1) < 1e-5 and m["policy/clipfrac_avg"] == 0 for m in train)

@@ -52,8 +52,8 @@ def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_
 
 def test_k0_gives_the_same_losses_as_inline_generation(tmp_path, k0_shared_run):
     out = tmp_path / "inline"
-    run_script(SCRIPT.removesuffix(".py"), *ASYNC_QUICK, "--async_steps", "0", "--vllm_device", "shared",
-               "--output_dir", out, script="tests/run_with_inline_generator.py")
+    run_script(SCRIPT.removesuffix(".py"), *ASYNC_QUICK, "--num_epochs", "1", "--async_steps", "0",
+               "--vllm_device", "shared", "--output_dir", out, script="tests/run_with_inline_generator.py")
     inline, in_process = train_metrics(out), train_metrics(k0_shared_run)
     for name in ("loss/policy_avg", "objective/scores", "objective/kl", "async/staleness"):
         assert [m[name] for m in inline] == [m[name] for m in in_process], name

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scripts import (
     QUICK,
-    SYNC_INTERRUPTIONS,
+    SHORT_INTERRUPTIONS,
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
@@ -100,7 +100,7 @@ def test_score_lands_on_the_last_real_token_with_and_without_eos():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("ppo"), "ppo.py", toy_run("ppo.py"),
-                                          SYNC_INTERRUPTIONS)
+                                          SHORT_INTERRUPTIONS)
 
 
 def test_logs_every_metric_and_saves_the_policy_alone(runs):
@@ -123,7 +123,7 @@ def test_short_run_beats_the_sft_policy(runs):
     assert_learns(runs[0])
 
 
-def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):
+def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metrics(runs):
     assert_same_weights_and_metrics(*runs, ["loss/policy_avg", "loss/value_avg", "objective/scores",
                                             "eval/gold_win_rate"])
 

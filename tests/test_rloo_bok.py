@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from scripts import (
     QUICK,
-    SYNC_INTERRUPTIONS,
+    SHORT_INTERRUPTIONS,
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
@@ -68,7 +68,7 @@ def test_nll_sums_real_tokens_over_the_steps_share(one_rank_group):
 def runs(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param.removesuffix(".py"))
     return request.param, *uninterrupted_and_resumed_runs(folder, request.param, toy_run(request.param),
-                                                          SYNC_INTERRUPTIONS)
+                                                          SHORT_INTERRUPTIONS)
 
 
 def test_logs_every_metric_and_saves_the_policy(runs):
@@ -96,7 +96,7 @@ def test_short_run_beats_the_sft_policy(runs):
     assert_learns(runs[1])
 
 
-def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):
+def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metrics(runs):
     assert_same_weights_and_metrics(*runs[1:], ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scripts import (
     INTERRUPTIONS,
-    KILL_POINTS,
     QUICK,
+    SHORT_INTERRUPTIONS,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     assert_two_ranks_train_as_one,
@@ -36,8 +36,7 @@ K1_RUN["grpo_vllm.py"].append("--dynamic_sampling")  # the engine's process scor
 # online DPO goes through every interruption; RLOO, PPO and GRPO, whose loops save and restore the same
 # state through the same code, through the kill while checkpoint 4 is written (it resumes from checkpoint 2,
 # with the batch sampled ahead of it)
-K1_INTERRUPTIONS = {"online_dpo_vllm.py": INTERRUPTIONS,
-                    **dict.fromkeys(LEARNING_SCRIPTS, [p for p in INTERRUPTIONS if p in KILL_POINTS])}
+K1_INTERRUPTIONS = {"online_dpo_vllm.py": INTERRUPTIONS, **dict.fromkeys(LEARNING_SCRIPTS, SHORT_INTERRUPTIONS)}
 
 
 def run_keeping_weights(script, *args, **options):
@@ -47,8 +46,8 @@ def run_keeping_weights(script, *args, **options):
 
 def assert_sampled_by_the_weights_k_updates_old(out, async_steps: int):
     """By behaviour, not by the version the generator reports: the engine's log-probs of (rank 0's share of)
-    batch t equal, in fp32, those of the trainer's weights after update t-1-K, kept as they were published,
-    and differ from those after update t-K."""
+    batch t equal, to the fp32 level, those of the trainer's weights after update t-1-K, kept as they were
+    published, and differ from those after update t-K."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import toy
@@ -59,7 +58,8 @@ def assert_sampled_by_the_weights_k_updates_old(out, async_steps: int):
     kept["weights"].setdefault(0, {name: value.clone() for name, value in policy.state_dict().items()})
     pad = tokenizer.pad_token_id
 
-    def largest_difference(batch: dict, version: int) -> float:
+    def differences(batch: dict, version: int) -> torch.Tensor:
+        """|engine - trainer| per real token of the batch under the weights of `version`."""
         policy.load_state_dict(kept["weights"][version])
         query_ids, query_mask = common.left_pad(batch["queries"], pad, "cpu")
         responses, lengths, _ = common.truncate_after_eos(batch["responses"], [tokenizer.eos_token_id], pad)
@@ -67,15 +67,17 @@ def assert_sampled_by_the_weights_k_updates_old(out, async_steps: int):
             logprobs = common.response_logprobs(policy, query_ids, query_mask, responses, lengths,
                                                 kept["temperature"], kept["top_p"])
         mask = common.response_mask(lengths, responses.shape[1])
-        return (logprobs - batch["logprobs"][:, :responses.shape[1]])[mask].abs().max().item()
+        return (logprobs - batch["logprobs"][:, :responses.shape[1]])[mask].abs()
 
     assert sorted(kept["batches"]) == list(range(1, len(kept["batches"]) + 1)) and len(kept["batches"]) >= 4
     for update, batch in kept["batches"].items():
         sampled_with = max(update - 1 - async_steps, 0)
         assert batch["version"] == sampled_with
-        assert largest_difference(batch, sampled_with) < 1e-5, update
+        # as async/logprob_diff: the mean below 1e-6 (measured 4e-7), and every token below 1e-4 (measured 1.5e-5)
+        sampled = differences(batch, sampled_with)
+        assert sampled.mean() < 1e-6 and sampled.max() < 1e-4, (update, sampled.mean(), sampled.max())
         if update - async_steps > 0:  # the next weights exist: the engine must not have used them
-            assert largest_difference(batch, update - async_steps) > 1e-3, update
+            assert differences(batch, update - async_steps).max() > 1e-3, update
 
 
 def train_metrics(out) -> list[dict]:
@@ -84,10 +86,10 @@ def train_metrics(out) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def k0_shared_run(request, tmp_path_factory):
-    """K=0 with the engine on the trainer's own cores (--vllm_device shared)."""
+    """K=0 with the engine on the trainer's own cores (--vllm_device shared), one epoch of one mini-batch."""
     out = tmp_path_factory.mktemp("k0") / "run"
-    run_keeping_weights(request.module.SCRIPT, *ASYNC_QUICK, "--async_steps", "0", "--vllm_device", "shared",
-                        "--output_dir", out)
+    run_keeping_weights(request.module.SCRIPT, *ASYNC_QUICK, "--num_epochs", "1", "--async_steps", "0",
+                        "--vllm_device", "shared", "--output_dir", out)
     return out
 
 
@@ -127,6 +129,8 @@ def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run
     checked = [m["async/logprob_diff"] for m in train if "async/logprob_diff" in m]
     assert len(checked) == (len(train) + 1) // 2 and max(checked) < 1e-6, checked  # updates 1, 3, ...
     assert_sampled_by_the_weights_k_updates_old(out, async_steps)
+    if async_steps == 0 and "val/ratio" in train[0]:  # the trainer steps from the weights that sampled the batch
+        assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["policy/clipfrac_avg"] == 0 for m in train), train
     assert_trained_policy_saved(out)
 
 
