@@ -94,19 +94,27 @@ PREEMPTED_EXIT_CODE = 75
 
 
 def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,), env=None):
-    """Start (or resume) a run and SIGKILL it, with every process it started, as soon as it reaches `kill_point`."""
-    process = subprocess.Popen([*launcher, script, *map(str, args), "--output_dir", str(output_dir)], cwd=ROOT,
+    """Start (or resume) a run and SIGKILL it, with every process it started, at `kill_point`: as soon as it has
+    logged update 1; or from inside, as checkpoint 4 is being written (tests/run_killed_while_checkpointing.py:
+    a watcher could miss that moment)."""
+    mid_checkpoint = "while checkpoint" in kill_point
+    command = ([*launcher, "tests/run_killed_while_checkpointing.py", script.removesuffix(".py")] if mid_checkpoint
+               else [*launcher, script])
+    process = subprocess.Popen([*command, *map(str, args), "--output_dir", str(output_dir)], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                env=environment(env))
-    deadline = time.time() + 600
-    while not KILL_POINTS[kill_point](output_dir) and process.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.002)
+    if mid_checkpoint:
+        process.wait(timeout=600)
+    else:
+        deadline = time.time() + 600
+        while not KILL_POINTS[kill_point](output_dir) and process.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.002)
+        os.killpg(process.pid, signal.SIGKILL)  # the whole session: ranks under a launcher, the vLLM engine
+        process.wait()
     assert KILL_POINTS[kill_point](output_dir), f"the run exited ({process.returncode}) before {kill_point}"
-    os.killpg(process.pid, signal.SIGKILL)  # the whole session: ranks under a launcher, the vLLM engine
-    process.wait()
     assert not (output_dir / "policy").exists(), f"the run finished before it could be killed {kill_point}"
-    if "while checkpoint" in kill_point:  # killed mid-save: the half-written checkpoint is not used
+    if mid_checkpoint:  # killed mid-save: the half-written checkpoint is not used
         assert not (output_dir / "checkpoints" / "update-4").exists(), "the save completed before the kill"
         assert (output_dir / "checkpoints" / "update-2").exists()
 
