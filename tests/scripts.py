@@ -209,6 +209,10 @@ def assert_two_ranks_train_as_one(two, one):
     assert max((two_weights[name] - one_weights[name]).abs().max().item() for name in one_weights) < 1e-4
 
 
-def assert_learns(run_dir, min_gain=0.10):
+# What a correct run of the tests' learning configurations gains in gold win-rate on the toy task, measured
+# over seeds 1-3: ppo/rloo/bok.py 0.50-0.55, their vLLM twins at K=1 0.42-0.52 (GRPO's), online DPO 0.34-0.44
+# (sync and vLLM, 10 updates), with LoRA 0.52-0.59; a half-broken loss, or one that only learns to stop, gains
+# less.
+def assert_learns(run_dir, min_gain=0.3):
     evals = [m["eval/gold_win_rate"] for m in read_metrics(run_dir) if "eval/gold_win_rate" in m]
     assert evals[-1] >= evals[0] + min_gain, evals

@@ -126,7 +126,7 @@ def test_grpo_learns_the_toy_task_and_with_dapo_the_arithmetic(tmp_path):
     clip-higher and dynamic sampling (here at most 2 rounds of prompts): each gains far more than a broken
     loss could (measured: +0.55, and 0.34 -> 1.0)."""
     run_script("--total_episodes", "960", "--eval_every", "30", "--output_dir", tmp_path / "toy", script="grpo.py")
-    assert_learns(tmp_path / "toy", min_gain=0.3)
+    assert_learns(tmp_path / "toy")
     assert not any("eval/kl" in m or "objective/kl" in m for m in read_metrics(tmp_path / "toy"))  # beta 0
     # one epoch of one optimizer step: its own forward gave the sampling weights' log-probs, so every ratio is 1
     train = [m for m in read_metrics(tmp_path / "toy") if "val/ratio" in m]

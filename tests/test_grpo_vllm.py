@@ -11,7 +11,7 @@ SCRIPT = "grpo_vllm.py"
 
 
 def test_k1_beats_the_sft_policy(k1_runs):
-    assert_learns(k1_runs[0], min_gain=0.2)
+    assert_learns(k1_runs[0])
 
 
 def test_dynamic_sampling_fills_the_batch_with_groups_of_unequal_rewards_and_resumes_exactly(k1_runs):

@@ -75,8 +75,8 @@ def test_the_default_targets_are_the_attention_and_mlp_projections():
 
 
 # The toy run (scripts.TOY_RUN: 5 updates of 64 prompts, checkpoints every 2) with LoRA, evaluated before and
-# after, at the learning rate LoRA takes: 1e-3, and 2e-3 for synchronous DPO, which gains 0.07 in 5 updates at
-# 1e-3 (0.52 at 2e-3; at 1e-4 without LoRA it also needs about 10 updates, test_online_dpo.py)
+# after, at the learning rate LoRA takes: 1e-3, and 2e-3 for DPO, which gains 0.07 in 5 updates at 1e-3 (0.52
+# at 2e-3, asynchronous 0.52-0.59; at 1e-4 without LoRA it also needs about 10 updates, test_online_dpo.py)
 LORA_RUN = ["--total_episodes", "320", "--eval_every", "5", "--eval_num_prompts", "128", "--save_every", "2",
             "--use_peft"]
 
@@ -145,12 +145,13 @@ def test_learns_with_lora(tmp_path, script):
     engine samples from the adapter merged into each weight send) beat the SFT policy."""
     out = tmp_path / "run"
     checked = ["--logprob_check_every", "1"] if script.endswith("_vllm.py") else []
-    run_script(*LORA_RUN, "--learning_rate", "1e-3", *checked, "--output_dir", out, script=script)
+    learning_rate = "2e-3" if script.startswith("online_dpo") else "1e-3"  # DPO learns to stop slower at 1e-3
+    run_script(*LORA_RUN, "--learning_rate", learning_rate, *checked, "--output_dir", out, script=script)
     assert_learns(out)
     train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
     if script.endswith("_vllm.py"):  # the engine's log-probs are the trainer's: it holds base + adapter
         assert [m["async/staleness"] for m in train] == [0, 1, 1, 1, 1]
-        # the fp32 level: the engine's merged weights against the trainer's base + adapter (measured: 3e-7)
+        # the fp32 level: the engine's merged weights against the trainer's base + adapter (measured: 4e-7)
         assert max(m["async/logprob_diff"] for m in train) < 1e-6, [m["async/logprob_diff"] for m in train]
     if script.startswith("ppo"):  # policy and value model each train their adapter, the value head in full
         saved = torch.load(out / "checkpoints" / "update-4" / "engine" / "mp_rank_00_model_states.pt",

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from scripts import QUICK, ROOT, assert_same_weights_and_metrics, environment, read_metrics, run_script
+from scripts import QUICK, ROOT, assert_learns, assert_same_weights_and_metrics, environment, read_metrics, run_script
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 from vllm_script_tests import ASYNC_QUICK, train_metrics
 from weight_sync_check import engine_environment
@@ -30,6 +30,13 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync():
     result = run_script(toy.SFT_POLICY, toy.DATASET, "query", "validation",
                         script="tests/weight_sync_check.py", env=engine_environment(), timeout=600)
     assert "greedy completions equal after weight sync" in result.stdout
+
+
+def test_a_short_run_beats_the_sft_policy(tmp_path):
+    """Full-parameter asynchronous online DPO (K=1) learns on the toy task: 10 updates, as its synchronous twin's
+    learning test (measured +0.44, +0.38 and +0.39 gold win-rate with seeds 1-3)."""
+    run_script("--total_episodes", "640", "--eval_every", "1000", "--output_dir", tmp_path / "run", script=SCRIPT)
+    assert_learns(tmp_path / "run")
 
 
 def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_hf(tmp_path, k1_runs):
