@@ -10,11 +10,12 @@ Every run is the script's own preset (toy-math) or default (TL;DR) with only --a
 --off_policy_correction and --seed changed; a finished run (its `done` marker) is not run again, so an
 interrupted sweep goes on where it stopped when given the same --output_dir. Prints a table (mean ± std over
 seeds) and writes results.json and a figure (scores, KL and mismatch KL against K, one line per correction) to
---output_dir, and for a full run also to bench/results/off_policy_corrections.{json,png}.
+--output_dir, and for a full run also to bench/results/off_policy_corrections.{json,png} (the name gains the
+task when not math, and the algorithms when not all three: off_policy_corrections_grpo_rloo.png).
 
     python bench/off_policy_corrections.py                          # GRPO, RLOO, PPO on toy-math: ~2 h on 2 cores
     python bench/off_policy_corrections.py --algorithms grpo --seeds 1    # ~20 minutes
-    python bench/off_policy_corrections.py --tasks tldr             # the TL;DR task instead (longer runs)
+    python bench/off_policy_corrections.py --tasks tldr --algorithms grpo --async_steps 0 4 16   # the TL;DR task
     python bench/off_policy_corrections.py --quick                  # a smoke test, not a result
 """
 
@@ -150,8 +151,11 @@ def main(args: Args):
                            f"{cell_values['truncated_frac'][0]:.2f}".rjust(44))
             print(f"{k:>3} " + "".join(row))
     destinations = [os.path.join(args.output_dir, "results")]
-    if not args.quick:
-        destinations.append(os.path.join(ROOT, "bench", "results", "off_policy_corrections"))
+    if not args.quick:  # another task's, or a subset of the algorithms', in a file of their own
+        name = "off_policy_corrections" + "".join(f"_{task}" for task in args.tasks if task != "math")
+        if set(args.algorithms) != {"grpo", "rloo", "ppo"}:
+            name += "".join(f"_{algorithm}" for algorithm in args.algorithms)
+        destinations.append(os.path.join(ROOT, "bench", "results", name))
     for destination in destinations:
         with open(destination + ".json", "w") as f:
             json.dump({"args": vars(args), "table": table}, f, indent=1)
