@@ -3,12 +3,24 @@ completions of held-out prompts, scored by the gold scorer against the reference
 proxy reward, and (with --answer_column) by their final answer; KL and perplexity under the SFT policy
 (ALGORITHMS.md, "5. Evaluation")."""
 
+import contextlib
 import math
 
 import torch
 
 import common
 import math_reward
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """`model` in eval mode, then back in the mode it was in."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 @torch.no_grad()
@@ -40,7 +52,8 @@ def evaluate(args, task: common.Task, policy, ref_policy, reward_model, update: 
     if gold_score is not None:
         totals.update(gold_score=0.0, **({"gold_win_rate": 0.0} if task.has_references else {}))
     cuda_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=cuda_devices):
+    # in eval mode (no --lora_dropout), as eval_checkpoints.py evaluates the saved policy
+    with torch.random.fork_rng(devices=cuda_devices), eval_mode(policy):
         torch.manual_seed(hash((args.seed, update, rank)))  # a tuple of ints hashes the same in every process
         for start in range(0, len(rows), args.local_rollout_forward_batch_size):
             batch = rows[start:start + args.local_rollout_forward_batch_size]  # {column: values}

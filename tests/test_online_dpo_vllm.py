@@ -237,8 +237,7 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     with the global rows' seeds: killed once checkpoint 2 is written (started by torchrun, as a SLURM job
     script does), then resumed (by DeepSpeed's own multi-node launcher, without ssh), they train exactly as
     one node of two ranks and one engine (two_rank_k2_run): the same losses and scores at every update and
-    the same final weights, bit for bit. The checkpoint holds both engines' sampled-ahead batches (K=2), which
-    a resume on one node with one engine refuses."""
+    the same final weights, bit for bit. The checkpoint holds both engines' sampled-ahead batches (K=2)."""
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2", "--save_every", "2"]
     (tmp_path / "hostfile").write_text("localhost slots=1\n127.0.0.1 slots=1\n")  # two "nodes" of one rank
@@ -259,13 +258,6 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     pending = [torch.load(out / "checkpoints" / "update-2" / f"trainer_state_rank{rank}.pt",
                           weights_only=False)["pending_batches"] for rank in (0, 1)]
     assert [[batch["engine"] for batch in batches] for batches in pending] == [[(0, 2)] * 2, [(1, 2)] * 2]
-    # the same two ranks on one node with one engine would split those batches differently: a one-line error
-    one_node = run_script(*args, "--resume", "--output_dir", out, script=SCRIPT, check=False,
-                          launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
-                          env={"OMP_NUM_THREADS": "1"})
-    message = ("--resume: the checkpoint's sampled-ahead batches are engine 0 of 2's, and this rank's engine would "
-               "be 0 of 1")
-    assert one_node.returncode != 0 and message in one_node.stdout + one_node.stderr
     for node in start_two_nodes(deepspeed, [*args, "--resume"], out):
         assert node.wait(timeout=600) == 0, node.stderr.read()[-3000:]
     assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])
