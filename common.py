@@ -938,6 +938,9 @@ def save_snapshot(args, engine, tokenizer, state: OnlineTrainerState, part: str 
 # ----------------------------------------------------------------------------------------------
 # Logging
 # ----------------------------------------------------------------------------------------------
+CURVES_EVERY_SECONDS = 60
+
+
 class MetricsLogger:
     """metrics.jsonl in the output directory, a progress bar, and wandb with --track (rank 0 only)."""
 
@@ -963,6 +966,7 @@ class MetricsLogger:
             self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
                                     config=vars(args), dir=args.output_dir, resume="allow", id=run_name)
         self.last = {}
+        self.curves_drawn_at, self.curves_behind = 0.0, False  # when curves.png was last drawn; evaluations since
 
     def log(self, update: int, metrics: dict[str, float]):
         if not self.enabled:
@@ -977,17 +981,26 @@ class MetricsLogger:
                                    if k in self.last}, refresh=True)
 
     def log_evaluation(self, update: int, episode: int, metrics: dict[str, float]):
-        """Log an evaluation, print its headline numbers and redraw curves.png."""
+        """Log an evaluation, print its headline numbers and redraw curves.png (at most every
+        CURVES_EVERY_SECONDS: drawing costs about a second, as much as a toy run's update; and at the end)."""
         self.log(update, {**metrics, "episode": episode})
         if self.enabled:
             shown = {"gold win-rate": "eval/gold_win_rate", "gold score": "eval/gold_score",
                      "proxy reward": "eval/proxy_score", "KL": "eval/kl"}
             self.progress.write(f"update {update}: " + ", ".join(f"{label} {metrics[name]:.3f}"
                                                                   for label, name in shown.items() if name in metrics))
-            plot_curves(os.path.dirname(self.path))
+            self.curves_behind = True
+            if time.time() - self.curves_drawn_at >= CURVES_EVERY_SECONDS:
+                self.draw_curves()
+
+    def draw_curves(self):
+        plot_curves(os.path.dirname(self.path))
+        self.curves_drawn_at, self.curves_behind = time.time(), False
 
     def close(self):
         if self.enabled:
+            if self.curves_behind:
+                self.draw_curves()
             self.progress.close()
             if self.wandb is not None:
                 self.wandb.finish()
@@ -997,10 +1010,7 @@ def plot_curves(output_dir: str):
     """curves.png from the run's metrics.jsonl: gold win-rate (or gold score, or proxy reward, whichever
     the evaluation has) and proxy reward against episodes and wall-clock time, KL, and the headline
     against KL (the paper's frontier), so no dashboard is needed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a figure of its own, drawn by Agg, nothing global
 
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         evals = [m for m in map(json.loads, f) if "eval/proxy_score" in m]
@@ -1011,7 +1021,10 @@ def plot_curves(output_dir: str):
     column["minutes"] = [(m["time"] - evals[0]["time"]) / 60 for m in evals]
     panels = [("episode", headline), ("episode", "eval/proxy_score"), *(("episode", name) for name in kl),
               ("minutes", headline), ("minutes", "eval/proxy_score"), *((name, headline) for name in kl)]
-    figure, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    figure = Figure(figsize=(13, 7))
+    # fixed margins: a layout engine would cost more than drawing the curves
+    axes = figure.subplots(2, 3, gridspec_kw=dict(left=0.06, right=0.98, bottom=0.08, top=0.92, wspace=0.28,
+                                                   hspace=0.3))
     for axis, (x, y) in zip(axes.flat, panels):
         axis.plot(column[x], column[y], marker="o", markersize=3)
         axis.set_xlabel("wall-clock minutes" if x == "minutes" else x.removeprefix("eval/"))
@@ -1020,5 +1033,4 @@ def plot_curves(output_dir: str):
     figure.suptitle(os.path.basename(os.path.normpath(output_dir)))
     partial = os.path.join(output_dir, ".curves.partial.png")
     figure.savefig(partial, dpi=80)
-    plt.close(figure)
     os.replace(partial, os.path.join(output_dir, "curves.png"))

@@ -217,19 +217,20 @@ def load_prompts(args, tokenizer, split: str):
     if args.chat_template and tokenizer.chat_template is None:
         common.fail(f"--chat_template was given but the tokenizer of {args.model_name_or_path!r} has no chat template")
 
-    def tokenize(row):
-        prompt = prompt_text(args, row)
+    def tokenize(batch: dict) -> dict:
+        """A batch of rows, column by column: the tokenizer takes all its prompts at once."""
+        prompts = [prompt_text(args, dict(zip(batch, values))) for values in zip(*batch.values())]
         if args.chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                add_generation_prompt=True, tokenize=True, return_dict=False)
-        else:
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return {"input_ids": ids}
+            return {"input_ids": [tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                                add_generation_prompt=True, tokenize=True,
+                                                                return_dict=False) for prompt in prompts]}
+        return {"input_ids": tokenizer(prompts, add_special_tokens=False)["input_ids"]}
 
     # In memory: datasets' on-disk cache would add new files next to the dataset on every run (the
     # closures' fingerprints differ between runs), piling up without bound.
-    dataset = dataset.map(tokenize, desc=f"tokenizing {split}", keep_in_memory=True)
-    kept = dataset.filter(lambda row: 0 < len(row["input_ids"]) <= args.max_prompt_length, keep_in_memory=True)
+    dataset = dataset.map(tokenize, batched=True, desc=f"tokenizing {split}", keep_in_memory=True)
+    kept = dataset.filter(lambda ids: [0 < len(row) <= args.max_prompt_length for row in ids],
+                          input_columns="input_ids", batched=True, keep_in_memory=True)
     if len(kept) < len(dataset):
         print(f"{split}: dropped {len(dataset) - len(kept)} of {len(dataset)} prompts longer than "
               f"max_prompt_length={args.max_prompt_length} tokens")

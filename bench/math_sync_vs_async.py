@@ -12,7 +12,7 @@ Draws eval/accuracy against wall-clock time since launch (accuracy_vs_time.png) 
 accuracy (mean and spread over seeds) and the time to first reach --target_accuracy.
 
     python bench/math_sync_vs_async.py            # about 20 minutes on 2 CPU cores
-    python bench/math_sync_vs_async.py --quick    # about 2 minutes: 1 seed, 16 updates (a smoke test)
+    python bench/math_sync_vs_async.py --quick    # about 2 minutes: 2 algorithms, 1 seed, 16 updates (a smoke test)
 """
 
 import json
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import tyro
 
@@ -36,6 +37,8 @@ ARMS = {"sync": ("{algorithm}.py",), "async": ("{algorithm}_vllm.py", "--async_s
 
 @dataclass
 class Args:
+    algorithms: tuple[Literal["online_dpo", "rloo", "grpo_dapo", "grpo_dr_grpo"], ...] = tuple(ALGORITHMS)
+    """the algorithms, each in both arms"""
     updates: int = 24
     """updates per run, of 64 prompts x 4 samples (the toy-math presets' batch)"""
     eval_every: int = 2
@@ -45,7 +48,8 @@ class Args:
     target_accuracy: float = 0.9
     """the accuracy whose first crossing is timed"""
     quick: bool = False
-    """smoke test: 1 seed, 16 updates, evaluated at the start and the end on 64 problems"""
+    """smoke test: online DPO and GRPO (DAPO), 1 seed, 16 updates, evaluated at the start and the end on 64
+    problems"""
     output_dir: str | None = None
     """where the runs, accuracy_vs_time.png and results.json go (default runs/bench-math-sync-vs-async-<time>)"""
 
@@ -79,9 +83,10 @@ def plot(runs: dict[tuple[str, str], list[list[dict]]], path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(ALGORITHMS), figsize=(6 * len(ALGORITHMS), 4.5), constrained_layout=True,
+    algorithms = list(dict.fromkeys(algorithm for algorithm, _ in runs))
+    figure, axes = plt.subplots(1, len(algorithms), figsize=(6 * len(algorithms), 4.5), constrained_layout=True,
                                 sharey=True)
-    for axis, algorithm in zip(axes, ALGORITHMS):
+    for axis, algorithm in zip(axes, algorithms):
         for color, arm in zip(("tab:blue", "tab:orange"), ARMS):
             for i, evals in enumerate(runs[algorithm, arm]):
                 axis.plot([m["minutes"] for m in evals], [m["eval/accuracy"] for m in evals], color=color,
@@ -97,10 +102,10 @@ def plot(runs: dict[tuple[str, str], list[list[dict]]], path: str):
 
 def main(args: Args):
     if args.quick:
-        args.updates, args.eval_every, args.seeds = 16, 16, (1,)
+        args.algorithms, args.updates, args.eval_every, args.seeds = ("online_dpo", "grpo_dapo"), 16, 16, (1,)
     args.output_dir = args.output_dir or os.path.join(ROOT, "runs", f"bench-math-sync-vs-async-{int(time.time())}")
     # seeds interleaved across arms, so that a slow spell of a shared machine hits every arm alike
-    runs = {(algorithm, arm): [] for algorithm in ALGORITHMS for arm in ARMS}
+    runs = {(algorithm, arm): [] for algorithm in args.algorithms for arm in ARMS}
     for seed in args.seeds:
         for algorithm, arm in runs:
             runs[algorithm, arm].append(train(algorithm, arm, seed, args))
@@ -119,7 +124,7 @@ def main(args: Args):
         final = f"{statistics.mean(finals):.3f}" + (f" ± {statistics.stdev(finals):.3f}" if len(finals) > 1 else "")
         target = (f"{statistics.mean(reached):.2f} ({len(reached)}/{len(seeds)} runs)" if reached else "not reached")
         print(f"{algorithm + ' ' + arm:18} {seeds[0][0]['eval/accuracy']:6.3f} {final:>16} {target:>18} {total:14.2f}")
-    for algorithm in ALGORITHMS:
+    for algorithm in args.algorithms:
         sync, fast = table[f"{algorithm} sync"], table[f"{algorithm} async"]
         reached = [[t for t in row["minutes_to_target"] if t is not None] for row in (sync, fast)]
         to_target = (f"{statistics.mean(reached[0]) / statistics.mean(reached[1]):.2f}x" if all(reached)

@@ -11,7 +11,8 @@ Every run is the script's own preset (toy-math) or default (TL;DR) with only --a
 interrupted sweep goes on where it stopped when given the same --output_dir. Prints a table (mean ± std over
 seeds) and writes results.json and a figure (scores, KL and mismatch KL against K, one line per correction) to
 --output_dir, and for a full run also to bench/results/off_policy_corrections.{json,png} (the name gains the
-task when not math, and the algorithms when not all three: off_policy_corrections_grpo_rloo.png).
+task when not math, the algorithms when not all three, and the corrections when not all four:
+off_policy_corrections_grpo_rloo.png).
 
     python bench/off_policy_corrections.py                          # GRPO, RLOO, PPO on toy-math: ~2 h on 2 cores
     python bench/off_policy_corrections.py --algorithms grpo --seeds 1    # ~20 minutes
@@ -46,8 +47,10 @@ class Args:
     """the values of K"""
     seeds: tuple[int, ...] = (1, 2)
     """seeds per cell"""
+    corrections: tuple[Literal["none", "decoupled", "tis", "mask"], ...] = CORRECTIONS
+    """the values of --off_policy_correction"""
     quick: bool = False
-    """smoke test: GRPO on toy-math, K = 2, 1 seed, 4 updates"""
+    """smoke test: GRPO on toy-math, K = 2, none and tis, 1 seed, 4 updates"""
     output_dir: str | None = None
     """where the runs, results.json and the figure go (default runs/bench-off-policy-corrections-<time>)"""
 
@@ -96,7 +99,7 @@ def figure(table: dict, args: Args, path: str):
     cells = [(algorithm, task) for algorithm in args.algorithms for task in args.tasks]
     fig, axes = plt.subplots(4, len(cells), figsize=(5 * len(cells), 16), squeeze=False)
     for column, (algorithm, task) in enumerate(cells):
-        for correction in CORRECTIONS:
+        for correction in args.corrections:
             for row, (metric, label) in enumerate((("early_score", f"{SCORE[task]} a quarter of the way"),
                                                    ("score", f"final {SCORE[task]}"), ("kl", "final eval/kl"),
                                                    ("mismatch_kl", "async/mismatch_kl, mean over updates"))):
@@ -120,6 +123,7 @@ def figure(table: dict, args: Args, path: str):
 def main(args: Args):
     if args.quick:
         args.algorithms, args.tasks, args.async_steps, args.seeds = ("grpo",), ("math",), (2,), (1,)
+        args.corrections = ("none", "tis")
     args.output_dir = args.output_dir or os.path.join(ROOT, "runs", f"bench-off-policy-corrections-{int(time.time())}")
     os.makedirs(args.output_dir, exist_ok=True)
     start = time.time()
@@ -128,19 +132,20 @@ def main(args: Args):
         for task in args.tasks:
             table[f"{algorithm} {task}"] = {k: {} for k in args.async_steps}
             for k in args.async_steps:
-                for correction in CORRECTIONS[:1] if k == 0 else CORRECTIONS:
+                for correction in ("none",) if k == 0 else args.corrections:
                     runs = [train(algorithm, task, k, correction, seed, args) for seed in args.seeds]
                     table[f"{algorithm} {task}"][k][correction] = {
                         name: summary([run[name] for run in runs]) for name in runs[0]}
             if 0 in args.async_steps:  # nothing is stale: none's runs stand for every correction
-                table[f"{algorithm} {task}"][0] = dict.fromkeys(CORRECTIONS, table[f"{algorithm} {task}"][0]["none"])
+                table[f"{algorithm} {task}"][0] = dict.fromkeys(args.corrections,
+                                                                table[f"{algorithm} {task}"][0]["none"])
     print(f"the runs took {(time.time() - start) / 60:.1f} min; mean ± std over seeds {list(args.seeds)}")
     for cell, by_k in table.items():
         print(f"\n{cell}: score a quarter of the way / final (final KL), mean mismatch KL and truncated share")
-        print(f"{'K':>3} " + "".join(f"{correction:>44}" for correction in CORRECTIONS))
+        print(f"{'K':>3} " + "".join(f"{correction:>44}" for correction in args.corrections))
         for k, by_correction in by_k.items():
             row = []
-            for correction in CORRECTIONS:
+            for correction in args.corrections:
                 cell_values = by_correction.get(correction)
                 if cell_values is None:
                     row.append(f"{'-':>44}")
@@ -155,6 +160,8 @@ def main(args: Args):
         name = "off_policy_corrections" + "".join(f"_{task}" for task in args.tasks if task != "math")
         if set(args.algorithms) != {"grpo", "rloo", "ppo"}:
             name += "".join(f"_{algorithm}" for algorithm in args.algorithms)
+        if set(args.corrections) != set(CORRECTIONS):
+            name += "".join(f"_{correction}" for correction in args.corrections)
         destinations.append(os.path.join(ROOT, "bench", "results", name))
     for destination in destinations:
         with open(destination + ".json", "w") as f:

@@ -47,26 +47,25 @@ def test_sync_vs_async_quick(tmp_path):
 
 
 def test_math_sync_vs_async_quick(tmp_path):
-    """Also the learning test of online DPO, RLOO and GRPO (DAPO and Dr. GRPO), sync and async, on the
-    arithmetic task."""
+    """Also the learning test of online DPO and GRPO (DAPO), sync and async, on the arithmetic task."""
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/math_sync_vs_async.py")
     table = json.loads((tmp_path / "results.json").read_text())["table"]
-    assert sorted(table) == [f"{algorithm} {arm}" for algorithm in ("grpo_dapo", "grpo_dr_grpo", "online_dpo", "rloo")
-                             for arm in ("async", "sync")]
+    assert sorted(table) == ["grpo_dapo async", "grpo_dapo sync", "online_dpo async", "online_dpo sync"]
     for run, row in table.items():
         evals = [m["eval/accuracy"] for m in read_metrics(tmp_path / f"{run.replace(' ', '-')}-seed1")
                  if "eval/accuracy" in m]
         assert row["final_accuracies"] == [evals[-1]] and row["start_accuracy"] == evals[0], (run, row)
-        assert evals[-1] >= evals[0] + 0.2, (run, evals)  # each of the six scripts learns
+        assert evals[-1] >= evals[0] + 0.2, (run, evals)  # each of the four scripts learns
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
     assert "online_dpo async vs sync: total time" in result.stdout
 
 
 def test_off_policy_corrections_quick(tmp_path):
-    """GRPO on the arithmetic task at K = 2 with each correction, 4 updates: each cell is its run's numbers."""
+    """GRPO on the arithmetic task at K = 2 without a correction and with tis, 4 updates: each cell is its run's
+    numbers."""
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy_corrections.py")
     table = json.loads((tmp_path / "results.json").read_text())["table"]["grpo math"]
-    assert list(table) == ["2"] and list(table["2"]) == ["none", "decoupled", "tis", "mask"]
+    assert list(table) == ["2"] and list(table["2"]) == ["none", "tis"]
     for correction, cell in table["2"].items():
         metrics = read_metrics(tmp_path / f"grpo-math-k2-{correction}-seed1")
         evaluations = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]

@@ -464,6 +464,23 @@ def test_curves_png_is_drawn_from_metrics_jsonl(tmp_path):
     assert not list(tmp_path.glob(".curves*"))  # written atomically, no leftovers
 
 
+def test_curves_are_redrawn_at_most_once_a_minute_and_at_the_end(tmp_path, one_rank_group, monkeypatch):
+    drawn = []  # the evaluations each drawing showed
+
+    def plot_curves(output_dir):
+        with open(tmp_path / "metrics.jsonl") as f:
+            drawn.append([m["update"] for m in map(json.loads, f) if "eval/proxy_score" in m])
+
+    monkeypatch.setattr(common, "plot_curves", plot_curves)
+    logger = common.MetricsLogger(SimpleNamespace(output_dir=str(tmp_path), track=False), "run", 4, 0, ())
+    for update in range(4):
+        logger.log_evaluation(update, 8 * update, {"eval/proxy_score": 0.1 * update})
+        if update == 1:  # a minute passes
+            logger.curves_drawn_at -= common.CURVES_EVERY_SECONDS
+    logger.close()
+    assert drawn == [[0], [0, 1, 2], [0, 1, 2, 3]]
+
+
 SRUN_STEP = {"SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
              "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_JOB_ID": "123456", "MASTER_ADDR": "node-a"}
 

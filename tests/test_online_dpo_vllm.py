@@ -258,6 +258,12 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     pending = [torch.load(out / "checkpoints" / "update-2" / f"trainer_state_rank{rank}.pt",
                           weights_only=False)["pending_batches"] for rank in (0, 1)]
     assert [[batch["engine"] for batch in batches] for batches in pending] == [[(0, 2)] * 2, [(1, 2)] * 2]
+    # one node of two ranks has one engine for both: the batches sampled ahead for two engines are refused
+    refused = run_script(*args, "--resume", "--output_dir", out, script=SCRIPT, check=False,
+                         launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(common.free_port())),
+                         env={"OMP_NUM_THREADS": "1"})
+    assert refused.returncode != 0 and ("sampled-ahead batches are engine 0 of 2's, and this rank's engine would be "
+                                        "0 of 1") in refused.stderr, refused.stderr[-3000:]
     for node in start_two_nodes(deepspeed, [*args, "--resume"], out):
         assert node.wait(timeout=600) == 0, node.stderr.read()[-3000:]
     assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])

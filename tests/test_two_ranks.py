@@ -1,5 +1,6 @@
-"""Multi-rank correctness: every script on two ranks under the deepspeed launcher (ZeRO 2 and 3,
-resume on two ranks), and the distributed helpers on two real ranks."""
+"""Multi-rank correctness under the deepspeed launcher: every synchronous script's two ranks train as one at
+ZeRO-2 (the vLLM scripts' in vllm_script_tests.py), ZeRO-3 and resume on two ranks for a synchronous and an
+asynchronous script of each kind, and the distributed helpers on two real ranks."""
 
 import shutil
 
@@ -19,60 +20,74 @@ from scripts import (
 import common
 
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
-# The scripts whose resume on two ranks starts from a run of its own, preempted in its first update one of
-# the two ways (the preemption is common code): the synchronous and asynchronous twins of online DPO. The
-# others resume from a copy of the first run at its checkpoint 2, which leaves only update 3 and the final
-# weights to compare (a run of their own would cost a minute each, for code they share).
+SYNC_SCRIPTS = tuple(script for script in SCRIPTS if not script.endswith("_vllm.py"))
+# ZeRO-3 with a resume on two ranks, for a synchronous and an asynchronous script of each kind: online DPO's
+# twins, each resumed after a preemption in its first update of its own (one of the two ways: the preemption is
+# common code), and PPO's (a value model too) with a LoRA adapter (ZeRO-3 gathers the adapted layers to
+# generate, to merge them for the engine and to save; the value model has an adapter too), resumed from a copy
+# of the first run at its checkpoint 2. What ZeRO-3 changes (gathering, saving, resuming) is common code.
 PREEMPTION_ON_TWO_RANKS = {"online_dpo.py": list(PREEMPTIONS)[0], "online_dpo_vllm.py": list(PREEMPTIONS)[1]}
+LORA_ON_TWO_RANKS = ("ppo.py", "ppo_vllm.py")
+ZERO_3 = (*PREEMPTION_ON_TWO_RANKS, *LORA_ON_TWO_RANKS)
+# ZeRO-3's two ranks against one rank: a synchronous script training every weight and an asynchronous one
+# training an adapter
+ZERO_3_AGAINST_ONE_RANK = ("online_dpo.py", "ppo_vllm.py")
 
 
-# The scripts that train a LoRA adapter (--use_peft) in their two-rank run: ZeRO-3 gathers the adapted layers to
-# merge them for the engine (rloo_vllm.py, ppo_vllm.py) and to save; PPO's value model has an adapter too. Full
-# training at ZeRO-3 is common code the other three cover, sync, async and PPO.
-LORA_ON_TWO_RANKS = ("rloo.py", "bok.py", "rloo_vllm.py", "ppo_vllm.py")
-
-
-# Every script's loop on two ranks at ZeRO-3; ZeRO-2 (the default, whose two-rank path is common code) once,
-# with online DPO, and in the vLLM scripts' own K=2 two-rank runs
-@pytest.mark.parametrize(("script", "zero_stage"), [("online_dpo.py", 2), *((script, 3) for script in SCRIPTS)])
-def test_two_ranks_under_the_deepspeed_launcher(tmp_path, script, zero_stage):
-    """Two ranks of 16 prompts each (LORA_ON_TWO_RANKS: with a LoRA adapter) train as one rank taking the same
-    global batches (samples, losses and weights: HF generate's rows are seeded by their place in the global
-    batch, the vLLM engine's by row). With ZeRO-3 a second run
-    resumes on two ranks and ends with the same weights and metrics as the first, bit for bit: after a
-    preemption in its first update of its own (a SIGTERM to the whole job, launcher, ranks and engine, as
-    the first batch is sampled; or SIGUSR1 to the ranks while the first update trains, then SIGTERM again
-    while its checkpoint is written), or, for the scripts that share all of that code, from a copy of the
-    first run at its checkpoint 2."""
-    out = tmp_path / "run"
-    port = common.free_port()
-    updates = 3 if zero_stage == 3 else 2
+def two_rank_args(script: str, zero_stage: int, updates: int) -> list:
     # sampling chunks of 16 rows: each rank's rows, whatever k, are whole chunks (seeded by their place)
-    args = [*QUICK, "--local_rollout_forward_batch_size", "16", "--total_episodes", 32 * updates, "--eval_every", "1",
-            "--save_every", "2", "--zero_stage", zero_stage, *(["--use_peft"] if script in LORA_ON_TWO_RANKS else [])]
-    launcher, env = (*TWO_RANKS, str(port)), {"OMP_NUM_THREADS": "1"}
+    return [*QUICK, "--local_rollout_forward_batch_size", "16", "--total_episodes", 32 * updates, "--eval_every",
+            "1", "--save_every", "2", "--zero_stage", zero_stage,
+            *(["--use_peft"] if script in LORA_ON_TWO_RANKS else [])]
+
+
+def run_on_two_ranks(script, args, out, updates: int, one_rank_dir=None):
+    """Two ranks of 16 prompts each, under the deepspeed launcher: both evaluate and save. With `one_rank_dir`,
+    they train as one rank taking the same 32 prompts per update in 4 micro-batches: samples, losses and
+    weights (HF generate's rows are seeded by their place in the global batch, the vLLM engine's by row)."""
+    launcher, env = (*TWO_RANKS, str(common.free_port())), {"OMP_NUM_THREADS": "1"}
     run_script(*args, "--output_dir", out, script=script, launcher=launcher, env=env)
-    # one rank taking the same 32 prompts per update in 4 micro-batches trains the same
-    run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script=script, env=env)
-    assert_two_ranks_train_as_one(out, tmp_path / "one")
+    if one_rank_dir:
+        run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", one_rank_dir, script=script, env=env)
+        assert_two_ranks_train_as_one(out, one_rank_dir)
     metrics = read_metrics(out)
     # 16 prompts per rank per update, counted over both ranks
     assert [m["episode"] for m in metrics if "loss/policy_avg" in m] == [32 * (u + 1) for u in range(updates)]
     assert [m["update"] for m in metrics if "eval/gold_win_rate" in m] == list(range(updates + 1))
     assert_trained_policy_saved(out)  # gathered from both ranks
     assert (out / "policy" / "adapter_config.json").exists() == (script in LORA_ON_TWO_RANKS)
-    if zero_stage == 3:
-        resumed = tmp_path / "resumed"
-        after_update = -1  # every update and evaluation is the resumed run's own
-        if script in PREEMPTION_ON_TWO_RANKS:
-            preempt(script, args, resumed, PREEMPTION_ON_TWO_RANKS[script], launcher=launcher, env=env)
-        else:
-            shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("policy", "wandb"))
-            assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["update-2"]
-            after_update = 2  # what the copy holds is the first run's
-        run_script(*args, "--output_dir", resumed, "--resume", script=script, launcher=launcher, env=env)
-        assert_same_weights_and_metrics(out, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"],
-                                        after_update)
+
+
+@pytest.mark.parametrize("script", SYNC_SCRIPTS)
+def test_two_ranks_train_as_one_at_zero_2(tmp_path, script):
+    """ZeRO-2 (the default) for every synchronous script; the vLLM scripts' own K=2 two-rank runs do the same
+    (vllm_script_tests.py)."""
+    args = two_rank_args(script, 2, updates=2)
+    run_on_two_ranks(script, args, tmp_path / "run", updates=2, one_rank_dir=tmp_path / "one")
+
+
+@pytest.mark.parametrize("script", ZERO_3)
+def test_two_ranks_resume_at_zero_3(tmp_path, script):
+    """With ZeRO-3, three updates on two ranks (ZERO_3_AGAINST_ONE_RANK: trained as on one rank), and a second
+    run resumes on two ranks and ends with the same weights and metrics as the first, bit for bit: after a
+    preemption in its first update of its own (a SIGTERM to the whole job, launcher, ranks and engine, as the
+    first batch is sampled; or SIGUSR1 to the ranks while the first update trains, then SIGTERM again while its
+    checkpoint is written), or from a copy of the first run at its checkpoint 2."""
+    out, args = tmp_path / "run", two_rank_args(script, 3, updates=3)
+    run_on_two_ranks(script, args, out, updates=3,
+                     one_rank_dir=tmp_path / "one" if script in ZERO_3_AGAINST_ONE_RANK else None)
+    launcher, env = (*TWO_RANKS, str(common.free_port())), {"OMP_NUM_THREADS": "1"}
+    resumed = tmp_path / "resumed"
+    after_update = -1  # every update and evaluation is the resumed run's own
+    if script in PREEMPTION_ON_TWO_RANKS:
+        preempt(script, args, resumed, PREEMPTION_ON_TWO_RANKS[script], launcher=launcher, env=env)
+    else:
+        shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("policy", "wandb"))
+        assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["update-2"]
+        after_update = 2  # what the copy holds is the first run's
+    run_script(*args, "--output_dir", resumed, "--resume", script=script, launcher=launcher, env=env)
+    assert_same_weights_and_metrics(out, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"],
+                                    after_update)
 
 
 def test_metrics_and_data_across_two_real_ranks():
