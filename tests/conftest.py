@@ -9,22 +9,17 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # threads than cores make OpenMP's spinning threads wait on each other
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The slowest first: a free xdist worker takes the next unit of work, so longest-first makes both workers
-# finish at about the same time. A unit is a file's tests that share its module-scoped runs (an xdist group:
-# those runs are made once), or else a single test. test_math.py early: one worker builds the arithmetic
-# task while the other builds the TL;DR toy.
-SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_math.py", "test_bench.py", "test_two_ranks.py",
-                 "test_own_inputs_vllm.py", "test_ppo_vllm.py", "test_grpo_vllm.py", "test_rloo_vllm.py",
-                 "test_rloo_bok.py", "test_ppo.py", "test_pipeline.py", "test_reliability.py", "test_online_dpo.py",
-                 "test_own_inputs.py"]
+# The slowest files first: with --dist loadfile a free worker takes the next file, so longest-first makes both
+# workers finish at about the same time (xdist's loadgroup, which could spread a file's independent tests, does
+# not group with pytest 9: its group names never reach the tests' ids). test_math.py early: one worker builds
+# the arithmetic task while the other builds the TL;DR toy.
+SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_math.py", "test_two_ranks.py", "test_grpo_vllm.py",
+                 "test_rloo_vllm.py", "test_ppo_vllm.py", "test_bench.py", "test_pipeline.py",
+                 "test_own_inputs_vllm.py", "test_reliability.py", "test_online_dpo.py", "test_rloo_bok.py",
+                 "test_ppo.py", "test_lora.py", "test_grpo.py", "test_own_inputs.py"]
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if any(definition.scope == "module" for definitions in item._fixtureinfo.name2fixturedefs.values()
-               for definition in definitions):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
-
     def position(item):
         name = item.path.name
         return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)

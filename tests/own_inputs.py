@@ -25,17 +25,19 @@ def token_ids(tokenizer) -> dict:
 
 def policies() -> dict:
     """The four policy architectures of the test matrix: (config, tokenizer) by name. Qwen2 has a
-    byte-level BPE tokenizer with a chat template, the others a word-level one."""
+    byte-level BPE tokenizer with a chat template, the others a word-level one (GPT-2's pads with its stop
+    token)."""
     from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-    words, bpe = word_tokenizer(words=WORDS), byte_level_bpe_tokenizer()
+    words, bpe, stop_padded = word_tokenizer(words=WORDS), byte_level_bpe_tokenizer(), word_tokenizer(words=WORDS)
     bpe.chat_template = CHAT_TEMPLATE
+    stop_padded.pad_token = stop_padded.eos_token  # as GPT-2's users do: padding with the stop token
     return {
         "llama": (LlamaConfig(**SIZE, num_key_value_heads=2, **token_ids(words)), words),
         "qwen2": (Qwen2Config(**SIZE, num_key_value_heads=2, **token_ids(bpe)), bpe),
         "gpt_neox": (GPTNeoXConfig(**SIZE, **token_ids(words)), words),
-        # GPT-2: learned absolute positions
-        "gpt2": (GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=128, **token_ids(words)), words),
+        # GPT-2: learned absolute positions, and the stop token as its padding
+        "gpt2": (GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=128, **token_ids(stop_padded)), stop_padded),
     }
 
 

@@ -3,8 +3,8 @@ measured staleness, resume, two ranks), and those of the generator that all thre
 inline generation, a shared device, greedy after a weight sync, faults (a failing, hanging, dying, stale or
 never starting engine), Ctrl-C, several nodes and engines."""
 
+import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -232,6 +232,20 @@ def start_two_nodes(launcher: tuple, args: list, out) -> list[subprocess.Popen]:
             for node in (0, 1)]
 
 
+def kill_process_tree(pid: int):
+    """SIGKILL a process and every process it started, wherever their sessions; once they have all ended, nothing
+    of the run is still writing."""
+    import psutil
+
+    launcher = psutil.Process(pid)
+    processes = [launcher, *launcher.children(recursive=True)]
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):  # ended by itself meanwhile
+            process.kill()
+    _, alive = psutil.wait_procs(processes, timeout=60)
+    assert not alive, alive
+
+
 def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_path, two_rank_k2_run):
     """Two nodes of one rank on localhost, each node's engine sampling its node's share of every global batch
     with the global rows' seeds: killed once checkpoint 2 is written (started by torchrun, as a SLURM job
@@ -251,10 +265,9 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
         assert all(node.poll() is None for node in nodes), nodes[0].stderr.read()[-3000:]
         assert time.time() < deadline, "no checkpoint 2 within 600 s"
         time.sleep(0.01)
-    for node in nodes:
-        os.killpg(node.pid, signal.SIGKILL)
-        node.wait()
-    assert not (out / "policy").exists()
+    for node in nodes:  # torchrun starts each rank in a session of its own: the whole tree, not the launcher's group
+        kill_process_tree(node.pid)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["update-2"] and not (out / "policy").exists()
     pending = [torch.load(out / "checkpoints" / "update-2" / f"trainer_state_rank{rank}.pt",
                           weights_only=False)["pending_batches"] for rank in (0, 1)]
     assert [[batch["engine"] for batch in batches] for batches in pending] == [[(0, 2)] * 2, [(1, 2)] * 2]

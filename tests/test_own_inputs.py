@@ -29,6 +29,8 @@ def check_case(case: dict, out):
     if "--use_peft" in case["flags"]:  # the adapter as asked for, which peft loaded above
         adapter = json.loads((out / "policy" / "adapter_config.json").read_text())
         assert (sorted(adapter["target_modules"]), adapter["r"], adapter["lora_alpha"]) == (["q_proj", "v_proj"], 4, 8)
+    if case["policy"].endswith("gpt2"):  # its pad token is its stop token: completions that stop count as stopped
+        assert all(m["val/num_eos_tokens"] > 0 for m in train) and max(m["eval/proxy_score"] for m in evals) > -1
     recorded = json.loads((out / "args.json").read_text())
     assert recorded["args"]["model_name_or_path"] == case["policy"] and recorded["versions"]["torch"]
     return train, evals
