@@ -735,6 +735,7 @@ class OnlineTrainerState:
     data_position: int = 0  # global prompt batches drawn
     rng: dict = field(default_factory=dict)  # per-rank RNG states, filled at save time
     pending_batches: list = field(default_factory=list)  # sampled ahead but not yet trained on (async script)
+    engine_snapshot: dict | None = None  # --inflight_updates: the engine's requests in flight (async script)
 
     @staticmethod
     def capture_rng() -> dict:

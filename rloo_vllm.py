@@ -24,6 +24,7 @@ import common
 import corrections
 import data
 import evaluation
+import inflight
 import lora
 import toy
 import vllm_generator
@@ -159,6 +160,19 @@ class Args:
     # Asynchronous generation
     async_steps: int = 1
     """K: how many updates the sampling weights may lag behind the trained weights (0: synchronous)"""
+    inflight_updates: bool = False
+    """the engine takes each new weight version between two decode steps, keeping the KV of its requests in
+    flight, instead of sampling whole batches K updates ahead: a batch is the next prompt groups to finish,
+    each token records the version that sampled it (async/token_staleness_*); --async_steps K still bounds how
+    far ahead the engine runs (README: In-flight weight updates)"""
+    inflight_deterministic: bool = False
+    """with --inflight_updates: swap versions at fixed points (the version after update t-K once the batch of
+    update t is finished, waiting for it if need be) instead of as soon as each arrives: repeatable, and a run
+    killed and resumed from a --save_every checkpoint trains exactly as the uninterrupted one"""
+    max_lag: int | None = None
+    """with --inflight_updates: drop (and count, async/dropped_groups) each group with a token sampled more than
+    this many versions before the weights that would train on it; another group takes its place (default: none
+    dropped)"""
     vllm_device: str | None = None
     """device of the vLLM engine: "cpu" (its own cores), "cuda:<i>", or "shared": the single training rank's
     own device (its GPU, or all its cores), engine and trainer taking turns; default: the GPU after this
@@ -391,6 +405,8 @@ def main(args: Args):
             "async/staleness": update - 1 - batch["version"],  # updates between sampling and training weights
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        if args.inflight_updates:  # each token's staleness
+            metrics |= inflight.inflight_metrics(batch, rollout.mask, update)
         logger.log(update, metrics)
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode,
@@ -402,7 +418,7 @@ def main(args: Args):
         if preempted or (args.save_every and update % args.save_every == 0):
             # the batches already sampled for the next K updates, with weights this checkpoint no longer
             # has, are saved with it: a resumed run trains on exactly the same samples
-            state.pending_batches = generator.sample_ahead(update)
+            state.pending_batches, state.engine_snapshot = generator.sample_ahead(update)
             common.save_checkpoint(args.output_dir, policy, state)
         if preempted:
             common.exit_preempted(update, logger)

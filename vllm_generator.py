@@ -282,20 +282,26 @@ def start_vllm(args, gpu_memory_utilization: float | None, sleep_mode: bool = Fa
                **options)
 
 
+def sampling_params(args, eos_ids, seed: int, max_tokens: int, delta: bool = False):
+    """One completion's sampling: the sampled tokens' ids and log-probs only (as plain lists, the least
+    output work in the engine's client), every step's new ones with `delta`."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(temperature=args.temperature, top_k=0, top_p=args.top_p, max_tokens=max_tokens,
+                          stop_token_ids=eos_ids, logprobs=0, seed=seed, detokenize=False, flat_logprobs=True,
+                          output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE)
+
+
 def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], args, eos_ids, pad_token_id):
     """Sample one completion per prompt with a per-row seed (reproducible however vLLM batches).
 
     Returns responses (rows, response_len) right-padded, and the engine's log-probs of the sampled
     tokens at the sampling temperature and top_p (common.INVALID_LOGPROB at pads).
     """
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=args.temperature, top_k=0, top_p=args.top_p, max_tokens=args.response_length,
-                             stop_token_ids=eos_ids, logprobs=0, seed=seed,  # the sampled token's log-prob only
-                             # token ids and plain lists: the least output work in the engine's client
-                             detokenize=False, flat_logprobs=True)
-              for seed in seeds]
+    params = [sampling_params(args, eos_ids, seed, args.response_length) for seed in seeds]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     responses = torch.full((len(prompts), args.response_length), pad_token_id, dtype=torch.long)
     logprobs = torch.full((len(prompts), args.response_length), common.INVALID_LOGPROB)
@@ -393,14 +399,15 @@ def broadcast_bucket(channel, flat: torch.Tensor, timeout: float):
     channel.broadcast([flat], torch.distributed.BroadcastOptions()).wait(datetime.timedelta(seconds=timeout))
 
 
-def load_engine_weights(llm, model):
+def load_engine_weights(llm, model, in_flight: bool = False):
     """The engine takes the weights of `model` (the policy's HF model in this process) from memory.
     The worker's `reload_weights` re-runs the CPU backend's weight repacking, which per-parameter
     `load_weights` skips (it breaks on CPU); the state dict names tied weights twice, as a checkpoint does.
     The prefix cache goes with the old weights: vLLM keeps the KV of every full block of the prompts it
-    has seen, and would continue a prompt seen before from KV computed with the old weights."""
+    has seen, and would continue a prompt seen before from KV computed with the old weights. `in_flight`:
+    requests are running, whose KV stays; the caller salts later prompts with the version instead."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
-    if not llm.reset_prefix_cache():
+    if not in_flight and not llm.reset_prefix_cache():
         raise RuntimeError("the engine did not clear its prefix cache after a weight load (requests in flight)")
 
 
@@ -498,29 +505,42 @@ class WeightReceiver:
                 self.error = error
                 self.condition.notify_all()
 
-    def wait_for(self, version: int) -> bool:
-        """Wait until `version` has arrived; False when the trainer is gone."""
-        with self.condition:
-            while version not in self.received:
+    def wait_for(self, version: int, poll=None) -> bool:
+        """Wait until `version` has arrived, calling `poll()` every 0.1 s meanwhile; False when the trainer is
+        gone."""
+        while True:
+            with self.condition:
+                if version in self.received:
+                    return True
                 if self.error is not None:
                     raise RuntimeError(f"receiving the weights of update {version} failed: {self.error}")
                 if not multiprocessing.parent_process().is_alive():
                     return False
                 self.condition.wait(timeout=0.1)
-        return True
+            if poll is not None:
+                poll()
+
+    def newest(self) -> int | None:
+        """The newest version that has arrived and is not loaded yet, if any."""
+        with self.condition:
+            if self.error is not None:
+                raise RuntimeError(f"receiving the weights failed: {self.error}")
+            return max(self.received, default=None)
 
     @torch.no_grad()
-    def load(self, version: int, llm):
-        """Load the arrived `version` into the sampling policy, hand a shared buffer back, then load it into
-        the engine."""
+    def load(self, version: int, llm, in_flight: bool = False):
+        """Load the arrived `version` into the sampling policy, hand its shared buffer back (and those of older
+        versions that arrived but are skipped), then load it into the engine (load_engine_weights)."""
         with self.condition:
             flats, handle = self.received.pop(version)
+            skipped = [self.received.pop(older)[1] for older in sorted(self.received) if older < version]
         for bucket, flat in zip(self.buckets, flats):
             for index, values in zip(bucket, flat.split([self.parameters[i].numel() for i in bucket])):
                 self.parameters[index].copy_(values.view_as(self.parameters[index]))
-        if handle is not None:
-            self.released.put(handle)
-        load_engine_weights(llm, self.sampling_policy)
+        for released in [handle, *skipped]:
+            if released is not None:
+                self.released.put(released)
+        load_engine_weights(llm, self.sampling_policy, in_flight)
 
 
 def check_async_args(args, world_size: int):
@@ -540,6 +560,9 @@ def check_async_args(args, world_size: int):
     if args.logprob_check_rows < 1:
         common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
                     f"got {args.logprob_check_rows}")
+    import inflight
+
+    inflight.check_args(args, world_size)
     ranks_per_engine(args, world_size, os.environ)
     for engine in range(args.vllm_engines_per_node):  # a bad --vllm_device or --vllm_cpu_threads fails here
         engine_placement(args, world_size, engine)
@@ -579,17 +602,26 @@ def sample_batch(llm, sampling_policy, queries: list[list[int]], seeds: list[int
              "metrics": {"time/generate": t1 - t0}}
     if not logprob_checked(update, args):
         return batch
-    checked, device = slice(0, args.logprob_check_rows), sampling_policy.device
-    query_ids, query_mask = common.left_pad(queries[checked], pad_token_id, device)
-    checked_responses = responses[checked].to(device)
-    _, lengths, _ = common.truncate_after_eos(checked_responses, eos_ids, pad_token_id)
-    trainer_logprobs = common.in_chunks(
-        functools.partial(common.response_logprobs, sampling_policy, temperature=args.temperature, top_p=args.top_p),
-        args.local_rollout_forward_batch_size, query_ids, query_mask, checked_responses, lengths)
-    mask = common.response_mask(lengths, args.response_length)
-    logprob_diff = common.masked_mean((logprobs[checked].to(device) - trainer_logprobs).abs(), mask)
+    checked = slice(0, args.logprob_check_rows)
+    logprob_diff = engine_logprob_diff(sampling_policy, queries[checked], responses[checked], logprobs[checked], args,
+                                       eos_ids, pad_token_id)
     batch["metrics"].update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
     return batch
+
+
+def engine_logprob_diff(sampling_policy, queries: list[list[int]], responses: torch.Tensor, logprobs: torch.Tensor,
+                        args, eos_ids, pad_token_id) -> float:
+    """The mean |engine log-prob - trainer log-prob| per token of these rows, the trainer's recomputed with
+    `sampling_policy`, which holds the weights the engine sampled them with.  responses, logprobs: (rows, R)"""
+    device = sampling_policy.device
+    query_ids, query_mask = common.left_pad(queries, pad_token_id, device)
+    responses = responses.to(device)
+    _, lengths, _ = common.truncate_after_eos(responses, eos_ids, pad_token_id)
+    trainer_logprobs = common.in_chunks(
+        functools.partial(common.response_logprobs, sampling_policy, temperature=args.temperature, top_p=args.top_p),
+        args.local_rollout_forward_batch_size, query_ids, query_mask, responses, lengths)
+    mask = common.response_mask(lengths, args.response_length)
+    return common.masked_mean((logprobs.to(device) - trainer_logprobs).abs(), mask)
 
 
 ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
@@ -619,6 +651,7 @@ class GeneratorJob:
     # its task without what does not cross processes (the reward function, evaluation)
     score: object | None = None
     task: common.Task | None = None
+    snapshot: dict | None = None  # --inflight_updates: the engine state a resumed run continues from
 
 
 def engine_share(indices: list[int], engine: tuple[int, int]) -> list[int]:
@@ -679,6 +712,43 @@ def fill_with_signal(job: GeneratorJob, llm, batch: dict, update: int, score) ->
             "scores": scores[rows].numpy(), "metrics": {**batch["metrics"], **metrics}}
 
 
+def start_engine(job: GeneratorJob):
+    """The generator process's engine (start_vllm), the HF model that holds its sampling weights (for
+    async/logprob_diff and each load), the tensors check_engine_holds compares, and the weight receiver."""
+    import threading
+
+    import tqdm
+    from transformers import AutoModelForCausalLM
+
+    args = job.args
+    # the engine's progress bars without tqdm's multiprocessing lock, which the resource tracker would
+    # report as leaked, after the trainer's error, when the trainer kills this process
+    tqdm.tqdm.set_lock(threading.RLock())
+
+    # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's GPU of
+    # its own (this process sees only that one); on the CPU beside an engine that shares the trainer's GPU,
+    # which holds the trainer's models, pinned, so that the engine loads each version from it at full speed
+    sampling_policy = AutoModelForCausalLM.from_pretrained(
+        args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
+    reserved = 0  # GPU memory this process allocates once the engine has started
+    if torch.cuda.is_available() and not job.placement.takes_turns:
+        sampling_policy.to("cuda")
+        version_bytes = sum(p.numel() * p.element_size() for p in sampling_policy.parameters())
+        reserved = (args.async_steps + 1) * version_bytes + NCCL_RESERVE_BYTES  # versions received, not loaded
+    elif torch.cuda.is_available():
+        for parameter in sampling_policy.parameters():
+            parameter.data = parameter.data.pin_memory()
+    llm = start_vllm(args, job.placement.gpu_memory_utilization, job.placement.sleeps_between_turns, reserved)
+    # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
+    # backend, which decorates their HF classes in this process for torch.compile: an HF model of
+    # that class can then only be made before the engine (as above), and must opt out of it
+    for module in sampling_policy.modules():
+        module.do_not_compile = True
+    checked = one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
+    receiver = WeightReceiver(args, job.placement, job.weight_port, sampling_policy, job.published, job.released)
+    return llm, sampling_policy, checked, receiver
+
+
 def generate_ahead(job: GeneratorJob):
     """The generator process of engine `job.engine` = (index, engines), beside the first of its ranks, which
     holds the vLLM engine: for update t it samples its ranks' share of the global batch, with exactly the
@@ -694,36 +764,7 @@ def generate_ahead(job: GeneratorJob):
 
     args = job.args
     try:
-        import threading
-
-        import tqdm
-        from transformers import AutoModelForCausalLM
-
-        # the engine's progress bars without tqdm's multiprocessing lock, which the resource tracker would
-        # report as leaked, after the trainer's error, when the trainer kills this process
-        tqdm.tqdm.set_lock(threading.RLock())
-
-        # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's GPU of
-        # its own (this process sees only that one); on the CPU beside an engine that shares the trainer's GPU,
-        # which holds the trainer's models, pinned, so that the engine loads each version from it at full speed
-        sampling_policy = AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
-        reserved = 0  # GPU memory this process allocates once the engine has started
-        if torch.cuda.is_available() and not job.placement.takes_turns:
-            sampling_policy.to("cuda")
-            version_bytes = sum(p.numel() * p.element_size() for p in sampling_policy.parameters())
-            reserved = (args.async_steps + 1) * version_bytes + NCCL_RESERVE_BYTES  # versions received, not loaded
-        elif torch.cuda.is_available():
-            for parameter in sampling_policy.parameters():
-                parameter.data = parameter.data.pin_memory()
-        llm = start_vllm(args, job.placement.gpu_memory_utilization, job.placement.sleeps_between_turns, reserved)
-        # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
-        # backend, which decorates their HF classes in this process for torch.compile: an HF model of
-        # that class can then only be made before the engine (as above), and must opt out of it
-        for module in sampling_policy.modules():
-            module.do_not_compile = True
-        checked = one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
-        receiver = WeightReceiver(args, job.placement, job.weight_port, sampling_policy, job.published, job.released)
+        llm, sampling_policy, checked, receiver = start_engine(job)
         score = group_scorer(job, sampling_policy.device) if job.score is not None else None
         loaded = 0  # the engine starts with the SFT weights, version 0
         if job.placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
@@ -828,6 +869,7 @@ class AsyncGenerator:
         self.store = self.channel = None  # over NCCL
         self.shared, self.free_shared = {}, []  # SharedWeights by handle, and those the generator handed back
         self.engine_started = False
+        self.snapshots = {}  # --inflight_updates: the engine's snapshots by the update whose checkpoint takes them
         self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
         if self.leader:
             context = multiprocessing.get_context("spawn")
@@ -838,16 +880,23 @@ class AsyncGenerator:
                 self.store = torch.distributed.TCPStore(  # once the engine has started
                     "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=args.generator_timeout))
-            if self.placement.takes_turns:  # the engine samples a batch when the trainer asks for it
+            # the engine samples a batch when the trainer asks for it; in flight, makes a snapshot
+            if self.placement.takes_turns or args.inflight_updates:
                 self.requests = context.Queue()
             first_update = state.update + len(self.sampled_ahead) + 1
             # generate_ahead is looked up now, so that tests can put a faulty one in its place
-            self.process = start_generator(self.placement, generate_ahead, (GeneratorJob(
+            target = generate_ahead
+            if args.inflight_updates:
+                import inflight
+
+                target = inflight.generate_inflight
+            self.process = start_generator(self.placement, target, (GeneratorJob(
                 args, self.placement, self.engine, task.train_prompts["input_ids"], sampler,
                 range(first_update, num_updates + 1), state.update, num_samples, task.eos_ids,
                 task.tokenizer.pad_token_id, self.store.port if self.store else 0, self.published, self.released,
                 self.batches, self.requests, score,
-                dataclasses.replace(task, reward_fn=None, eval_prompts=None, gold_score=None) if score else None),))
+                dataclasses.replace(task, reward_fn=None, eval_prompts=None, gold_score=None) if score else None,
+                state.engine_snapshot),))
             atexit.register(self.stop)  # however the trainer exits
             common.STOP_BEFORE_FAILING.append(self.stop)
             if self.placement.takes_turns:  # on the trainer's GPU, it measures its memory before the trainer's
@@ -873,17 +922,27 @@ class AsyncGenerator:
 
     def _next_batch(self) -> dict:
         """The next whole batch from the process (asked for first, when the engine shares the trainer's
-        device), its arrays as tensors."""
-        if self.requests is not None:
+        device), its arrays as tensors; the snapshots that come first are kept."""
+        if self.placement.takes_turns:
             if torch.cuda.is_available():  # the engine wakes on this GPU: the memory the trainer's cache holds
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
             self.requested += 1
             self.requests.put(self.requested)
+        while (batch := self._next_message()) is None:
+            pass
+        return batch
+
+    def _next_message(self) -> dict | None:
+        """The next batch from the process, its arrays as tensors; None for a snapshot (--inflight_updates),
+        which is kept."""
         timeout = self.args.generator_timeout
         item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
-        return {**item, **{name: torch.from_numpy(item[name]) for name in ("responses", "logprobs", "scores")
-                           if name in item}}
+        if "snapshot" in item:
+            self.snapshots[item["snapshot"]] = item
+            return None
+        return {**item, **{name: torch.from_numpy(item[name])
+                           for name in ("responses", "logprobs", "scores", "token_versions") if name in item}}
 
     def wait_for_engine(self):
         """Wait until the engine has started (it loads the model and warms up while the trainer sets up and
@@ -978,16 +1037,29 @@ class AsyncGenerator:
         while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this
             self._receive(2.0, message)
 
-    def sample_ahead(self, update: int) -> list[dict]:
-        """The batches for the updates after `update` that the process samples with weights older than
-        update's (min(K, updates left)), waited for: a checkpoint saves them (each leader's in its rank's
-        state), so that a resumed run trains on exactly these samples. Its engine's share on a leader; empty
+    def sample_ahead(self, update: int) -> tuple[list[dict], dict | None]:
+        """What a checkpoint after `update` saves (each leader's in its rank's state) so that a resumed run
+        trains on exactly these samples: the batches for the updates after it that the process samples with
+        weights older than update's (min(K, updates left)), waited for; with --inflight_updates, those it
+        finished before its snapshot, and the snapshot (inflight.py). Its engine's share on a leader; empty
         on the other ranks."""
-        older = [later for later in range(update + 1, self.num_updates + 1)
-                 if sampling_version(later, self.args.async_steps) < update]
-        while self.leader and len(self.sampled_ahead) < len(older):
-            self.sampled_ahead.append(self._next_batch())
-        return list(self.sampled_ahead)
+        if not self.leader:
+            return [], None
+        if not self.args.inflight_updates:
+            older = [later for later in range(update + 1, self.num_updates + 1)
+                     if sampling_version(later, self.args.async_steps) < update]
+            while len(self.sampled_ahead) < len(older):
+                self.sampled_ahead.append(self._next_batch())
+            return list(self.sampled_ahead), None
+        import inflight
+
+        if update not in self.snapshots and not inflight.proactive_snapshot(self.args, update, self.num_updates):
+            self.requests.put(update)
+        while update not in self.snapshots:
+            if (batch := self._next_message()) is not None:
+                self.sampled_ahead.append(batch)
+        snapshot = self.snapshots.pop(update)
+        return [batch for batch in self.sampled_ahead if batch["update"] < snapshot["update"]], snapshot
 
     def stop(self):
         """Stop the process (SIGKILL: it ignores the preemption signals, and holds nothing that needs

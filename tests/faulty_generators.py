@@ -48,7 +48,7 @@ def hanging_generate_ahead(*args):
 def stale_engine_generate_ahead(*args):
     """Receives every weight version but never loads one into the engine: it keeps sampling with the
     starting weights, as vLLM bugs have done."""
-    vllm_generator.load_engine_weights = lambda llm, model: None
+    vllm_generator.load_engine_weights = lambda llm, model, in_flight=False: None
     vllm_generator.generate_ahead(*args)
 
 
@@ -56,7 +56,7 @@ def partly_loading_generate_ahead(*args):
     """Loads each weight version with its linear layers' weights 10% off: the tensors vLLM keeps one-to-one
     (embeddings, norms), which the exact check compares, are right, the fused and repacked ones wrong."""
 
-    def load_engine_weights(llm, model):
+    def load_engine_weights(llm, model, in_flight=False):
         weights = ((name, tensor * 1.1 if name.endswith("proj.weight") else tensor)  # the toy's Llama layers
                    for name, tensor in model.state_dict().items())
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

@@ -70,8 +70,8 @@ class InlineGenerator:
             save_file({name: tensor.detach().clone() for name, tensor in model.state_dict().items()},
                       os.path.join(folder, "model.safetensors"))
 
-    def sample_ahead(self, update: int) -> list:
-        return []  # K=0: nothing is sampled ahead
+    def sample_ahead(self, update: int) -> tuple[list, None]:
+        return [], None  # K=0: nothing is sampled ahead, no engine state
 
     def stop(self):
         shutil.rmtree(self.published, ignore_errors=True)

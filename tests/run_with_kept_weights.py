@@ -1,12 +1,14 @@
 """A vLLM kit script (named by the first argument) that keeps, on rank 0, the trainer's weights at every
 version it publishes to the engine and its share of every batch it trains on (the engine's samples and
-log-probs), and saves both to kept.pt in the run's output directory: what a test needs to check, from
-outside the generator, which weights sampled each batch.
+log-probs, and with --inflight_updates each token's version), and saves both to kept.pt in the run's output
+directory: what a test needs to check, from outside the generator, which weights sampled each batch. The
+prompts of each batch it trains on go to trained_prompts.jsonl there as it takes them (a killed run's too).
 
     PYTHONPATH=. python tests/run_with_kept_weights.py online_dpo_vllm --async_steps 2 --output_dir runs/x ...
 """
 
 import importlib
+import json
 import os
 import sys
 
@@ -28,7 +30,10 @@ if __name__ == "__main__":
     def keeping_batch_for(generator, update: int) -> dict:
         batch = batch_for(generator, update)
         if leader:
-            kept["batches"][update] = {name: batch[name] for name in ("queries", "responses", "logprobs", "version")}
+            kept["batches"][update] = {name: batch[name] for name in ("queries", "responses", "logprobs", "version",
+                                                                      "token_versions") if name in batch}
+            with open(os.path.join(generator.args.output_dir, "trained_prompts.jsonl"), "a") as file:
+                file.write(json.dumps({"update": update, "prompt_indices": list(batch["prompt_indices"])}) + "\n")
         return batch
 
     def keeping_publish_weights(generator, engine, version: int, part: str | None = None):

@@ -1,0 +1,294 @@
+"""In-flight weight updates (--inflight_updates in the _vllm scripts), as PipelineRL, open-instruct's
+inflight_updates and AReaL do: the generator process runs its engine step by step, kept full of prompt
+groups (continuous batching), and takes each new weight version between two decode steps without dropping
+the KV of the requests in flight. Every sampled token records the version that sampled it; a batch is the
+next groups (all k samples of a prompt) to finish, so the staleness of a batch is a distribution over its
+tokens, logged every update (inflight_metrics).
+
+When versions load (both modes keep the bound of --async_steps K: once it has finished the batch of update
+t, the engine samples on only with the weights after update t-K, waiting for them if need be):
+- free (the default): each version as soon as it arrives, at the next step; the swap moments depend on
+  the clock, so a run is not repeatable, and a resumed run loses and repeats no prompt, but differs.
+- deterministic (--inflight_deterministic): the version after update t-K exactly when the batch of update t
+  is finished, waiting if the trainer is behind: every swap falls on the same token of the same request in
+  every run. A checkpoint's engine state is taken at such a swap, and the requests in flight continue from
+  their tokens so far, prefilled anew with the new weights, in the uninterrupted run too: a run killed and
+  resumed from a --save_every checkpoint trains exactly as the uninterrupted one.
+
+--max_lag L: a group with a token more than L versions behind the weights that will train on it is dropped
+(async/dropped_groups) and the next finished group takes its place in the batch: the engine never waits for
+the trainer because of it, and the batch keeps its size.
+"""
+
+import collections
+import contextlib
+import copy
+import multiprocessing
+import queue
+import random
+import time
+
+import numpy
+import torch
+
+import common
+import vllm_generator
+
+
+def check_args(args, world_size: int):
+    """--inflight_updates and --max_lag, checked before anything is written."""
+    if not args.inflight_updates:
+        for name in ("inflight_deterministic", "max_lag"):
+            if getattr(args, name) not in (False, None):
+                common.fail(f"--{name} applies to --inflight_updates, which is off")
+        return
+    if args.max_lag is not None and args.max_lag < args.async_steps:
+        common.fail(f"--max_lag must be at least --async_steps {args.async_steps} (the newest groups of a batch are "
+                    f"that many versions behind), got {args.max_lag}")
+    if getattr(args, "dynamic_sampling", False):
+        common.fail("--inflight_updates does not combine with --dynamic_sampling: turn one off")
+    if args.vllm_device == "shared":
+        common.fail("--inflight_updates needs an engine that samples while the trainer trains: not --vllm_device "
+                    "shared (engine and trainer take turns there)")
+
+
+def sample_seed(seed: int, engine: int, serial: int, sample: int, tokens_done: int = 0) -> int:
+    """The sampling seed of sample `sample` of the `serial`-th prompt group engine `engine` admits, from its
+    `tokens_done`-th token on (a request prefilled anew at a checkpoint draws anew)."""
+    return random.Random(f"{seed}/{engine}/{serial}/{sample}/{tokens_done}").getrandbits(63)
+
+
+class InflightSampler:
+    """The engine of one generator process, run step by step: this engine's share of a batch of prompt
+    groups in flight at all times, each sample's tokens with their engine log-probs and versions."""
+
+    def __init__(self, job: vllm_generator.GeneratorJob, llm, receiver, sampling_policy, checked):
+        self.job, self.args, self.llm, self.engine = job, job.args, llm, llm.llm_engine
+        self.receiver, self.sampling_policy, self.checked = receiver, sampling_policy, checked
+        self.capacity = len(vllm_generator.engine_share(range(job.sampler.global_batch_size), job.engine))
+        self.loaded = 0  # the engine starts with the SFT weights, version 0
+        self.groups = {}  # serial -> group in flight: {"prompt_index", "samples": [{"tokens", "logprobs", ...}]}
+        self.finished = collections.deque()  # groups whose k samples are done, in the order they finished
+        self.accepted = []  # finished groups of the batch being put together
+        self.prompts = collections.deque()  # this engine's share of the global batches drawn, not admitted yet
+        self.serial = 0  # groups admitted
+        self.requests_added = 0  # the engine's request ids: unique, a request prefilled anew included
+        self.window = self.new_window()
+
+    @staticmethod
+    def new_window() -> dict:
+        return {"start": time.time(), "idle": 0.0, "weight_load": 0.0, "dropped": 0}
+
+    def admit(self):
+        """Fill the engine up to a batch's worth of groups in flight, prompts salted with the loaded version:
+        a prompt's cached KV serves only prompts of the same weights."""
+        while len(self.groups) < self.capacity:
+            if not self.prompts:
+                self.prompts.extend(vllm_generator.engine_share(self.job.sampler.next_indices(), self.job.engine))
+            self.serial += 1
+            samples = [{"tokens": [], "logprobs": [], "versions": [], "done": False, "request": None}
+                       for _ in range(self.job.num_samples)]
+            self.groups[self.serial] = {"serial": self.serial, "prompt_index": self.prompts.popleft(),
+                                        "samples": samples}
+            for sample in range(self.job.num_samples):
+                self.add_request(self.serial, sample)
+
+    def add_request(self, serial: int, sample: int):
+        """Sample `sample` of group `serial` into the engine, from its tokens so far."""
+        from vllm.inputs import TokensPrompt
+
+        group = self.groups[serial]
+        state = group["samples"][sample]
+        done = len(state["tokens"])
+        self.requests_added += 1
+        state["request"] = f"{serial}/{sample}/{self.requests_added}"
+        seed = sample_seed(self.args.seed, self.job.engine[0], serial, sample, done)
+        prompt = TokensPrompt(prompt_token_ids=self.job.prompts[group["prompt_index"]] + state["tokens"],
+                              cache_salt=f"version {self.loaded}")
+        params = vllm_generator.sampling_params(self.args, self.job.eos_ids, seed, self.args.response_length - done,
+                                                delta=True)
+        self.engine.add_request(state["request"], prompt, params)
+
+    def step(self):
+        """One engine step: every running request's next token, tagged with the loaded version."""
+        for output in self.engine.step():
+            serial, sample, _ = map(int, output.request_id.split("/"))
+            group = self.groups.get(serial)
+            if group is None or group["samples"][sample]["request"] != output.request_id:
+                continue  # a request aborted to be prefilled anew
+            state, completion = group["samples"][sample], output.outputs[0]
+            state["tokens"] += completion.token_ids
+            state["logprobs"] += completion.logprobs.logprobs if completion.token_ids else []
+            state["versions"] += [self.loaded] * len(completion.token_ids)
+            if output.finished:
+                state["done"] = True
+                if all(s["done"] for s in group["samples"]):
+                    self.finished.append(self.groups.pop(serial))
+
+    def load(self, version: int):
+        t0 = time.time()
+        self.receiver.load(version, self.llm, in_flight=True)
+        vllm_generator.check_engine_holds(self.llm, self.sampling_policy, self.checked, version)
+        self.loaded = version
+        self.window["weight_load"] += time.time() - t0
+
+    def wait_and_load(self, version: int, poll) -> bool:
+        """Load `version`, waiting for it (engine idle time); False when the trainer is gone."""
+        t0 = time.time()
+        arrived = self.receiver.wait_for(version, poll)
+        self.window["idle"] += time.time() - t0
+        if arrived:
+            self.load(version)
+        return arrived
+
+    def next_batch(self, update: int, poll) -> dict | None:
+        """The batch of `update`: the next groups to finish, but those with a token more than --max_lag
+        versions behind the weights that train on it (update - 1); None when the trainer is gone."""
+        while len(self.accepted) < self.capacity:
+            while not self.finished:
+                if not multiprocessing.parent_process().is_alive():
+                    return None
+                poll()
+                if not self.args.inflight_deterministic:
+                    newest = self.receiver.newest()
+                    if newest is not None and newest > self.loaded:
+                        self.load(newest)
+                self.admit()
+                self.step()
+            group = self.finished.popleft()
+            oldest = min(v for sample in group["samples"] for v in sample["versions"])
+            if self.args.max_lag is not None and update - 1 - oldest > self.args.max_lag:
+                self.window["dropped"] += 1
+            else:
+                self.accepted.append(group)
+        batch = self.batch(update)
+        self.accepted, self.window = [], self.new_window()
+        return batch
+
+    def batch(self, update: int) -> dict:
+        """The accepted groups as a batch of the kit's layout (rows: each group's k samples, adjacent), with
+        "token_versions" (N, R), -1 at pads, and the engine's metrics."""
+        args, k = self.args, self.job.num_samples
+        samples = [sample for group in self.accepted for sample in group["samples"]]
+        shape = (len(samples), args.response_length)
+        responses = numpy.full(shape, self.job.pad_token_id, dtype=numpy.int64)
+        logprobs = numpy.full(shape, common.INVALID_LOGPROB, dtype=numpy.float32)
+        versions = numpy.full(shape, -1, dtype=numpy.int64)
+        for row, sample in enumerate(samples):
+            length = len(sample["tokens"])
+            responses[row, :length], logprobs[row, :length] = sample["tokens"], sample["logprobs"]
+            versions[row, :length] = sample["versions"]
+        prompt_indices = [group["prompt_index"] for group in self.accepted]
+        queries = [self.job.prompts[index] for index in prompt_indices for _ in range(k)]
+        metrics = {"time/generate": time.time() - self.window["start"] - self.window["idle"],
+                   "time/engine_idle": self.window["idle"], "time/weight_load": self.window["weight_load"],
+                   "async/dropped_groups": self.window["dropped"]}
+        # async/logprob_diff on the rows sampled wholly with the loaded weights, which the sampling policy holds
+        current = [row for row, sample in enumerate(samples) if set(sample["versions"]) == {self.loaded}]
+        checked = current[:args.logprob_check_rows]
+        if vllm_generator.logprob_checked(update, args) and checked:
+            t0 = time.time()
+            logprob_diff = vllm_generator.engine_logprob_diff(
+                self.sampling_policy, [queries[row] for row in checked], torch.from_numpy(responses[checked]),
+                torch.from_numpy(logprobs[checked]), args, self.job.eos_ids, self.job.pad_token_id)
+            vllm_generator.check_engine_took_weights(logprob_diff, self.loaded, args)
+            metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t0})
+        return {"update": update, "prompt_indices": prompt_indices, "queries": queries, "responses": responses,
+                "logprobs": logprobs, "token_versions": versions, "version": int(versions[versions >= 0].min()),
+                "engine": self.job.engine, "data_position": self.job.sampler.position, "metrics": metrics}
+
+    def snapshot(self, update: int, next_update: int) -> dict:
+        """What a checkpoint after `update` needs to continue this engine: the groups in flight with their
+        tokens so far, those finished but not yet in a batch, the prompts drawn but not admitted, the batch
+        being put together (`next_update`'s)."""
+        return copy.deepcopy({
+            "snapshot": update, "update": next_update, "engine": self.job.engine, "loaded": self.loaded,
+            "groups": list(self.groups.values()), "finished": list(self.finished), "accepted": self.accepted,
+            "dropped": self.window["dropped"], "prompts": list(self.prompts), "serial": self.serial,
+            "requests_added": self.requests_added, "data_position": self.job.sampler.position})
+
+    def prefill_anew(self):
+        """Every request in flight continues from its tokens so far, prefilled with the loaded weights."""
+        running = [sample["request"] for group in self.groups.values() for sample in group["samples"]
+                   if not sample["done"]]
+        self.engine.abort_request(running)
+        for serial, group in self.groups.items():
+            for sample, state in enumerate(group["samples"]):
+                if not state["done"]:
+                    self.add_request(serial, sample)
+
+    def restore(self, snapshot: dict):
+        """Continue from a checkpoint's snapshot, with its weights loaded."""
+        self.groups = {group["serial"]: group for group in snapshot["groups"]}
+        self.finished = collections.deque(snapshot["finished"])
+        self.accepted, self.window["dropped"] = snapshot["accepted"], snapshot["dropped"]
+        self.prompts, self.serial = collections.deque(snapshot["prompts"]), snapshot["serial"]
+        self.requests_added = snapshot["requests_added"]
+        self.job.sampler.position = snapshot["data_position"]
+        self.prefill_anew()
+
+
+def generate_inflight(job: vllm_generator.GeneratorJob):
+    """The generator process with --inflight_updates (see the module's docstring): ENGINE_STARTED, then the
+    batch of each update in `job.updates`, and the snapshots a checkpoint takes (the engine's own at each
+    deterministic swap to a --save_every version, or as the trainer asks on `job.requests`), go to the
+    queue `batches`. After the last batch it answers snapshot requests until the trainer stops it."""
+    args = job.args
+    try:
+        llm, sampling_policy, checked, receiver = vllm_generator.start_engine(job)
+        sampler = InflightSampler(job, llm, receiver, sampling_policy, checked)
+        job.batches.put(vllm_generator.ENGINE_STARTED)
+        next_update = job.updates.start
+
+        def answer_snapshot_requests():
+            with contextlib.suppress(queue.Empty):
+                job.batches.put(sampler.snapshot(job.requests.get_nowait(), next_update))
+
+        if job.snapshot is not None and len(job.updates):  # a resumed run: its weights first
+            if not sampler.wait_and_load(job.first_version, answer_snapshot_requests):
+                return
+            sampler.restore(job.snapshot)
+        for update in job.updates:
+            next_update = update
+            batch = sampler.next_batch(update, answer_snapshot_requests)
+            if batch is None:
+                return  # no trainer: free the engine's device
+            job.batches.put(batch)
+            next_update, version = update + 1, update - args.async_steps
+            if update == job.updates.stop - 1 or version <= sampler.loaded:
+                continue
+            if not sampler.wait_and_load(version, answer_snapshot_requests):
+                return
+            if args.inflight_deterministic and args.save_every and version % args.save_every == 0:
+                job.batches.put(sampler.snapshot(version, next_update))
+                sampler.prefill_anew()
+        sampler.engine.abort_request([sample["request"] for group in sampler.groups.values()
+                                      for sample in group["samples"] if not sample["done"]])
+        while multiprocessing.parent_process().is_alive():
+            answer_snapshot_requests()
+            time.sleep(0.1)
+    except BaseException as error:  # any failure must reach the trainer, which stops with it
+        job.batches.put(f"{type(error).__name__}: {error}")
+
+
+def proactive_snapshot(args, update: int, num_updates: int) -> bool:
+    """Whether the engine sends the snapshot of a checkpoint after `update` unasked: at its deterministic swap
+    to that version, which it makes when a later batch samples with it."""
+    return (args.inflight_deterministic and args.save_every > 0 and update % args.save_every == 0
+            and update <= vllm_generator.sampling_version(num_updates, args.async_steps))
+
+
+def inflight_metrics(batch: dict, mask: torch.Tensor, update: int) -> dict:
+    """The staleness of this update's tokens, over every rank: async/token_staleness_mean and _max (versions
+    between the weights that sampled a token and those that train on it, update - 1), and
+    async/multi_version_share, the share of completions sampled by more than one version.
+    mask: (N, R) the rollout's response tokens"""
+    versions = batch["token_versions"][:, :mask.shape[1]].to(mask.device)  # (N, R)
+    staleness = (update - 1 - versions).float()
+    metrics = common.all_reduce_masked_means({"async/token_staleness_mean": staleness}, mask)
+    oldest = torch.where(mask.bool(), staleness, 0.0).max().to(common.local_device(), torch.float64)
+    torch.distributed.all_reduce(oldest, torch.distributed.ReduceOp.MAX)  # NCCL: on the GPU
+    newest = torch.where(mask.bool(), versions, -1).max(1).values  # (N,)
+    first = torch.where(mask.bool(), versions, torch.iinfo(versions.dtype).max).min(1).values  # (N,)
+    metrics |= common.all_reduce_mean({"async/multi_version_share": (newest > first).float().mean().item()})
+    return metrics | {"async/token_staleness_max": oldest.item()}
