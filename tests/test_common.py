@@ -537,7 +537,8 @@ def test_deepspeeds_shared_memory_buffers_are_unlinked_once_mapped(tmp_path):
     from scripts import ROOT, environment
 
     program = tmp_path / "program.py"
-    program.write_text(f"import sys; sys.path.insert(0, {ROOT!r}); import common; common.init_distributed(); "
+    program.write_text(f"import sys; sys.path.insert(0, {ROOT!r}); import common, torch; common.init_distributed(); "
+                       "torch.distributed.barrier(); "  # both ranks past init_distributed
                        "print(sorted(line.split('/dev/shm/')[1].strip() for line in open('/proc/self/maps') "
                        "if 'deepspeed_allreduce_buffer' in line))\n")
     port = str(common.free_port())
