@@ -100,6 +100,17 @@ def bad_input_cases(script, folder):
                       "--vllm_engines_per_node 2 does not divide the 1 training ranks of a node into equal shares"))
         cases.append((["--vllm_gpu_memory_utilization", "80"],
                       "--vllm_gpu_memory_utilization is a share of the GPU's memory, in (0, 1], got 80.0"))
+        cases.append((["--inflight_updates", "--max_lag", "0"],
+                      "--max_lag must be at least --async_steps 1 (the newest groups of a batch are that many versions "
+                      "behind), got 0"))
+        cases.append((["--max_lag", "3"], "--max_lag applies to --inflight_updates, which is off"))
+        cases.append((["--inflight_deterministic"],
+                      "--inflight_deterministic applies to --inflight_updates, which is off"))
+        cases.append((["--inflight_updates", "--vllm_device", "shared"],
+                      "--inflight_updates needs an engine that samples while the trainer trains: not --vllm_device"))
+    if script == "grpo_vllm.py":
+        cases.append((["--inflight_updates", "--dynamic_sampling"],
+                      "--inflight_updates does not combine with --dynamic_sampling: turn one off"))
     return cases
 
 
