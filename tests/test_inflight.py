@@ -167,3 +167,15 @@ def test_free_swaps_learn_and_log_each_tokens_staleness(free_run):
     train = train_metrics(out)
     assert len(train) == 10 and all(m["async/token_staleness_mean"] <= m["async/token_staleness_max"] for m in train)
     assert any(m["async/multi_version_share"] > 0 for m in train)
+
+
+@pytest.mark.parametrize("script", ["rloo_vllm.py", "ppo_vllm.py"])
+def test_rloo_and_ppo_take_in_flight_updates(tmp_path, script):
+    """RLOO's and PPO's asynchronous twins train on in-flight batches (PPO's groups of one completion) and log
+    each token's staleness."""
+    run_script(*QUICK, "--total_episodes", "64", "--eval_every", "100", "--inflight_updates", "--output_dir",
+               tmp_path / "run", script=script)
+    train = train_metrics(tmp_path / "run")
+    assert [m["async/token_staleness_max"] >= m["async/token_staleness_mean"] >= 0 for m in train] == [True] * 4
+    assert train[0]["async/token_staleness_max"] == 0 and train[-1]["async/token_staleness_mean"] >= 1
+    assert (tmp_path / "run" / "policy").is_dir()
