@@ -258,7 +258,9 @@ def engine_memory_share(requested: float | None, free: int, total: int, reserved
 def engine_options(args, on_gpu: bool) -> dict:
     """The vLLM engine's options that differ between a GPU and a CPU."""
     if on_gpu:  # CUDA graphs unless --vllm_enforce_eager; vLLM's default chunked prefill
-        return {"enforce_eager": args.vllm_enforce_eager}
+        # in flight, each step's tokens come from the weights loaded before it: no step scheduled ahead
+        return {"enforce_eager": args.vllm_enforce_eager,
+                **({"async_scheduling": False} if getattr(args, "inflight_updates", False) else {})}
     # whole prompts per engine step: a prompt split across steps rewinds its seeded generator, which vLLM 0.32
     # cannot do on a CPU ("CPU Generator does not use offset"); no CUDA graphs; the KV cache's size is
     # VLLM_CPU_KVCACHE_SPACE (set by the placement), which overrides gpu_memory_utilization

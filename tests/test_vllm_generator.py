@@ -158,6 +158,9 @@ def test_the_engine_uses_cuda_graphs_and_chunked_prefill_on_a_gpu_only():
         "enforce_eager": True}
     assert vllm_generator.engine_options(SimpleNamespace(vllm_enforce_eager=False), on_gpu=False) == {
         "enforce_eager": True, "enable_chunked_prefill": False}
+    # in flight, every step's tokens are those of the weights loaded before it: no step scheduled ahead
+    assert vllm_generator.engine_options(SimpleNamespace(vllm_enforce_eager=False, inflight_updates=True),
+                                         on_gpu=True) == {"enforce_eager": False, "async_scheduling": False}
 
 
 def engine_logprob_gap(llm, policy, prompts: list[list[int]], args) -> float:
