@@ -861,8 +861,9 @@ class AsyncGenerator:
             engine_ranks, timeout=datetime.timedelta(seconds=process_group_timeout(args)))
         self.prompts_per_rank = sampler.global_batch_size // world_size
         self.sampled_ahead = collections.deque(state.pending_batches)
-        if any(batch["engine"] != self.engine for batch in self.sampled_ahead):
-            sampled_for = self.sampled_ahead[0]["engine"]
+        saved = [*self.sampled_ahead, *([state.engine_snapshot] if state.engine_snapshot else [])]
+        if any(batch["engine"] != self.engine for batch in saved):
+            sampled_for = saved[0]["engine"]
             common.fail(f"--resume: the checkpoint's sampled-ahead batches are engine {sampled_for[0]} of "
                         f"{sampled_for[1]}'s, and this rank's engine would be {self.engine[0]} of {self.engine[1]}: "
                         "resume with the nodes, ranks per node and engines per node of the interrupted run")

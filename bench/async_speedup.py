@@ -1,16 +1,19 @@
 """Asynchronous vs synchronous RLHF on the toy task, measured in one run, for online DPO, RLOO or PPO.
 
-Runs the same number of updates four ways: the synchronous script (HF generate, e.g. online_dpo.py),
+Runs the same number of updates up to five ways: the synchronous script (HF generate, e.g. online_dpo.py),
 its vLLM twin with --async_steps 0 (sync, vLLM on its own core) and with --async_steps 1 (the paper's
-async), and --vllm_device shared --async_steps 0 (sync, vLLM on the trainer's cores, taking turns).
-Prints seconds per update, where the time goes, the final gold win-rate, the speedups, and the
-overlap bound (G + T) / max(G, T) from the K=0 run's generation time G and trainer time T.
+async), --vllm_device shared --async_steps 0 (sync, vLLM on the trainer's cores, taking turns), and
+--async_steps 1 --inflight_updates (the engine takes each version between decode steps; `--settings k1
+inflight` compares the two). Prints seconds per update, where the time goes, the final gold win-rate, the
+speedups, and the overlap bound (G + T) / max(G, T) from the K=0 run's generation time G and trainer time T;
+for the in-flight run also the engine's idle time and the tokens' staleness.
 
     python bench/async_speedup.py                          # online DPO, about 7 minutes on 2 CPU cores
     python bench/async_speedup.py --algorithm rloo         # rloo.py vs rloo_vllm.py
     python bench/async_speedup.py --algorithm ppo --updates 10    # quicker, noisier
     python bench/async_speedup.py --real_size --updates 6 --prompts_per_update 8 --extra='--response_length 32'
     python bench/async_speedup.py --real_size --updates 12 --settings hf shared --extra='--response_length 128'
+    python bench/async_speedup.py --settings k1 inflight --repeats 3
 
 With --real_size the runs use bench/real_size.py's setup (a SmolLM2-135M-shaped policy with its 49k
 vocabulary, a chat template, an encoder reward model, prompt-only data; no gold scorer, no evaluation),
@@ -55,9 +58,9 @@ class Args:
     """a researcher's setup at a real size instead of the toy (bench/real_size.py)"""
     repeats: int = 1
     """runs of each setting, interleaved; the table shows medians over them"""
-    settings: tuple[Literal["hf", "k0", "k1", "shared"], ...] = ("hf", "k0", "k1", "shared")
-    """which of the four settings to run (sync HF generate, vLLM K=0, K=1, shared K=0); the ratios that need
-    a setting left out are not printed"""
+    settings: tuple[Literal["hf", "k0", "k1", "shared", "inflight"], ...] = ("hf", "k0", "k1", "shared")
+    """which settings to run (sync HF generate, vLLM K=0, K=1, shared K=0, K=1 with in-flight weight updates);
+    the ratios that need a setting left out are not printed"""
 
 
 def run(script: str, args: Args, folder: str, *flags: str) -> tuple[list[dict], float]:
@@ -99,6 +102,10 @@ def summarise(name: str, runs: list[tuple[list[dict], float]]) -> dict:
                      "weight_sync": mean("time/weight_sync"), "logprob_check": mean("time/logprob_check"),
                      "score": mean("time/score"), "train": mean("time/train"), "wait": mean("time/wait"),
                      "gold_win_rate": finals[-1] if finals else float("nan"), "staleness": mean("async/staleness"),
+                     "engine_idle": mean("time/engine_idle"),
+                     "token_staleness_mean": mean("async/token_staleness_mean"),
+                     "token_staleness_max": max((m.get("async/token_staleness_max", 0.0) for m in steady), default=0),
+                     "multi_version_share": mean("async/multi_version_share"),
                      "end_to_end": end_to_end, "weight_send": statistics.median(sends) if sends else float("nan")})
     return {"name": name, **{key: statistics.median(row[key] for row in rows) for key in rows[0]}}
 
@@ -126,7 +133,8 @@ def main(args: Args):
         all_settings = {"hf": (f"sync, HF generate ({sync})", sync, ()),
                         "k0": ("sync, vLLM (K=0)", vllm, ("--async_steps", "0")),
                         "k1": ("async, vLLM (K=1)", vllm, ("--async_steps", "1")),
-                        "shared": ("sync, vLLM shared (K=0)", vllm, ("--async_steps", "0", "--vllm_device", "shared"))}
+                        "shared": ("sync, vLLM shared (K=0)", vllm, ("--async_steps", "0", "--vllm_device", "shared")),
+                        "inflight": ("async, vLLM in flight (K=1)", vllm, ("--async_steps", "1", "--inflight_updates"))}
         settings = [all_settings[key] for key in args.settings]
         runs = {name: [] for name, _, _ in settings}
         for _ in range(args.repeats):  # interleaved: the machine's drift spreads over every setting
@@ -144,7 +152,7 @@ def main(args: Args):
 
 def report(args: Args, results: dict[str, dict]):
     """The ratios between the settings that ran."""
-    hf, k0, k1, shared = (results.get(key) for key in ("hf", "k0", "k1", "shared"))
+    hf, k0, k1, inflight = (results.get(key) for key in ("hf", "k0", "k1", "inflight"))
     if k0 and k1:
         generation = k0["generate"] + k0["weight_sync"] + k0["logprob_check"]  # G: the generator's side of one update
         trainer = k0["score"] + k0["train"]  # T: the trainer's side of one update
@@ -164,6 +172,15 @@ def report(args: Args, results: dict[str, dict]):
                 print(f"{result['name']} over sync HF generate: "
                       f"{hf['seconds_per_update'] / result['seconds_per_update']:.2f}x per update, "
                       f"{hf['end_to_end'] / result['end_to_end']:.2f}x end to end")
+    if k1 and inflight:
+        print(f"in flight over K=1 whole batches: {k1['seconds_per_update'] / inflight['seconds_per_update']:.2f}x per "
+              f"update, {k1['end_to_end'] / inflight['end_to_end']:.2f}x end to end; the trainer waited "
+              f"{inflight['wait']:.3f} s per update (K=1: {k1['wait']:.3f} s), the engine idled "
+              f"{inflight['engine_idle']:.3f} s per update; token staleness mean "
+              f"{inflight['token_staleness_mean']:.2f}, "
+              f"max {inflight['token_staleness_max']:.0f} (K=1: {k1['staleness']:.2f} for every token), "
+              f"{inflight['multi_version_share']:.0%} of completions sampled by more than one version; final gold "
+              f"win-rate {inflight['gold_win_rate']:.3f} (K=1: {k1['gold_win_rate']:.3f})")
     if k1:
         floor = memcpy_floor(real_size.build()["policy"] if args.real_size else toy.SFT_POLICY)
         print(f"the trainer's wait for a weight send (K=1, after the first two): {k1['weight_send']:.3f} s, "

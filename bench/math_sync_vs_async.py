@@ -8,11 +8,14 @@ and hyper-parameters (the scripts' `--preset toy-math`), several seeds each:
   sync   online_dpo.py / rloo.py / grpo.py: generate with HF `generate`, then train
   async  online_dpo_vllm.py / rloo_vllm.py / grpo_vllm.py --async_steps 1: the vLLM engine samples batch t+1
          while the trainer learns on t
+  inflight (with --arms ... inflight) the same with --inflight_updates: the engine takes each new version
+         between two decode steps (GRPO as Dr. GRPO only: DAPO's dynamic sampling needs whole batches)
 Draws eval/accuracy against wall-clock time since launch (accuracy_vs_time.png) and prints the final
 accuracy (mean and spread over seeds) and the time to first reach --target_accuracy.
 
     python bench/math_sync_vs_async.py            # about 20 minutes on 2 CPU cores
     python bench/math_sync_vs_async.py --quick    # about 2 minutes: 2 algorithms, 1 seed, 16 updates (a smoke test)
+    python bench/math_sync_vs_async.py --arms async inflight --algorithms online_dpo grpo_dr_grpo
 """
 
 import json
@@ -32,13 +35,16 @@ ALGORITHMS = {  # name: (script, its flags beyond the preset)
     "grpo_dr_grpo": ("grpo", ("--loss_type", "dr_grpo", "--scale_rewards", "none", "--epsilon_high", "0.2",
                               "--no_dynamic_sampling")),
 }
-ARMS = {"sync": ("{algorithm}.py",), "async": ("{algorithm}_vllm.py", "--async_steps", "1")}
+ARMS = {"sync": ("{algorithm}.py",), "async": ("{algorithm}_vllm.py", "--async_steps", "1"),
+        "inflight": ("{algorithm}_vllm.py", "--async_steps", "1", "--inflight_updates")}
 
 
 @dataclass
 class Args:
     algorithms: tuple[Literal["online_dpo", "rloo", "grpo_dapo", "grpo_dr_grpo"], ...] = tuple(ALGORITHMS)
-    """the algorithms, each in both arms"""
+    """the algorithms, each in every arm"""
+    arms: tuple[Literal["sync", "async", "inflight"], ...] = ("sync", "async")
+    """the arms: sync, async (K=1 whole batches), inflight (K=1 with in-flight weight updates)"""
     updates: int = 24
     """updates per run, of 64 prompts x 4 samples (the toy-math presets' batch)"""
     eval_every: int = 2
@@ -87,7 +93,7 @@ def plot(runs: dict[tuple[str, str], list[list[dict]]], path: str):
     figure, axes = plt.subplots(1, len(algorithms), figsize=(6 * len(algorithms), 4.5), constrained_layout=True,
                                 sharey=True)
     for axis, algorithm in zip(axes, algorithms):
-        for color, arm in zip(("tab:blue", "tab:orange"), ARMS):
+        for color, arm in zip(("tab:blue", "tab:orange", "tab:green"), dict.fromkeys(arm for _, arm in runs)):
             for i, evals in enumerate(runs[algorithm, arm]):
                 axis.plot([m["minutes"] for m in evals], [m["eval/accuracy"] for m in evals], color=color,
                           marker="o", markersize=3, alpha=0.8, label=arm if i == 0 else None)
@@ -105,7 +111,9 @@ def main(args: Args):
         args.algorithms, args.updates, args.eval_every, args.seeds = ("online_dpo", "grpo_dapo"), 16, 16, (1,)
     args.output_dir = args.output_dir or os.path.join(ROOT, "runs", f"bench-math-sync-vs-async-{int(time.time())}")
     # seeds interleaved across arms, so that a slow spell of a shared machine hits every arm alike
-    runs = {(algorithm, arm): [] for algorithm in args.algorithms for arm in ARMS}
+    if "inflight" in args.arms and "grpo_dapo" in args.algorithms:
+        sys.exit("grpo_dapo's dynamic sampling needs whole batches: run grpo_dr_grpo in the inflight arm")
+    runs = {(algorithm, arm): [] for algorithm in args.algorithms for arm in args.arms}
     for seed in args.seeds:
         for algorithm, arm in runs:
             runs[algorithm, arm].append(train(algorithm, arm, seed, args))
@@ -124,14 +132,17 @@ def main(args: Args):
         final = f"{statistics.mean(finals):.3f}" + (f" ± {statistics.stdev(finals):.3f}" if len(finals) > 1 else "")
         target = (f"{statistics.mean(reached):.2f} ({len(reached)}/{len(seeds)} runs)" if reached else "not reached")
         print(f"{algorithm + ' ' + arm:18} {seeds[0][0]['eval/accuracy']:6.3f} {final:>16} {target:>18} {total:14.2f}")
+    pairs = [(slow, fast) for slow, fast in (("sync", "async"), ("async", "inflight"), ("sync", "inflight"))
+             if {slow, fast} <= set(args.arms)]
     for algorithm in args.algorithms:
-        sync, fast = table[f"{algorithm} sync"], table[f"{algorithm} async"]
-        reached = [[t for t in row["minutes_to_target"] if t is not None] for row in (sync, fast)]
-        to_target = (f"{statistics.mean(reached[0]) / statistics.mean(reached[1]):.2f}x" if all(reached)
-                     else "not reached by both")
-        print(f"{algorithm} async vs sync: total time {sync['total_minutes'] / fast['total_minutes']:.2f}x, time to "
-              f"target {to_target}, final accuracy "
-              f"{statistics.mean(fast['final_accuracies']) - statistics.mean(sync['final_accuracies']):+.3f}")
+        for slow_arm, fast_arm in pairs:
+            slow, fast = table[f"{algorithm} {slow_arm}"], table[f"{algorithm} {fast_arm}"]
+            reached = [[t for t in row["minutes_to_target"] if t is not None] for row in (slow, fast)]
+            to_target = (f"{statistics.mean(reached[0]) / statistics.mean(reached[1]):.2f}x" if all(reached)
+                         else "not reached by both")
+            print(f"{algorithm} {fast_arm} vs {slow_arm}: total time "
+                  f"{slow['total_minutes'] / fast['total_minutes']:.2f}x, time to target {to_target}, final accuracy "
+                  f"{statistics.mean(fast['final_accuracies']) - statistics.mean(slow['final_accuracies']):+.3f}")
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump({"args": vars(args), "table": table}, f, indent=1)
     print(f"figure and results in {args.output_dir}")
