@@ -126,6 +126,7 @@ class InflightSampler:
                     self.finished.append(self.groups.pop(serial))
 
     def load(self, version: int):
+        """Load the arrived `version` between two steps, the requests in flight keeping their KV."""
         t0 = time.time()
         self.receiver.load(version, self.llm, in_flight=True)
         vllm_generator.check_engine_holds(self.llm, self.sampling_policy, self.checked, version)

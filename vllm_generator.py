@@ -9,6 +9,9 @@ everything they need that the synchronous scripts do not. Nothing here imports v
   check that the engine took each version.
 - AsyncGenerator: the trainer's handle on that process, with the few calls the scripts' loops make
   (batch_for, publish_weights, sample_ahead).
+
+With --inflight_updates the generator process runs inflight.generate_inflight instead of generate_ahead
+(the engine taking new weights between decode steps); everything else here is shared.
 """
 
 import atexit
@@ -648,7 +651,9 @@ class GeneratorJob:
     published: object  # queue: the weight versions the trainer announces
     released: object  # queue: the shared buffers handed back once loaded
     batches: object  # queue: ENGINE_STARTED, then each batch, or the error that stopped the process, as text
-    requests: object | None  # queue: the updates whose batch the trainer asks for (an engine on its device)
+    # queue: the updates whose batch the trainer asks for (an engine on its device), or with --inflight_updates
+    # whose checkpoint asks for the engine's snapshot
+    requests: object | None
     # --dynamic_sampling: the script's final_scores(reward_model, rollout, prompt_rows, task, args, update), and
     # its task without what does not cross processes (the reward function, evaluation)
     score: object | None = None
