@@ -966,7 +966,8 @@ class AsyncGenerator:
     def batch_for(self, update: int) -> dict:
         """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
         per sample (each prompt's adjacent) "queries" (token lists), "responses" and the engine's "logprobs"
-        (N, R); the weight "version" it was sampled with, and its engine's timings."""
+        (N, R), with --inflight_updates each token's "token_versions" (N, R); the weight "version" it was sampled
+        with (in flight: its oldest token's), and its engine's timings."""
         shares = None
         if self.leader:
             batch = self.sampled_ahead.popleft() if self.sampled_ahead else self._next_batch()
@@ -974,7 +975,8 @@ class AsyncGenerator:
             prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
             shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
                        **{name: batch[name][r * rows:(r + 1) * rows]
-                          for name in ("queries", "responses", "logprobs", "scores") if name in batch}}
+                          for name in ("queries", "responses", "logprobs", "scores", "token_versions")
+                          if name in batch}}
                       for r in range(torch.distributed.get_world_size(self.engine_group))]
         received = [None]
         torch.distributed.scatter_object_list(received, shares, group=self.engine_group, group_src=0)
