@@ -208,11 +208,14 @@ class InflightSampler:
             "dropped": self.window["dropped"], "prompts": list(self.prompts), "serial": self.serial,
             "requests_added": self.requests_added, "data_position": self.job.sampler.position})
 
+    def running_requests(self) -> list[str]:
+        """The engine's ids of the samples in flight that have not finished."""
+        return [sample["request"] for group in self.groups.values() for sample in group["samples"]
+                if not sample["done"]]
+
     def prefill_anew(self):
         """Every request in flight continues from its tokens so far, prefilled with the loaded weights."""
-        running = [sample["request"] for group in self.groups.values() for sample in group["samples"]
-                   if not sample["done"]]
-        self.engine.abort_request(running)
+        self.engine.abort_request(self.running_requests())
         for serial, group in self.groups.items():
             for sample, state in enumerate(group["samples"]):
                 if not state["done"]:
@@ -263,8 +266,7 @@ def generate_inflight(job: vllm_generator.GeneratorJob):
             if args.inflight_deterministic and args.save_every and version % args.save_every == 0:
                 job.batches.put(sampler.snapshot(version, next_update))
                 sampler.prefill_anew()
-        sampler.engine.abort_request([sample["request"] for group in sampler.groups.values()
-                                      for sample in group["samples"] if not sample["done"]])
+        sampler.engine.abort_request(sampler.running_requests())
         while multiprocessing.parent_process().is_alive():
             answer_snapshot_requests()
             time.sleep(0.1)
