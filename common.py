@@ -981,7 +981,8 @@ class MetricsLogger:
             self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
                                     config=vars(args), dir=args.output_dir, resume="allow", id=run_name)
         self.last = {}
-        self.curves_drawn_at, self.curves_behind = 0.0, False  # when curves.png was last drawn; evaluations since
+        # when curves.png was last drawn (the start counts: the first evaluation alone is no curve); evaluations since
+        self.curves_drawn_at, self.curves_behind = time.time(), False
 
     def log(self, update: int, metrics: dict[str, float]):
         if not self.enabled:
@@ -997,7 +998,8 @@ class MetricsLogger:
 
     def log_evaluation(self, update: int, episode: int, metrics: dict[str, float]):
         """Log an evaluation, print its headline numbers and redraw curves.png (at most every
-        CURVES_EVERY_SECONDS: drawing costs about a second, as much as a toy run's update; and at the end)."""
+        CURVES_EVERY_SECONDS from the start: drawing costs about a second, as much as a toy run's update; and at
+        the end)."""
         self.log(update, {**metrics, "episode": episode})
         if self.enabled:
             shown = {"gold win-rate": "eval/gold_win_rate", "gold score": "eval/gold_score",

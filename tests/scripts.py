@@ -2,9 +2,13 @@
 
 import json
 import os
+import pickle
+import select
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -18,12 +22,75 @@ QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", 
 
 
 def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900):
-    """Run `script` (a path from the repository root: a kit script, or a program under tests/)."""
-    result = subprocess.run([*launcher, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT, text=True,
-                            capture_output=True, timeout=timeout, env=environment(env))
+    """Run `script` (a path from the repository root: a kit script, or a program under tests/); a plain
+    `python script` in this environment as a child of this worker's tests/preloaded.py."""
+    command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
+    if launcher == (sys.executable,) and environment(env) == environment():
+        result = run_preloaded(command[1:], timeout)
+    else:
+        result = subprocess.run(command, cwd=ROOT, text=True, capture_output=True, timeout=timeout,
+                                env=environment(env))
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+preloaded_server = None  # this worker's tests/preloaded.py: (its process, our end of the socket pair)
+
+
+class PreloadedProcess:
+    """`python *argv` from the repository root in this environment, in a session of its own, forked by this
+    worker's tests/preloaded.py (one at a time): `pid`, `poll()` and `wait()` as subprocess.Popen's."""
+
+    def __init__(self, argv: list[str], stdout: int, stderr: int):
+        global preloaded_server
+        if preloaded_server is None or preloaded_server[0].poll() is not None:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "preloaded.py"),
+                                       str(theirs.fileno())], pass_fds=[theirs.fileno()], cwd=ROOT, env=environment(),
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            theirs.close()
+            preloaded_server = (server, ours)
+        self.channel, self.returncode = preloaded_server[1], None
+        with open(os.devnull) as stdin:
+            request = pickle.dumps({"argv": argv, "cwd": ROOT, "env": environment()})
+            socket.send_fds(self.channel, [request], [stdin.fileno(), stdout, stderr])
+        self.pid = pickle.loads(self.channel.recv(4096))
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self.channel], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.pid, timeout)
+            self.returncode = os.waitstatus_to_exitcode(pickle.loads(self.channel.recv(4096)))
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self):
+        """SIGKILL the process and every process of its session; wait for it."""
+        if self.returncode is None:
+            self.channel.send(b"kill")
+            self.wait()
+
+
+def run_preloaded(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """As subprocess.run(argv, capture_output=True, text=True, timeout=timeout) from the repository root
+    would, in a PreloadedProcess."""
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        process = PreloadedProcess(argv, stdout.fileno(), stderr.fileno())
+        try:
+            process.wait(timeout)
+        finally:  # timed out, or the test was stopped: the run goes
+            process.kill()
+        outputs = []
+        for file in (stdout, stderr):
+            file.seek(0)
+            outputs.append(file.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(argv, process.returncode, *outputs)
 
 
 def environment(extra=None) -> dict:
@@ -100,9 +167,13 @@ def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,
     mid_checkpoint = "while checkpoint" in kill_point
     command = ([*launcher, "tests/run_killed_while_checkpointing.py", script.removesuffix(".py")] if mid_checkpoint
                else [*launcher, script])
-    process = subprocess.Popen([*command, *map(str, args), "--output_dir", str(output_dir)], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                               env=environment(env))
+    command = [*command, *map(str, args), "--output_dir", str(output_dir)]
+    if launcher == (sys.executable,) and environment(env) == environment():
+        with open(os.devnull, "w") as null:
+            process = PreloadedProcess(command[1:], null.fileno(), null.fileno())
+    else:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True, env=environment(env))
     if mid_checkpoint:
         process.wait(timeout=600)
     else:
@@ -130,11 +201,13 @@ def preempt(script, args, output_dir, preemption: str, launcher=(sys.executable,
     checkpoint that update and exit with PREEMPTED_EXIT_CODE (every rank; the deepspeed runner itself
     dies of the SIGTERM). Returns the run's output."""
     update = checkpointed_update(output_dir) + 1
-    # in its own session, as a scheduler's job; the output is complete once every process has ended
-    result = subprocess.run([*launcher, "tests/run_with_signals.py", script.removesuffix(".py"),
-                             json.dumps(PREEMPTIONS[preemption]), *map(str, args), "--output_dir", str(output_dir)],
-                            cwd=ROOT, text=True, capture_output=True, start_new_session=True, timeout=600,
-                            env=environment(env))
+    command = [*launcher, os.path.join(ROOT, "tests", "run_with_signals.py"), script.removesuffix(".py"),
+               json.dumps(PREEMPTIONS[preemption]), *map(str, args), "--output_dir", str(output_dir)]
+    if launcher == (sys.executable,) and environment(env) == environment():  # a session of its own, too
+        result = run_preloaded(command[1:], timeout=600)
+    else:  # in its own session, as a scheduler's job; the output is complete once every process has ended
+        result = subprocess.run(command, cwd=ROOT, text=True, capture_output=True, start_new_session=True,
+                                timeout=600, env=environment(env))
     output = result.stdout + result.stderr
     if launcher == (sys.executable,):
         assert result.returncode == PREEMPTED_EXIT_CODE, output[-3000:]

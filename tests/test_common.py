@@ -464,7 +464,7 @@ def test_curves_png_is_drawn_from_metrics_jsonl(tmp_path):
     assert not list(tmp_path.glob(".curves*"))  # written atomically, no leftovers
 
 
-def test_curves_are_redrawn_at_most_once_a_minute_and_at_the_end(tmp_path, one_rank_group, monkeypatch):
+def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, one_rank_group, monkeypatch):
     drawn = []  # the evaluations each drawing showed
 
     def plot_curves(output_dir):
@@ -478,7 +478,7 @@ def test_curves_are_redrawn_at_most_once_a_minute_and_at_the_end(tmp_path, one_r
         if update == 1:  # a minute passes
             logger.curves_drawn_at -= common.CURVES_EVERY_SECONDS
     logger.close()
-    assert drawn == [[0], [0, 1, 2], [0, 1, 2, 3]]
+    assert drawn == [[0, 1, 2], [0, 1, 2, 3]]  # not at the start, when the first evaluation alone is no curve
 
 
 SRUN_STEP = {"SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
