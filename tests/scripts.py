@@ -21,28 +21,57 @@ QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", 
          "--local_rollout_forward_batch_size", "32"]
 
 
-def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900):
-    """Run `script` (a path from the repository root: a kit script, or a program under tests/); a plain
-    `python script` in this environment as a child of this worker's tests/preloaded.py."""
+def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900,
+               cwd=ROOT):
+    """Run `script` (a path from the repository root: a kit script, or a program under tests/) in `cwd`, in a
+    session of its own; a plain `python script` in this environment as a child of this worker's
+    tests/preloaded.py."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
-    if launcher == (sys.executable,) and environment(env) == environment():
-        result = run_preloaded(command[1:], timeout)
+    if preloadable(launcher, env):
+        with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+            process = PreloadedProcess(command[1:], stdout.fileno(), stderr.fileno(), cwd)
+            try:
+                process.wait(timeout)
+            finally:  # timed out, or the test was stopped: the run goes
+                process.kill()
+            outputs = []
+            for file in (stdout, stderr):
+                file.seek(0)
+                outputs.append(file.read().decode(errors="replace"))
+        result = subprocess.CompletedProcess(command, process.returncode, *outputs)
     else:
-        result = subprocess.run(command, cwd=ROOT, text=True, capture_output=True, timeout=timeout,
-                                env=environment(env))
+        # a session of its own, as a preloaded run's; the output is complete once every process has ended
+        result = subprocess.run(command, cwd=cwd, text=True, capture_output=True, timeout=timeout,
+                                start_new_session=True, env=environment(env))
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=None, cwd=ROOT):
+    """Start `script` as run_script runs it, in a session of its own (SIGKILL its process group to end the run
+    and every process it started), its output discarded: a subprocess.Popen or a PreloadedProcess."""
+    command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
+    if preloadable(launcher, env):
+        with open(os.devnull, "w") as null:
+            return PreloadedProcess(command[1:], null.fileno(), null.fileno(), cwd)
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env=environment(env))
+
+
+def preloadable(launcher: tuple, env: dict | None) -> bool:
+    """Whether a command can run in tests/preloaded.py: a plain `python script` in this environment."""
+    return launcher == (sys.executable,) and environment(env) == environment()
 
 
 preloaded_server = None  # this worker's tests/preloaded.py: (its process, our end of the socket pair)
 
 
 class PreloadedProcess:
-    """`python *argv` from the repository root in this environment, in a session of its own, forked by this
-    worker's tests/preloaded.py (one at a time): `pid`, `poll()` and `wait()` as subprocess.Popen's."""
+    """`python *argv` in `cwd`, in this environment and a session of its own, forked by this worker's
+    tests/preloaded.py (one at a time): `pid`, `poll()`, `wait()` and `send_signal()` as subprocess.Popen's."""
 
-    def __init__(self, argv: list[str], stdout: int, stderr: int):
+    def __init__(self, argv: list[str], stdout: int, stderr: int, cwd: str):
         global preloaded_server
         if preloaded_server is None or preloaded_server[0].poll() is not None:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -53,7 +82,7 @@ class PreloadedProcess:
             preloaded_server = (server, ours)
         self.channel, self.returncode = preloaded_server[1], None
         with open(os.devnull) as stdin:
-            request = pickle.dumps({"argv": argv, "cwd": ROOT, "env": environment()})
+            request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment()})
             socket.send_fds(self.channel, [request], [stdin.fileno(), stdout, stderr])
         self.pid = pickle.loads(self.channel.recv(4096))
 
@@ -70,27 +99,15 @@ class PreloadedProcess:
         except subprocess.TimeoutExpired:
             return None
 
+    def send_signal(self, signal_number: int):
+        if self.returncode is None:
+            os.kill(self.pid, signal_number)
+
     def kill(self):
         """SIGKILL the process and every process of its session; wait for it."""
         if self.returncode is None:
             self.channel.send(b"kill")
             self.wait()
-
-
-def run_preloaded(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """As subprocess.run(argv, capture_output=True, text=True, timeout=timeout) from the repository root
-    would, in a PreloadedProcess."""
-    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-        process = PreloadedProcess(argv, stdout.fileno(), stderr.fileno())
-        try:
-            process.wait(timeout)
-        finally:  # timed out, or the test was stopped: the run goes
-            process.kill()
-        outputs = []
-        for file in (stdout, stderr):
-            file.seek(0)
-            outputs.append(file.read().decode(errors="replace"))
-    return subprocess.CompletedProcess(argv, process.returncode, *outputs)
 
 
 def environment(extra=None) -> dict:
@@ -165,15 +182,9 @@ def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,
     logged update 1; or from inside, as checkpoint 4 is being written (tests/run_killed_while_checkpointing.py:
     a watcher could miss that moment)."""
     mid_checkpoint = "while checkpoint" in kill_point
-    command = ([*launcher, "tests/run_killed_while_checkpointing.py", script.removesuffix(".py")] if mid_checkpoint
-               else [*launcher, script])
-    command = [*command, *map(str, args), "--output_dir", str(output_dir)]
-    if launcher == (sys.executable,) and environment(env) == environment():
-        with open(os.devnull, "w") as null:
-            process = PreloadedProcess(command[1:], null.fileno(), null.fileno())
-    else:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True, env=environment(env))
+    program = ["tests/run_killed_while_checkpointing.py", script.removesuffix(".py")] if mid_checkpoint else [script]
+    process = start_script(*program[1:], *args, "--output_dir", output_dir, script=program[0], launcher=launcher,
+                           env=env)
     if mid_checkpoint:
         process.wait(timeout=600)
     else:
@@ -201,13 +212,10 @@ def preempt(script, args, output_dir, preemption: str, launcher=(sys.executable,
     checkpoint that update and exit with PREEMPTED_EXIT_CODE (every rank; the deepspeed runner itself
     dies of the SIGTERM). Returns the run's output."""
     update = checkpointed_update(output_dir) + 1
-    command = [*launcher, os.path.join(ROOT, "tests", "run_with_signals.py"), script.removesuffix(".py"),
-               json.dumps(PREEMPTIONS[preemption]), *map(str, args), "--output_dir", str(output_dir)]
-    if launcher == (sys.executable,) and environment(env) == environment():  # a session of its own, too
-        result = run_preloaded(command[1:], timeout=600)
-    else:  # in its own session, as a scheduler's job; the output is complete once every process has ended
-        result = subprocess.run(command, cwd=ROOT, text=True, capture_output=True, start_new_session=True,
-                                timeout=600, env=environment(env))
+    # in its own session, as a scheduler's job
+    result = run_script(script.removesuffix(".py"), json.dumps(PREEMPTIONS[preemption]), *args, "--output_dir",
+                        output_dir, script="tests/run_with_signals.py", check=False, launcher=launcher, env=env,
+                        timeout=600)
     output = result.stdout + result.stderr
     if launcher == (sys.executable,):
         assert result.returncode == PREEMPTED_EXIT_CODE, output[-3000:]

@@ -6,22 +6,19 @@ and a resume that trains on every prompt once, and both by learning."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 from scripts import (
     QUICK,
-    ROOT,
     SHORT_INTERRUPTIONS,
     assert_learns,
     assert_same_weights_and_metrics,
     assert_two_ranks_train_as_one,
-    environment,
     read_metrics,
     run_script,
+    start_script,
     toy_run,
     uninterrupted_and_resumed_runs,
 )
@@ -133,9 +130,7 @@ def free_run(tmp_path_factory):
     is written, then resumed. Returns the run directory and checkpoint 2's rank-0 state."""
     out = tmp_path_factory.mktemp("free") / "run"
     args = ["grpo_vllm", *toy_run("grpo_vllm.py"), "--eval_every", "5", "--inflight_updates", "--output_dir", out]
-    killed = subprocess.Popen([sys.executable, "tests/run_with_kept_weights.py", *map(str, args)], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                              env=environment())
+    killed = start_script(*args, script="tests/run_with_kept_weights.py")
     deadline = time.time() + 600
     while not (out / "checkpoints" / "update-2").exists():
         assert killed.poll() is None and time.time() < deadline, "no checkpoint 2"

@@ -6,15 +6,13 @@ eval_checkpoints.py's errors (its tables are checked against a training run's ow
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from own_inputs import bert_wordpiece_tokenizer, policies, questions, write_jsonl
-from scripts import PREEMPTED_EXIT_CODE, ROOT, environment, read_metrics, run_script
+from scripts import PREEMPTED_EXIT_CODE, ROOT, read_metrics, run_script, start_script
 
 
 def evaluations(run_dir, name: str) -> list[float]:
@@ -42,8 +40,7 @@ def pipeline(tmp_path_factory):
     outputs = {}
     for python, script, *args in readme_pipeline():
         assert python == "python", script
-        outputs[script] = subprocess.run([sys.executable, os.path.join(ROOT, script), *args, *SHORTER[script]],
-                                         cwd=folder, env=environment(), text=True, capture_output=True, timeout=600)
+        outputs[script] = run_script(*args, *SHORTER[script], script=script, check=False, cwd=folder, timeout=600)
         assert outputs[script].returncode == 0, outputs[script].stderr[-3000:]
     return folder, outputs
 
@@ -88,8 +85,7 @@ def test_pipeline_steps_resume_exactly_after_a_preemption(pipeline, tmp_path, st
     _, script, *args = readme_pipeline()[step]
     whole = folder / next(value for flag, value in zip(args, args[1:]) if flag == "--output_dir")
     args = [*args, *SHORTER[script], "--output_dir", tmp_path / "resumed"]
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=folder, env=environment(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = start_script(*args, script=script, cwd=folder)
     metrics = tmp_path / "resumed" / "metrics.jsonl"
     deadline = time.time() + 600
     while not (metrics.exists() and '"update": 5,' in metrics.read_text()):
@@ -99,8 +95,7 @@ def test_pipeline_steps_resume_exactly_after_a_preemption(pipeline, tmp_path, st
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE
     assert not (tmp_path / "resumed" / SAVED_MODEL[script]).exists()
-    subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args), "--resume"], cwd=folder,
-                   env=environment(), check=True, capture_output=True, timeout=600)
+    run_script(*args, "--resume", script=script, cwd=folder, timeout=600)
 
     from safetensors.torch import load_file
 
