@@ -24,7 +24,7 @@ QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", 
 def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900,
                cwd=ROOT):
     """Run `script` (a path from the repository root: a kit script, or a program under tests/) in `cwd`, in a
-    session of its own; a plain `python script` in this environment as a child of this worker's
+    session of its own; a plain `python script` in this environment runs as a child of this worker's
     tests/preloaded.py."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
     if preloadable(launcher, env):
