@@ -64,7 +64,7 @@ def preloadable(launcher: tuple, env: dict | None) -> bool:
     return launcher == (sys.executable,) and environment(env) == environment()
 
 
-preloaded_server = None  # this worker's tests/preloaded.py: (its process, our end of the socket pair)
+preloaded_server = None  # this worker's tests/preloaded.py: its process, our end of the socket pair, its output
 
 
 class PreloadedProcess:
@@ -75,16 +75,25 @@ class PreloadedProcess:
         global preloaded_server
         if preloaded_server is None or preloaded_server[0].poll() is not None:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            errors = tempfile.TemporaryFile()  # what the server itself says, should it end
             server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "preloaded.py"),
                                        str(theirs.fileno())], pass_fds=[theirs.fileno()], cwd=ROOT, env=environment(),
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      stdin=subprocess.DEVNULL, stdout=errors, stderr=errors)
             theirs.close()
-            preloaded_server = (server, ours)
+            preloaded_server = (server, ours, errors)
         self.channel, self.returncode = preloaded_server[1], None
-        with open(os.devnull) as stdin:
-            request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment()})
-            socket.send_fds(self.channel, [request], [stdin.fileno(), stdout, stderr])
-        self.pid = pickle.loads(self.channel.recv(4096))
+        request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment()})
+        try:
+            with open(os.devnull) as stdin:
+                socket.send_fds(self.channel, [request], [stdin.fileno(), stdout, stderr])
+            answer = self.channel.recv(4096)
+        except (BrokenPipeError, ConnectionResetError):
+            answer = b""
+        if not answer:
+            output = preloaded_server[2]
+            output.seek(0)
+            raise RuntimeError("tests/preloaded.py ended: " + output.read().decode(errors="replace")[-3000:])
+        self.pid = pickle.loads(answer)
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
