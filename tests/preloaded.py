@@ -1,26 +1,46 @@
 """A fork server for the tests: a process that has imported the libraries every kit script imports (torch,
 transformers, DeepSpeed, vLLM, datasets, peft, matplotlib: 6-8 s in a fresh interpreter, most of a short toy
-run) and runs each `python script.py args` as a forked child of itself: the script run as __main__ with the
-same argv, working directory, environment and standard streams, in a session of its own, exiting with the
-code (or dying of the signal) the command would. The kit's own modules are not preloaded: each child
-imports them as a fresh interpreter would. The generator process a vLLM script starts is spawned as always
-(a fresh interpreter), as are the processes the deepspeed launcher and torchrun start.
+run) and runs each `python [-u] script.py|-m module|-c code args` command as a forked child of itself: run
+as __main__ with the same argv, working directory, environment and standard streams, in a session of its
+own, exiting with the code (or dying of the signal) the command would. The kit's own modules are not
+preloaded: each child imports them as a fresh interpreter would.
 
 tests/scripts.py starts one per pytest worker and sends it one command at a time over a socket pair (the
 file descriptor in argv[1]): a pickled request with the child's stdin, stdout and stderr as passed file
 descriptors; the answers are the child's pid and, once it has ended, its wait status. A request while a
 child runs kills the child's session (the test gave up on it); an empty read (the test process ended) ends
 the server.
+
+The Python processes a child starts (a vLLM script's generator process, spawned by multiprocessing; the
+processes of the deepspeed launcher and of torchrun) are forked by the server too: in a child,
+sys.executable (and multiprocessing's) is a script that runs tests/preloaded_python.py, a stand-in that
+sends the server its command, file descriptors, working directory, environment, cores and signal
+dispositions over an abstract Unix socket, passes the signals it gets on to the forked process and ends as
+it ends. The forked process is killed, with its session, should the stand-in die first (as it does when
+its process group is SIGKILLed). What the stand-in does not change: the forked process is in a session of
+its own, not in the process group of the process that started it (a signal to that group reaches it
+through its stand-in only), and a launcher's processes are not the parents of its ranks.
 """
 
 import contextlib
+import fcntl
+import gc
+import io
+import multiprocessing
 import os
 import pickle
 import runpy
 import select
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+
+STAND_IN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preloaded_python.py")
+PYTHON = sys.executable
+# the options of `python` a forked child emulates; with any other, it runs the real interpreter
+OPTIONS = {"-u", "-B", "-s", "-E"}
 
 
 def preload():
@@ -32,6 +52,9 @@ def preload():
     import transformers
     import tyro  # noqa: F401
     import vllm.engine.llm_engine  # noqa: F401
+    import vllm.model_executor.models.llama  # noqa: F401
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+    from vllm import LLM  # noqa: F401
 
     # transformers imports its model classes lazily, on first use
     for name in ("AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer", "LlamaForCausalLM",
@@ -39,53 +62,143 @@ def preload():
         getattr(transformers, name)
 
 
-def serve(channel: socket.socket) -> dict:
-    """Fork a child for each request; return (in the child) its request. The server itself never returns."""
-    while True:
-        message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3)
-        if not message:
-            os._exit(0)
-        if message == b"kill":  # for a child that ended as the test gave up on it
-            continue
-        sys.stdout.flush(), sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            channel.close()
-            os.setsid()
-            for target, fd in enumerate(fds):
-                os.dup2(fd, target)
-                os.close(fd)
-            return pickle.loads(message)
+def fork_with_fds(fds: list[int], numbers: list[int], closing: list[socket.socket]) -> int:
+    """fork(); in the child, in a session of its own, `closing` closed and `fds` moved to `numbers`."""
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        for sock in closing:
+            sock.close()
+        # out of the way first: a target number may be another passed descriptor's
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
         for fd in fds:
             os.close(fd)
-        channel.sendall(pickle.dumps(pid))
-        exited = os.pidfd_open(pid)
-        if channel in select.select([channel, exited], [], [])[0]:  # the test gave up on the child, or ended
-            gave_up = channel.recv(16)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            if not gave_up:
+        for fd, number in zip(moved, numbers):
+            os.dup2(fd, number)
+            os.close(fd)
+    else:
+        for fd in fds:
+            os.close(fd)
+    return pid
+
+
+def kill_session(pid: int):
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def relay(connection: socket.socket, sockets: list[socket.socket]) -> dict:
+    """In a process forked for a stand-in: fork its command and return its request there; here, tell the
+    stand-in the pid and then the wait status, and kill the command's session should the stand-in end first."""
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 64)
+    request = pickle.loads(message)
+    pid = fork_with_fds(fds, request["fds"], [connection, *sockets])
+    if pid == 0:
+        return request
+    for sock in sockets:
+        sock.close()
+    connection.sendall(pickle.dumps(pid))
+    exited = os.pidfd_open(pid)
+    if connection in select.select([connection, exited], [], [])[0]:
+        kill_session(pid)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        kill_session(pid)
+    with contextlib.suppress(OSError):
+        connection.sendall(pickle.dumps(status))
+    os._exit(0)
+
+
+def serve(channel: socket.socket, listener: socket.socket, folder: str) -> dict:
+    """Fork a child for each of the test's requests, and a relay for each stand-in's; return (in the child, or
+    in the stand-in's command) its request. The server itself never returns: it removes `folder` and exits
+    when the test process has ended."""
+    relays = set()
+    child = exited = None  # the test's command while it runs: its pid and pidfd
+    while True:
+        relays -= {pid for pid in relays if os.waitpid(pid, os.WNOHANG)[0]}
+        ready = select.select([channel, listener, *([exited] if child else [])], [], [])[0]
+        if listener in ready:
+            connection, _ = listener.accept()
+            sys.stdout.flush(), sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                return relay(connection, [channel, listener])
+            connection.close()
+            relays.add(pid)
+            continue
+        if channel in ready:
+            message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3)
+            if not message:  # the test process ended
+                if child:
+                    kill_session(child)
+                shutil.rmtree(folder, ignore_errors=True)
                 os._exit(0)
-        _, status = os.waitpid(pid, 0)
+            if child:  # the test gave up on its command
+                kill_session(child)
+            elif message == b"kill":  # for a command that ended as the test gave up on it
+                continue
+            else:
+                child = fork_with_fds(fds, [0, 1, 2], [channel, listener])
+                if child == 0:
+                    return pickle.loads(message)
+                channel.sendall(pickle.dumps(child))
+                exited = os.pidfd_open(child)
+                continue
+        _, status = os.waitpid(child, 0)
         os.close(exited)
-        if status:  # a failed or killed run's other processes (its engine) go with it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        if status:  # a failed or killed run's other processes (its engine, its ranks) go with it
+            kill_session(child)
         channel.sendall(pickle.dumps(status))
+        child = None
 
 
-def run_as_main(request: dict):
-    """What `python script args` does: the script's folder first on sys.path, the script as __main__."""
+def run_python(request: dict, executable: str):
+    """What `python *request["argv"]` does, in the request's folder and environment (and, for a stand-in's,
+    with its cores and signal dispositions), with `executable` as sys.executable."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    if "cores" in request:
+        os.sched_setaffinity(0, request["cores"])
+        for number in request["ignored"]:
+            signal.signal(number, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
+    argv = list(request["argv"])
+    options = []
+    while argv and argv[0] in OPTIONS:
+        options.append(argv.pop(0))
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-c", "-m")):
+        os.execv(PYTHON, [PYTHON, *request["argv"]])
+    sys.executable = executable
+    multiprocessing.set_executable(executable)
+    if "-u" in options:
+        sys.stdout = io.TextIOWrapper(open(1, "wb", 0, closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True)
+    if argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    elif argv[0] == "-m":
+        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":
-    server = socket.socket(fileno=int(sys.argv[1]))
+    # the stand-ins reach the server at an abstract Unix socket (its name after a null byte)
+    address = f"kit-tests-preloaded-{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + address)
+    listener.listen()
+    folder = tempfile.mkdtemp(prefix="kit-tests-preloaded-")
+    executable = os.path.join(folder, "python")
+    with open(executable, "w") as f:
+        f.write(f"#!/bin/sh\nexec '{PYTHON}' -S '{STAND_IN}' {address} \"$@\"\n")
+    os.chmod(executable, 0o755)
     preload()
-    run_as_main(serve(server))
+    # what is preloaded stays: the children's collections (and a finalizing interpreter's, 2 s at exit) skip it
+    gc.freeze()
+    run_python(serve(socket.socket(fileno=int(sys.argv[1])), listener, folder), executable)

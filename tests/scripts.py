@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,14 +23,14 @@ QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", 
 
 
 def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900,
-               cwd=ROOT):
+               cwd=ROOT, preloaded=True):
     """Run `script` (a path from the repository root: a kit script, or a program under tests/) in `cwd`, in a
-    session of its own; a plain `python script` in this environment runs as a child of this worker's
-    tests/preloaded.py."""
+    session of its own; in this environment, and unless `preloaded` is false, as a child of this worker's
+    tests/preloaded.py (see preloadable)."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
-    if preloadable(launcher, env):
+    if preloaded and preloadable(launcher, env):
         with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-            process = PreloadedProcess(command[1:], stdout.fileno(), stderr.fileno(), cwd)
+            process = PreloadedProcess(python_argv(command), stdout.fileno(), stderr.fileno(), cwd)
             try:
                 process.wait(timeout)
             finally:  # timed out, or the test was stopped: the run goes
@@ -48,20 +49,33 @@ def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executab
     return result
 
 
-def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=None, cwd=ROOT):
+def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=None, cwd=ROOT, preloaded=True):
     """Start `script` as run_script runs it, in a session of its own (SIGKILL its process group to end the run
     and every process it started), its output discarded: a subprocess.Popen or a PreloadedProcess."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
-    if preloadable(launcher, env):
+    if preloaded and preloadable(launcher, env):
         with open(os.devnull, "w") as null:
-            return PreloadedProcess(command[1:], null.fileno(), null.fileno(), cwd)
+            return PreloadedProcess(python_argv(command), null.fileno(), null.fileno(), cwd)
     return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=environment(env))
 
 
+# the launchers whose commands tests/preloaded.py can run: Python programs
+PRELOADABLE_LAUNCHERS = ("deepspeed", "torchrun")
+
+
 def preloadable(launcher: tuple, env: dict | None) -> bool:
-    """Whether a command can run in tests/preloaded.py: a plain `python script` in this environment."""
-    return launcher == (sys.executable,) and environment(env) == environment()
+    """Whether a command can run in tests/preloaded.py: `python script`, or a launcher's command, in this
+    environment. Not where a test signals a launcher's process group (preempt, kill_at): there the ranks and
+    their engines are in the process group of the launcher, not in sessions of their own."""
+    return launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS) and environment(env) == environment()
+
+
+def python_argv(command: list[str]) -> list[str]:
+    """`command`'s arguments to Python: the script and its arguments, or the launcher's program and its."""
+    if command[0] == sys.executable:
+        return command[1:]
+    return [shutil.which(command[0]), *command[1:]]
 
 
 preloaded_server = None  # this worker's tests/preloaded.py: its process, our end of the socket pair, its output
@@ -193,7 +207,7 @@ def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,
     mid_checkpoint = "while checkpoint" in kill_point
     program = ["tests/run_killed_while_checkpointing.py", script.removesuffix(".py")] if mid_checkpoint else [script]
     process = start_script(*program[1:], *args, "--output_dir", output_dir, script=program[0], launcher=launcher,
-                           env=env)
+                           env=env, preloaded=launcher == (sys.executable,))
     if mid_checkpoint:
         process.wait(timeout=600)
     else:
@@ -224,7 +238,7 @@ def preempt(script, args, output_dir, preemption: str, launcher=(sys.executable,
     # in its own session, as a scheduler's job
     result = run_script(script.removesuffix(".py"), json.dumps(PREEMPTIONS[preemption]), *args, "--output_dir",
                         output_dir, script="tests/run_with_signals.py", check=False, launcher=launcher, env=env,
-                        timeout=600)
+                        timeout=600, preloaded=launcher == (sys.executable,))
     output = result.stdout + result.stderr
     if launcher == (sys.executable,):
         assert result.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
