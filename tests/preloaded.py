@@ -53,7 +53,6 @@ def preload():
     import tyro  # noqa: F401
     import vllm.engine.llm_engine  # noqa: F401
     import vllm.model_executor.models.llama  # noqa: F401
-    import vllm.v1.worker.cpu_worker  # noqa: F401
     from vllm import LLM  # noqa: F401
 
     # transformers imports its model classes lazily, on first use

@@ -1,7 +1,8 @@
 """tests/preloaded.py, through which the tests run most `python script` commands: a run forked by it is the
 run a fresh interpreter makes (argv, folder, sys.path, __main__, a session of its own, exit code, output, an
-uncaught exception, death by a signal, no kit module imported before the script's own imports), and a run the
-test gives up on is killed."""
+uncaught exception, death by a signal, no kit module imported before the script's own imports), and so are
+the processes it starts (multiprocessing's spawned processes, `python -c` and `python -m` commands); a run the
+test gives up on is killed, and what it started goes with it."""
 
 import json
 import os
@@ -28,6 +29,77 @@ if sys.argv[1] == "sleep":
 sys.exit(int(sys.argv[1]))
 """
 
+# what a run starts: multiprocessing's spawned processes, which see what their parent set before the spawn
+# (environment, cores, ignored and blocked signals), report to it, end as they end, get what it sends them
+# and notice when it ends; and `python -c`/`python -m` commands
+STARTING = """
+import json, multiprocessing, os, signal, subprocess, sys, time
+
+
+def report(queue):
+    queue.put({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "variable": os.environ.get("A_VARIABLE"),
+               "cores": sorted(os.sched_getaffinity(0)),
+               "usr1_ignored": signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN,
+               "blocked": sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))),
+               "parent_alive": multiprocessing.parent_process().is_alive()})
+    sys.exit(7)
+
+
+def until_sigterm(ready):
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(5))
+    ready.set()
+    signal.pause()
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleep(pid_file):
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def spawned(target, *args):
+    process = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    process.start()
+    return process
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "module":
+        print(json.dumps({"argv": sys.argv, "name": __name__, "path": sys.path[0]}))
+        sys.exit(4)
+    if sys.argv[1] == "orphan":  # its own process group SIGKILLed, as kill_at ends a run
+        process = spawned(sleep, sys.argv[2])
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.01)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.environ["A_VARIABLE"] = "set before the spawn"
+    os.sched_setaffinity(0, {0})
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    context = multiprocessing.get_context("spawn")
+    queue, ready = context.Queue(), context.Event()
+    process = spawned(report, queue)
+    result = {"spawned": queue.get()}
+    process.join()
+    exitcodes = [process.exitcode]
+    process = spawned(until_sigterm, ready)
+    ready.wait()
+    process.terminate()
+    for process in (process, spawned(die)):
+        process.join()
+        exitcodes.append(process.exitcode)
+    result["exitcodes"] = exitcodes
+    command = subprocess.run([sys.executable, "-u", "-c", "import sys; print(sys.argv, sys.path[0]); sys.exit(3)",
+                              "an argument"], capture_output=True, text=True)
+    module = subprocess.run([sys.executable, "-m", "program", "module"], capture_output=True, text=True)
+    result["commands"] = [command.returncode, command.stdout, module.returncode, json.loads(module.stdout)]
+    print(json.dumps(result))
+"""
+
 
 def test_a_preloaded_run_is_what_a_fresh_interpreter_runs(tmp_path):
     program = tmp_path / "program.py"
@@ -42,6 +114,20 @@ def test_a_preloaded_run_is_what_a_fresh_interpreter_runs(tmp_path):
     raised = run_script("raise", script=str(program), check=False)
     assert raised.returncode == 1 and raised.stderr.strip().endswith("ValueError: uncaught")
     assert run_script("die", script=str(program), check=False).returncode == -9
+
+
+def test_what_a_preloaded_run_starts_is_what_a_fresh_interpreter_would_start(tmp_path):
+    program = tmp_path / "program.py"
+    program.write_text(STARTING)
+    runs = {name: json.loads(run_script("start", script=str(program), cwd=tmp_path, env=env).stdout)
+            for name, env in (("preloaded", None), ("fresh", {"A_VARIABLE_THE_SERVER_LACKS": "1"}))}
+    assert runs["preloaded"] == runs["fresh"] == {
+        "spawned": {"name": "__mp_main__", "argv": [str(program), "start"], "cwd": str(tmp_path),  # the parent's argv
+                    "variable": "set before the spawn", "cores": [0], "usr1_ignored": True,
+                    "blocked": [signal.SIGUSR2], "parent_alive": True},
+        "exitcodes": [7, 5, -signal.SIGKILL],
+        "commands": [3, "['-c', 'an argument'] \n", 4,
+                     {"argv": [str(program), "module"], "name": "__main__", "path": str(tmp_path)}]}
 
 
 def test_a_preloaded_run_the_test_gives_up_on_is_killed(tmp_path):
@@ -61,3 +147,15 @@ def test_a_preloaded_run_the_test_gives_up_on_is_killed(tmp_path):
     os.killpg(process.pid, signal.SIGKILL)  # as kill_at ends a run
     assert process.wait(timeout=60) == -signal.SIGKILL
     assert run_script("0", script=str(program)).returncode == 0  # the server carries on
+
+
+@pytest.mark.parametrize("env", [None, {"A_VARIABLE_THE_SERVER_LACKS": "1"}], ids=["preloaded", "fresh"])
+def test_a_spawned_process_ends_with_its_parents_process_group(tmp_path, env):
+    program, started = tmp_path / "program.py", tmp_path / "started"
+    program.write_text(STARTING)
+    assert run_script("orphan", started, script=str(program), check=False, env=env).returncode == -signal.SIGKILL
+    deadline = time.time() + 30
+    with pytest.raises(ProcessLookupError):
+        while time.time() < deadline:
+            os.kill(int(started.read_text()), 0)
+            time.sleep(0.01)
