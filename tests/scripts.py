@@ -66,9 +66,11 @@ PRELOADABLE_LAUNCHERS = ("deepspeed", "torchrun")
 
 def preloadable(launcher: tuple, env: dict | None) -> bool:
     """Whether a command can run in tests/preloaded.py: `python script`, or a launcher's command, in this
-    environment. Not where a test signals a launcher's process group (preempt, kill_at): there the ranks and
-    their engines are in the process group of the launcher, not in sessions of their own."""
-    return launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS) and environment(env) == environment()
+    environment, on a CPU machine (a GPU node's tests start fresh interpreters: no CUDA or NVML state of a
+    preloaded vLLM is forked). Not where a test signals a launcher's process group (preempt, kill_at): there
+    the ranks and their engines are in the process group of the launcher, not in sessions of their own."""
+    return (launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS) and environment(env) == environment()
+            and not torch.cuda.is_available())
 
 
 def python_argv(command: list[str]) -> list[str]:
