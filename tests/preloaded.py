@@ -174,7 +174,7 @@ def run_python(request: dict, executable: str):
     multiprocessing.set_executable(executable)
     if "-u" in options:
         sys.stdout = io.TextIOWrapper(open(1, "wb", 0, closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True, errors="backslashreplace")
     if argv[0] == "-c":
         sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
         exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})

@@ -31,7 +31,16 @@ request = {"argv": sys.argv[2:], "cwd": os.getcwd(), "env": dict(os.environ), "c
 server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 server.connect("\0" + sys.argv[1])  # an abstract Unix socket
 socket.send_fds(server, [pickle.dumps(request)], fds)
-pid = pickle.loads(server.recv(4096))
+
+
+def answer():
+    message = server.recv(4096)
+    if not message:
+        sys.exit(f"tests/preloaded_python.py: the server ended before {sys.argv[2:]} did")
+    return pickle.loads(message)
+
+
+pid = answer()
 
 
 def pass_on(number, frame):
@@ -41,10 +50,7 @@ def pass_on(number, frame):
 
 for number in set(PASSED_ON) - set(ignored):
     signal.signal(number, pass_on)
-answer = server.recv(4096)
-if not answer:
-    sys.exit(f"tests/preloaded_spawn.py: the server ended before {pid}, the process it forked for {sys.argv[2:]}")
-status = pickle.loads(answer)
+status = answer()
 if os.WIFSIGNALED(status):
     if os.WTERMSIG(status) != signal.SIGKILL:  # which no handler can catch
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
