@@ -87,16 +87,14 @@ def kill_session(pid: int):
         os.killpg(pid, signal.SIGKILL)
 
 
-def relay(connection: socket.socket, sockets: list[socket.socket]) -> dict:
+def relay(connection: socket.socket) -> dict:
     """In a process forked for a stand-in: fork its command and return its request there; here, tell the
     stand-in the pid and then the wait status, and kill the command's session should the stand-in end first."""
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 64)
     request = pickle.loads(message)
-    pid = fork_with_fds(fds, request["fds"], [connection, *sockets])
+    pid = fork_with_fds(fds, request["fds"], [connection])
     if pid == 0:
         return request
-    for sock in sockets:
-        sock.close()
     connection.sendall(pickle.dumps(pid))
     exited = os.pidfd_open(pid)
     if connection in select.select([connection, exited], [], [])[0]:
@@ -120,10 +118,9 @@ def serve(channel: socket.socket, listener: socket.socket, folder: str) -> dict:
         ready = select.select([channel, listener, *([exited] if child else [])], [], [])[0]
         if listener in ready:
             connection, _ = listener.accept()
-            sys.stdout.flush(), sys.stderr.flush()
-            pid = os.fork()
+            pid = fork_with_fds([], [], [channel, listener])
             if pid == 0:
-                return relay(connection, [channel, listener])
+                return relay(connection)
             connection.close()
             relays.add(pid)
             continue
