@@ -297,26 +297,25 @@ def is_toy_dataset(args) -> bool:
     return os.path.abspath(args.dataset_name) == os.path.abspath(toy.DATASET)
 
 
-def build_named_toys(paths: list[str], rank: int):
-    """Build the embedded toy artefacts that any of `paths` lies in (on rank 0; the other ranks wait)."""
+def build_named_toys(paths: list[str]):
+    """Build the embedded toy artefacts that any of `paths` lies in, unless they are built: on every rank (the
+    first to ask builds them, one build at a time on a machine; the others wait for it)."""
     import toy
 
     for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math), (toy.LARGE_DIR, toy.build_large),
                           (toy.PIPELINE_DIR, toy.build_pipeline)):
         if folder in map(os.path.dirname, paths):
-            if rank == 0:
-                build()
-            torch.distributed.barrier()
+            build()
 
 
 def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
-    """The task of a run; the embedded toy task is built first (on rank 0) when it is the one asked for.
+    """The task of a run; the embedded toy task is built first when it is the one asked for.
     `evaluation`: whether the run evaluates (else Task.eval_prompts is None).
 
     Evaluation prompts come from --eval_split, or, when the dataset has no such split, are the last
     --eval_num_prompts train prompts (at most a fifth of them), held out from training.
     """
-    build_named_toys([args.model_name_or_path, args.dataset_name], rank)
+    build_named_toys([args.model_name_or_path, args.dataset_name])
     if args.gold_model_path == "toy" and not is_toy_dataset(args):
         common.fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
                     "reward model, or leave it out (evaluation then reports the proxy reward and KL)")

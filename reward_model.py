@@ -213,7 +213,7 @@ def main(args: Args):
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    data.build_named_toys([args.model_name_or_path, args.dataset_name], rank)
+    data.build_named_toys([args.model_name_or_path, args.dataset_name])
     tokenizer = data.load_tokenizer(args.model_name_or_path, policy=False, base_model=True)
     if args.relabel_with == "toy":
         first = data.load_split(args.dataset_name, args.train_split)[0]

@@ -157,7 +157,7 @@ def main(args: Args):
     local_batch_size = check_args(args)
     common.resolve_output_dir(args)
     common.seed_everything(args.seed + rank, args.torch_deterministic)
-    data.build_named_toys([args.model_name_or_path, args.dataset_name], rank)
+    data.build_named_toys([args.model_name_or_path, args.dataset_name])
     tokenizer = data.load_tokenizer(args.model_name_or_path, base_model=True)
     train_examples, eval_examples = data.load_examples(args, tokenizer, rank, [args.completion_column],
                                                        args.eval_num_examples)

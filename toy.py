@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +40,8 @@ from transformers import (
 
 with open(__file__, "rb") as _source:  # an edited toy.py gets a fresh cache folder
     _SOURCE_HASH = hashlib.sha256(_source.read()).hexdigest()[:10]
-TOY_DIR = os.environ.get("ASYNC_RLHF_TOY_DIR") or os.path.expanduser(f"~/.cache/async-rlhf-kit/toy-{_SOURCE_HASH}")
+TOY_DIR = os.path.abspath(os.environ.get("ASYNC_RLHF_TOY_DIR")
+                          or os.path.expanduser(f"~/.cache/async-rlhf-kit/toy-{_SOURCE_HASH}"))
 SFT_POLICY = os.path.join(TOY_DIR, "sft_policy")
 REWARD_MODEL = os.path.join(TOY_DIR, "reward_model")
 DATASET = os.path.join(TOY_DIR, "dataset")
@@ -52,6 +54,8 @@ PIPELINE_DIR = TOY_DIR + "-pipeline"  # what the steps before RL start from (bui
 BASE_POLICY = os.path.join(PIPELINE_DIR, "base_policy")
 SFT_DATASET = os.path.join(PIPELINE_DIR, "sft_dataset")
 PREFERENCE_DATASET = os.path.join(PIPELINE_DIR, "preference_dataset")
+BUILD_LOCK = os.path.join(os.path.dirname(TOY_DIR), "builds.lock")  # one for every build: two never run at once
+BUILD_THREADS = 2  # every build's, whatever its caller's (measured here: 1, 2 and 3 threads build the same weights)
 LABEL_NOISE = 0.25  # of the preference pairs, those whose "human" label disagrees with the gold judge
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -266,32 +270,43 @@ def measure(policy_folder: str, reward_model_folder: str, dataset_folder: str, s
 
 
 def built_once(folder: str, make, seed: int, name: str):
-    """`make(building, seed, rng, start)` builds `name` into a scratch folder beside `folder`, seeded, and
-    returns the numbers it measured; they go to summary.json and the folder becomes `folder` in one
-    rename. Nothing happens when `folder` is already there; processes that race wait for the one that
-    builds (a lock file beside the folder)."""
+    """Build `name` into `folder` unless it is there. Builds wait for each other (BUILD_LOCK: two at once on
+    two cores, each of two threads, made both several times slower), and one that finds `folder` built when
+    its turn comes does nothing. The build runs in a Python process of its own, which holds the lock with
+    its caller: BUILD_THREADS threads, and the caller's thread count, random state and memory stay as they were."""
     if os.path.exists(os.path.join(folder, "summary.json")):
         return
     os.makedirs(os.path.dirname(folder), exist_ok=True)
-    with open(folder + ".lock", "w") as lock:
+    with open(BUILD_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(os.path.join(folder, "summary.json")):  # built while this one waited
             return
-        start = time.time()
-        torch.set_num_threads(2)  # always 2: the weights depend on the thread count (OMP_NUM_THREADS=1 in tests)
-        torch.manual_seed(seed)
-        rng = random.Random(seed)
-        building = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".building-", dir=os.path.dirname(folder))
-        try:
-            print(f"toy: building {name} into {folder} (seed {seed})")
-            numbers = make(building, seed, rng, start) | {"seed": seed,
-                                                         "build_seconds": round(time.time() - start, 1)}
-            with open(os.path.join(building, "summary.json"), "w") as f:
-                json.dump(numbers, f, indent=2)
-            os.rename(building, folder)
-        finally:
-            shutil.rmtree(building, ignore_errors=True)
-        print(f"toy: {name} built in {time.time() - start:.0f} s")
+        code = f"import toy; toy.build_in_this_process({folder!r}, toy.{make.__name__}, {seed}, {name!r})"
+        environment = os.environ | {"ASYNC_RLHF_TOY_DIR": TOY_DIR, "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}
+        exit_code = subprocess.run([sys.executable, "-c", code], env=environment, pass_fds=[lock.fileno()]).returncode
+    if exit_code != 0:
+        raise RuntimeError(f"toy: building {name} into {folder} failed (exit code {exit_code}); its output is above")
+
+
+def build_in_this_process(folder: str, make, seed: int, name: str):
+    """`make(building, seed, rng, start)` builds `name` into a scratch folder beside `folder`, seeded, and
+    returns the numbers it measured; they go to summary.json and the folder becomes `folder` in one
+    rename. built_once's process, which holds BUILD_LOCK."""
+    start = time.time()
+    torch.set_num_threads(BUILD_THREADS)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    building = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".building-", dir=os.path.dirname(folder))
+    try:
+        print(f"toy: building {name} into {folder} (seed {seed})", flush=True)
+        numbers = make(building, seed, rng, start) | {"seed": seed, "build_seconds": round(time.time() - start, 1)}
+        with open(os.path.join(building, "summary.json"), "w") as f:
+            json.dump(numbers, f, indent=2)
+        os.rename(building, folder)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    print(f"toy: {name} built in {time.time() - start:.0f} s", flush=True)
 
 
 def build(seed: int = 0) -> None:

@@ -11,12 +11,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The slowest files first: with --dist loadfile a free worker takes the next file, so longest-first makes both
 # workers finish at about the same time (xdist's loadgroup, which could spread a file's independent tests, does
-# not group with pytest 9: its group names never reach the tests' ids). test_math.py early: one worker builds
-# the arithmetic task while the other builds the TL;DR toy.
+# not group with pytest 9: its group names never reach the tests' ids).
 SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_math.py", "test_two_ranks.py", "test_grpo_vllm.py",
                  "test_rloo_vllm.py", "test_inflight.py", "test_ppo_vllm.py", "test_bench.py", "test_pipeline.py",
                  "test_own_inputs_vllm.py", "test_reliability.py", "test_online_dpo.py", "test_rloo_bok.py",
                  "test_ppo.py", "test_lora.py", "test_grpo.py", "test_own_inputs.py"]
+
+
+def pytest_sessionstart(session):
+    """Before the workers start: the embedded tasks the tests use, built one after another on the idle machine
+    (nothing when they are built). Built by the first test to ask, a build would share the two cores with the
+    other worker's tests."""
+    if hasattr(session.config, "workerinput") or session.config.option.collectonly:
+        return
+    import toy
+
+    for build in (toy.build, toy.build_math, toy.build_pipeline):
+        build()
 
 
 def pytest_collection_modifyitems(items):
