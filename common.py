@@ -113,24 +113,14 @@ def init_distributed(timeout_seconds: float = 1800):
 
     if torch.cuda.is_available():  # before any CUDA work, so that each rank's tensors and NCCL use its own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # DeepSpeed's all-reduce through shared memory on a CPU serves its inference kernels only (the kit's collectives
+    # are torch.distributed's): switched off, DeepSpeed neither compiles it on a machine's first run (30 s on 2
+    # cores) nor maps a 66 MB buffer a rank in /dev/shm, which it never unlinks
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_seconds))
-    unlink_deepspeed_shared_memory()
     atexit.unregister(end_distributed)  # once, however many runs one process makes (the tests do)
     atexit.register(end_distributed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-
-def unlink_deepspeed_shared_memory():
-    """On a CPU, DeepSpeed maps a 66 MB shared-memory buffer for each rank of a one-node world (for an
-    all-reduce the kit does not use) and never unlinks it: every run would leave its buffers in /dev/shm, that
-    is in RAM, until a reboot. Once every rank has mapped its peers' buffers (the barrier), each unlinks its
-    own; the mappings live on with the processes."""
-    if torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
-    buffer = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-              f"{os.environ.get('MASTER_PORT')}_{torch.distributed.get_rank()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(buffer)
 
 
 def srun_ranks(environment) -> dict[str, str]:

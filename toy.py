@@ -6,7 +6,7 @@ policy has the skill but a visible fault: it rambles a sign-off phrase instead o
 near-greedy it almost never beats the references, while a policy that learned to stop would.
 References are noisy, so even a perfect summary beats them only about 2 times in 3 (the ceiling).
 
-Everything is built once, deterministically, in about two minutes on 2 CPU cores, and saved in
+Everything is built once, deterministically, in about a minute on 2 CPU cores, and saved in
 Hugging Face formats; the training scripts load it with `from_pretrained` / `load_from_disk`.
 Usage: `python toy.py` builds (if needed) and prints the summary; `python toy.py large` does the same for
 a 7.7x larger SFT policy of the same world (LARGE_SFT_POLICY; same dataset and reward model), built on
@@ -26,8 +26,10 @@ import sys
 import tempfile
 import time
 
+import datasets
 import torch
 import torch.nn.functional as F
+import transformers
 from datasets import Dataset, DatasetDict, load_from_disk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -294,6 +296,8 @@ def build_in_this_process(folder: str, make, seed: int, name: str):
     returns the numbers it measured; they go to summary.json and the folder becomes `folder` in one
     rename. built_once's process, which holds BUILD_LOCK."""
     start = time.time()
+    datasets.disable_progress_bars()  # the build's output: what it builds, and in how long
+    transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(BUILD_THREADS)
     torch.manual_seed(seed)
     rng = random.Random(seed)
