@@ -24,14 +24,23 @@ def start_build(toy_dir, build: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+def waiting_for_a_lock(pids: list[int]) -> bool:
+    """Whether each of `pids` waits for a file lock (/proc/locks lists a waiter after "->")."""
+    with open("/proc/locks") as f:
+        waiters = {int(line.split("->")[1].split()[3]) for line in f if "->" in line}
+    return set(pids) <= waiters
+
+
 def test_a_build_waits_for_any_other_and_leaves_its_caller_as_it_was(tmp_path):
     toy.build()
     shutil.copytree(toy.TOY_DIR, tmp_path / "toy")  # built: what the pipeline's data and the arithmetic task need
     with open(tmp_path / "builds.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another build, in progress
         math, pipeline = start_build(tmp_path / "toy", "build_math"), start_build(tmp_path / "toy", "build_pipeline")
-        time.sleep(10)
-        assert math.poll() is None and pipeline.poll() is None
+        deadline = time.time() + 120
+        while not waiting_for_a_lock([math.pid, pipeline.pid]):
+            assert math.poll() is None and pipeline.poll() is None and time.time() < deadline
+            time.sleep(0.1)
         assert sorted(os.listdir(tmp_path)) == ["builds.lock", "toy"]  # neither has started building
         math.kill()
         math.wait()
