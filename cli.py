@@ -1,8 +1,14 @@
 """The command line of every script: its Args from three layers, `--preset NAME` (the file
 configs/<script>/NAME.yaml), then `--config FILE` (YAML, or a run's args.json), then the flags given, each
-overriding the one before; tyro parses and checks them all, and every error is one line."""
+overriding the one before; tyro parses and checks them all, and every error is one line.
+
+A script's Args holds its algorithm's own flags, then groups of the flags several scripts share, each a
+dataclass declared in the module that reads it (common.OptimizerArgs, data.DataArgs, ...): `args.beta`,
+`args.optimizer.learning_rate`. On the command line, in config files and in args.json every flag keeps its
+flat name (--learning_rate); --help lists the algorithm's flags first, then each group under its heading."""
 
 import contextlib
+import copy
 import dataclasses
 import os
 import re
@@ -11,6 +17,43 @@ import sys
 import common
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # configs/<script stem>/<preset>.yaml
+
+
+@dataclasses.dataclass
+class ConfigFiles(common.FlagGroup):
+    """Configuration files"""
+
+    preset: str | None = None
+    """start from configs/<script>/NAME.yaml, a named configuration (the README lists them); flags override it"""
+    config: str | None = None
+    """a YAML file of flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat that
+    run; applied after --preset (eval_checkpoints.py: after --run_dir's values), and the flags given override it"""
+
+
+def group(default):
+    """An Args field holding a flag group, `default` its values (the group's defaults, and those the script
+    changes): `optimizer: common.RLOptimizerArgs = cli.group(common.RLOptimizerArgs(learning_rate=3e-5))`."""
+    return dataclasses.field(default_factory=lambda: copy.deepcopy(default))
+
+
+def groups(args) -> list:
+    """`args` and the flag groups it holds (common.FlagGroup)."""
+    return [args, *(value for value in vars(args).values() if isinstance(value, common.FlagGroup))]
+
+
+def flag_values(args) -> dict:
+    """Every flag of `args` by its command-line name, its groups' flags included: what args.json records."""
+    return {field.name: getattr(holder, field.name) for holder in groups(args) for field in dataclasses.fields(holder)
+            if not dataclasses.is_dataclass(getattr(holder, field.name))}
+
+
+def flag_names(args_class) -> list[str]:
+    """The command-line names of `args_class`'s flags, its groups' flags included."""
+    names = []
+    for field in dataclasses.fields(args_class):
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+        names += flag_names(type(default)) if dataclasses.is_dataclass(default) else [field.name]
+    return names
 
 
 def presets(args_class) -> dict[str, str]:
@@ -72,17 +115,21 @@ def parse(args_class, run_fields: tuple[str, ...] = ()):
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
+            # the groups' flags keep their flat names: --learning_rate, not --optimizer.learning_rate
             args = tyro.cli(args_class, use_underscores=True, args=[*preset_flags, *file_flags, *sys.argv[1:]],
-                            description=f"{summary}\n\n{common.PREEMPTION_HELP}")
+                            description=f"{summary}\n\n{common.PREEMPTION_HELP}", config=(tyro.conf.OmitArgPrefixes,))
     except SystemExit as exit:
         if exit.code in (0, None):
             raise
         common.fail(" ".join(re.sub(r"[╭╮╰╯│─]+", " ", errors.getvalue()).split()))  # tyro's boxed message, on one line
-    for name, value in vars(args).items():
-        if isinstance(value, str) and value.startswith("toy:"):
-            if value not in TOY_ARTEFACTS:
-                common.fail(f"--{name} {value!r} names no toy artefact; they are {', '.join(TOY_ARTEFACTS)}")
-            setattr(args, name, getattr(toy, TOY_ARTEFACTS[value]))
+    for holder in groups(args):
+        for name, value in vars(holder).items():
+            if isinstance(value, str) and value.startswith("toy:"):
+                if value not in TOY_ARTEFACTS:
+                    common.fail(f"--{name} {value!r} names no toy artefact; they are {', '.join(TOY_ARTEFACTS)}")
+                setattr(holder, name, getattr(toy, TOY_ARTEFACTS[value]))
+        if isinstance(holder, common.FlagGroup):  # its checks of its own values, before anything is written
+            holder.check()
     return args
 
 
@@ -107,7 +154,7 @@ def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> 
         values = values["args"]  # a run's args.json
     if not isinstance(values, dict) or not values:
         common.fail(f"--config {path!r} must map Args fields to values (one `name: value` per line)")
-    fields = [field.name for field in dataclasses.fields(args_class)]
+    fields = flag_names(args_class)
     flags = []
     for name, value in values.items():
         if only is not None and name not in only:

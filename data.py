@@ -10,11 +10,59 @@ one line that names the bad value.
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
 import common
+import evaluation
 import lora
+import toy
+
+
+@dataclass
+class DataArgs(common.FlagGroup):
+    """Model and data: the policy to start from, and the prompts"""
+
+    model_name_or_path: str = toy.SFT_POLICY
+    """the policy to start from (a local directory or hub id): in the RL scripts the SFT policy, also the frozen
+    reference policy; sft.py's a pretrained causal LM (a tokenizer without a pad token pads with its stop
+    token, and the saved policy keeps that); reward_model.py's the backbone of the reward model"""
+    dataset_name: str = toy.DATASET
+    """the prompts (sft.py: with completions; reward_model.py: preference pairs): a hub id (owner/name, or
+    owner/name:configuration), a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "validation"
+    """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (sft.py and
+    reward_model.py: --eval_num_examples examples; at most a fifth of them) are held out of training for
+    evaluation (with --eval_every 0 too)"""
+    prompt_column: str = "query"
+    """column holding the prompt text"""
+    prompt_template: str | None = None
+    """a format string over the dataset's columns that makes the prompt, e.g. "Problem: {question} Solution:"
+    (default: the --prompt_column text as it is)"""
+    chat_template: bool = False
+    """wrap each prompt as a user message in the tokenizer's chat template (a policy trained so by sft.py is
+    then trained so by the RL scripts too)"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (the count is printed)"""
+
+    def check(self):
+        common.check_signs(self, ("max_prompt_length",))
+
+
+@dataclass
+class RewardArgs(common.FlagGroup):
+    """The reward that RL optimises"""
+
+    reward_model_path: str = toy.REWARD_MODEL
+    """proxy reward model: any one-label AutoModelForSequenceClassification, decoder (read at the last real
+    token) or encoder (BERT, RoBERTa, DeBERTa), with its own tokenizer if need be"""
+    reward_fn: str | None = None
+    """a Python function as the reward instead of a reward model: path/to/file.py:name or module:name, called
+    as fn(prompts, completions, **columns) -> one float per completion, where columns are the prompts' other
+    dataset columns (e.g. a gold answer)"""
 
 
 def load_tokenizer(path: str, policy: bool = True, base_model: bool = False):
@@ -98,18 +146,17 @@ def load_reward_function(spec: str):
     return function
 
 
-def value_model_path(args) -> str:
+def value_model_path(value_model: str | None, policy: str, reward: RewardArgs) -> str:
     """Where PPO's value model starts: --value_model_path, else the reward model, else (--reward_fn) the policy."""
-    return args.value_model_path or (args.model_name_or_path if args.reward_fn else args.reward_model_path)
+    return value_model or (policy if reward.reward_fn else reward.reward_model_path)
 
 
-def check_value_model(args, task: common.Task):
-    """Fail before any output when the value model cannot give a value at every policy token: it must
-    share the policy's vocabulary and be a decoder (a `score` head at every position), with one label
-    if it is a classifier already."""
+def check_value_model(path: str, task: common.Task, policy: str):
+    """Fail before any output when the value model at `path` cannot give a value at every token of the
+    `policy`: it must share the policy's vocabulary and be a decoder (a `score` head at every position), with
+    one label if it is a classifier already."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    path = value_model_path(args)
     if not os.path.exists(path) and path.count("/") != 1:
         common.fail(f"value model {path!r} does not exist (give a local directory or an owner/name hub id)")
     config = AutoConfig.from_pretrained(path)
@@ -117,7 +164,7 @@ def check_value_model(args, task: common.Task):
         common.fail(f"value model {path!r} has {config.num_labels} labels; a value model has exactly 1")
     if not same_vocabulary(task.tokenizer, load_tokenizer(path, policy=False)):
         common.fail(f"the value model {path!r} must share the policy's vocabulary; give --value_model_path with the "
-                    f"tokenizer of {args.model_name_or_path!r} (the policy itself, with a fresh head, will do)")
+                    f"tokenizer of {policy!r} (the policy itself, with a fresh head, will do)")
     with torch.device("meta"):  # the architecture alone, no weights
         model = AutoModelForSequenceClassification.from_config(config)
     if not common.is_decoder_classifier(model):
@@ -125,12 +172,12 @@ def check_value_model(args, task: common.Task):
                     "as --value_model_path (the policy itself, with a fresh head, will do)")
 
 
-def load_value_model(args, dtype):
+def load_value_model(path: str, dtype):
     """The value model with one label: the reward model's head as it is, or a fresh scalar head on a
     causal LM such as the policy."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(value_model_path(args), num_labels=1, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
     common.disable_dropout(model)
     return model
 
@@ -195,32 +242,32 @@ def split_names(name_or_path: str) -> list[str]:
         return []
 
 
-def prompt_text(args, row: dict) -> str:
+def prompt_text(data: DataArgs, row: dict) -> str:
     """The prompt of a dataset row, as text: --prompt_template filled with the row's columns, or its
     --prompt_column (before any chat template)."""
-    return args.prompt_template.format(**row) if args.prompt_template else row[args.prompt_column]
+    return data.prompt_template.format(**row) if data.prompt_template else row[data.prompt_column]
 
 
-def load_prompts(args, tokenizer, split: str):
+def load_prompts(data: DataArgs, tokenizer, split: str):
     """Tokenized prompts of one split ("input_ids"), with every column of the dataset; prompts longer
     than `max_prompt_length` are dropped."""
-    dataset = load_split(args.dataset_name, split)
+    dataset = load_split(data.dataset_name, split)
     import string
 
-    template_columns = [field for _, field, _, _ in string.Formatter().parse(args.prompt_template or "") if field]
-    for column in [args.prompt_column, *template_columns]:
+    template_columns = [field for _, field, _, _ in string.Formatter().parse(data.prompt_template or "") if field]
+    for column in [data.prompt_column, *template_columns]:
         if column not in dataset.column_names:
-            common.fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
+            common.fail(f"dataset {data.dataset_name!r} split {split!r} has no column {column!r}; "
                         f"it has {dataset.column_names}")
     if len(dataset) == 0:
-        common.fail(f"dataset {args.dataset_name!r} split {split!r} is empty")
-    if args.chat_template and tokenizer.chat_template is None:
-        common.fail(f"--chat_template was given but the tokenizer of {args.model_name_or_path!r} has no chat template")
+        common.fail(f"dataset {data.dataset_name!r} split {split!r} is empty")
+    if data.chat_template and tokenizer.chat_template is None:
+        common.fail(f"--chat_template was given but the tokenizer of {data.model_name_or_path!r} has no chat template")
 
     def tokenize(batch: dict) -> dict:
         """A batch of rows, column by column: the tokenizer takes all its prompts at once."""
-        prompts = [prompt_text(args, dict(zip(batch, values))) for values in zip(*batch.values())]
-        if args.chat_template:
+        prompts = [prompt_text(data, dict(zip(batch, values))) for values in zip(*batch.values())]
+        if data.chat_template:
             return {"input_ids": [tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                                 add_generation_prompt=True, tokenize=True,
                                                                 return_dict=False) for prompt in prompts]}
@@ -229,30 +276,31 @@ def load_prompts(args, tokenizer, split: str):
     # In memory: datasets' on-disk cache would add new files next to the dataset on every run (the
     # closures' fingerprints differ between runs), piling up without bound.
     dataset = dataset.map(tokenize, batched=True, desc=f"tokenizing {split}", keep_in_memory=True)
-    kept = dataset.filter(lambda ids: [0 < len(row) <= args.max_prompt_length for row in ids],
+    kept = dataset.filter(lambda ids: [0 < len(row) <= data.max_prompt_length for row in ids],
                           input_columns="input_ids", batched=True, keep_in_memory=True)
     if len(kept) < len(dataset):
         print(f"{split}: dropped {len(dataset) - len(kept)} of {len(dataset)} prompts longer than "
-              f"max_prompt_length={args.max_prompt_length} tokens")
+              f"max_prompt_length={data.max_prompt_length} tokens")
     if len(kept) == 0:
-        common.fail(f"every prompt of {args.dataset_name!r} split {split!r} is longer than "
-                    f"max_prompt_length={args.max_prompt_length}; raise --max_prompt_length")
+        common.fail(f"every prompt of {data.dataset_name!r} split {split!r} is longer than "
+                    f"max_prompt_length={data.max_prompt_length}; raise --max_prompt_length")
     return kept
 
 
-def load_examples(args, tokenizer, rank: int, completion_columns: list[str], eval_size: int, append_eos: bool = True):
+def load_examples(data: DataArgs, tokenizer, rank: int, completion_columns: list[str], max_completion_length: int,
+                  eval_size: int, append_eos: bool = True):
     """Train and evaluation examples of a dataset of prompts and completions (sft.py, reward_model.py):
     "input_ids", the prompt built as the RL scripts build it (load_prompts), and for each of
     `completion_columns` "<column>_ids", its tokens, ending in the stop token with `append_eos` (unless the
-    text ends with it); examples with a completion longer than --max_completion_length are dropped. Without
+    text ends with it); examples with a completion longer than `max_completion_length` are dropped. Without
     an --eval_split in the dataset, the last `eval_size` train examples (at most a fifth) are held out."""
     eos = tokenizer.eos_token_id
 
     def tokenized(split: str):
-        rows = load_prompts(args, tokenizer, split)
+        rows = load_prompts(data, tokenizer, split)
         for column in completion_columns:
             if column not in rows.column_names:
-                common.fail(f"dataset {args.dataset_name!r} split {split!r} has no column {column!r}; "
+                common.fail(f"dataset {data.dataset_name!r} split {split!r} has no column {column!r}; "
                             f"it has {rows.column_names}")
 
         def tokenize(row):
@@ -263,101 +311,101 @@ def load_examples(args, tokenizer, rank: int, completion_columns: list[str], eva
             return completions
 
         rows = rows.map(tokenize, desc=f"tokenizing {split} completions", keep_in_memory=True)
-        kept = rows.filter(lambda row: all(0 < len(row[f"{column}_ids"]) <= args.max_completion_length
+        kept = rows.filter(lambda row: all(0 < len(row[f"{column}_ids"]) <= max_completion_length
                                            for column in completion_columns), keep_in_memory=True)
         if len(kept) < len(rows) and rank == 0:
             print(f"{split}: dropped {len(rows) - len(kept)} of {len(rows)} examples with an empty completion or one "
-                  f"longer than max_completion_length={args.max_completion_length} tokens")
+                  f"longer than max_completion_length={max_completion_length} tokens")
         if len(kept) == 0:
-            common.fail(f"every example of {args.dataset_name!r} split {split!r} has an empty completion or one longer "
-                        f"than max_completion_length={args.max_completion_length}; raise --max_completion_length")
+            common.fail(f"every example of {data.dataset_name!r} split {split!r} has an empty completion or one longer "
+                        f"than max_completion_length={max_completion_length}; raise --max_completion_length")
         return kept
 
-    train = tokenized(args.train_split)
-    if args.eval_split in split_names(args.dataset_name):
-        evaluation = tokenized(args.eval_split)
+    train = tokenized(data.train_split)
+    if data.eval_split in split_names(data.dataset_name):
+        evaluation = tokenized(data.eval_split)
     else:  # held out even when nothing is evaluated: the training data never depends on it
-        train, evaluation = held_out_for_evaluation(args, train, eval_size, rank, "examples")
+        train, evaluation = held_out_for_evaluation(data, train, eval_size, rank, "examples")
     return train, evaluation.select(range(min(eval_size, len(evaluation))))
 
 
-def held_out_for_evaluation(args, train, size: int, rank: int, rows_are: str):
+def held_out_for_evaluation(data: DataArgs, train, size: int, rank: int, rows_are: str):
     """(train, held out): the last `size` rows of `train` (at most a fifth of them) held out of training, for
     a dataset without --eval_split."""
     held_out = min(size, len(train) // 5)
     if rank == 0:
-        print(f"{args.dataset_name!r} has no {args.eval_split!r} split: the last {held_out} of the "
-              f"{args.train_split!r} {rows_are} are held out for evaluation")
+        print(f"{data.dataset_name!r} has no {data.eval_split!r} split: the last {held_out} of the "
+              f"{data.train_split!r} {rows_are} are held out for evaluation")
     return train.select(range(len(train) - held_out)), train.select(range(len(train) - held_out, len(train)))
 
 
-def is_toy_dataset(args) -> bool:
-    import toy
-
-    return os.path.abspath(args.dataset_name) == os.path.abspath(toy.DATASET)
+def is_toy_dataset(dataset_name: str) -> bool:
+    return os.path.abspath(dataset_name) == os.path.abspath(toy.DATASET)
 
 
 def build_named_toys(paths: list[str]):
     """Build the embedded toy artefacts that any of `paths` lies in, unless they are built: on every rank (the
     first to ask builds them, one build at a time on a machine; the others wait for it)."""
-    import toy
-
     for folder, build in ((toy.TOY_DIR, toy.build), (toy.MATH_DIR, toy.build_math), (toy.LARGE_DIR, toy.build_large),
                           (toy.PIPELINE_DIR, toy.build_pipeline)):
         if folder in map(os.path.dirname, paths):
             build()
 
 
-def load_task(args, rank: int, dtype, evaluation: bool) -> common.Task:
-    """The task of a run; the embedded toy task is built first when it is the one asked for.
-    `evaluation`: whether the run evaluates (else Task.eval_prompts is None).
+def load_task(data: DataArgs, reward: RewardArgs, evaluation_args: evaluation.EvalArgs, lora_args: lora.LoraArgs | None,
+              rank: int, dtype, evaluate: bool) -> common.Task:
+    """The task of a run; the embedded toy task is built first when it is the one asked for. `lora_args`: the
+    run's LoRA flags, checked against the policy (None: no LoRA). `evaluate`: whether the run evaluates (else
+    Task.eval_prompts is None).
 
     Evaluation prompts come from --eval_split, or, when the dataset has no such split, are the last
     --eval_num_prompts train prompts (at most a fifth of them), held out from training.
     """
-    build_named_toys([args.model_name_or_path, args.dataset_name])
-    if args.gold_model_path == "toy" and not is_toy_dataset(args):
-        common.fail(f"--gold_model_path toy scores the embedded toy task only, not {args.dataset_name!r}; give a gold "
+    build_named_toys([data.model_name_or_path, data.dataset_name])
+    if evaluation_args.gold_model_path == "toy" and not is_toy_dataset(data.dataset_name):
+        common.fail(f"--gold_model_path toy scores the embedded toy task only, not {data.dataset_name!r}; give a gold "
                     "reward model, or leave it out (evaluation then reports the proxy reward and KL)")
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    if getattr(args, "use_peft", None) is not None:  # the RL scripts
-        lora.check_args(args)
+    tokenizer = load_tokenizer(data.model_name_or_path)
+    if lora_args is not None:
+        lora.check_targets(lora_args, data.model_name_or_path)
     reward_fn = reward_tokenizer = None
-    if args.reward_fn:
-        reward_fn = load_reward_function(args.reward_fn)
+    if reward.reward_fn:
+        reward_fn = load_reward_function(reward.reward_fn)
     else:
-        check_reward_model(args.reward_model_path)
-        reward_tokenizer = load_tokenizer(args.reward_model_path, policy=False)
+        check_reward_model(reward.reward_model_path)
+        reward_tokenizer = load_tokenizer(reward.reward_model_path, policy=False)
         if same_vocabulary(tokenizer, reward_tokenizer):
             reward_tokenizer = None
-    gold_path = args.gold_model_path or ("toy" if is_toy_dataset(args) else None)
+    gold_path = evaluation_args.gold_model_path or ("toy" if is_toy_dataset(data.dataset_name) else None)
     if gold_path not in (None, "toy"):
         check_reward_model(gold_path)
-    train_prompts = load_prompts(args, tokenizer, args.train_split)
+    train_prompts = load_prompts(data, tokenizer, data.train_split)
     eval_prompts = None
-    if args.eval_split not in split_names(args.dataset_name):  # held out even with --eval_every 0: the
+    if data.eval_split not in split_names(data.dataset_name):  # held out even with --eval_every 0: the
         # training prompts never depend on it
-        train_prompts, eval_prompts = held_out_for_evaluation(args, train_prompts, args.eval_num_prompts, rank,
-                                                              "prompts")
-    elif evaluation:
-        eval_prompts = load_prompts(args, tokenizer, args.eval_split)
-    if not evaluation:
+        train_prompts, eval_prompts = held_out_for_evaluation(data, train_prompts, evaluation_args.eval_num_prompts,
+                                                              rank, "prompts")
+    elif evaluate:
+        eval_prompts = load_prompts(data, tokenizer, data.eval_split)
+    if not evaluate:
         eval_prompts = None
     else:
-        eval_prompts = eval_prompts.select(range(min(args.eval_num_prompts, len(eval_prompts))))
-    has_references = eval_prompts is not None and args.reference_column in eval_prompts.column_names
-    if eval_prompts is not None and args.answer_column and args.answer_column not in eval_prompts.column_names:
-        common.fail(f"--answer_column {args.answer_column!r} is not a column of the evaluation prompts; they have "
+        eval_prompts = eval_prompts.select(range(min(evaluation_args.eval_num_prompts, len(eval_prompts))))
+    answers, references = evaluation_args.answer_column, evaluation_args.reference_column
+    has_references = eval_prompts is not None and references in eval_prompts.column_names
+    if eval_prompts is not None and answers and answers not in eval_prompts.column_names:
+        common.fail(f"--answer_column {answers!r} is not a column of the evaluation prompts; they have "
                     f"{eval_prompts.column_names}")
     if eval_prompts is not None and rank == 0:
         print(f"evaluation on {len(eval_prompts)} prompts: "
               + ("gold win-rate against the references, " if gold_path and has_references else "")
               + ("gold score, " if gold_path else "no gold scorer, ")
-              + ("accuracy, " if args.answer_column else "") + "proxy reward and KL")
-    return common.Task(tokenizer=tokenizer, eos_ids=eos_token_ids(args.model_name_or_path, tokenizer),
-                reward_tokenizer=reward_tokenizer, reward_fn=reward_fn, train_prompts=train_prompts,
-                eval_prompts=eval_prompts, has_references=has_references,
-                gold_score=load_gold_scorer(gold_path, dtype, tokenizer) if gold_path and eval_prompts else None)
+              + ("accuracy, " if answers else "") + "proxy reward and KL")
+    return common.Task(tokenizer=tokenizer, eos_ids=eos_token_ids(data.model_name_or_path, tokenizer),
+                       reward_tokenizer=reward_tokenizer, reward_fn=reward_fn, reward_fn_name=reward.reward_fn,
+                       prompt_column=data.prompt_column, train_prompts=train_prompts, eval_prompts=eval_prompts,
+                       has_references=has_references,
+                       gold_score=load_gold_scorer(gold_path, dtype, tokenizer) if gold_path and eval_prompts else None)
 
 
 class PromptSampler:
@@ -391,8 +439,6 @@ def load_gold_scorer(path: str, dtype, policy_tokenizer):
     through its own tokenizer (score_texts), which sees its own EOS text where the policy's stood.
     """
     if path == "toy":
-        import toy
-
         return toy.gold_score
     model = load_reward_model(path, dtype).eval().to(common.local_device())
     tokenizer = load_tokenizer(path, policy=False)

@@ -21,12 +21,18 @@ import cli
 import common
 import data
 import evaluation
-import toy
+import outputs
+from cli import ConfigFiles
+from common import GenerationArgs
+from data import DataArgs, RewardArgs
+from evaluation import EvalArgs
 
 
 @dataclass
 class Args:
-    # What to evaluate
+    """What to evaluate and where, and the engine; the groups below hold the evaluation's settings, the RL
+    scripts' flags of the same names"""
+
     run_dir: str | None = None
     """a training run's output directory: its policies/update-N snapshots, its final policy and its SFT start
     (update 0) are evaluated, and every field below that the run recorded defaults to the run's value"""
@@ -35,52 +41,6 @@ class Args:
     output_dir: str | None = None
     """where the table (eval.jsonl, eval.csv) and plot (eval.png) go; default RUN_DIR/eval; an existing table
     is continued: policies already in it are not evaluated again"""
-    config: str | None = None
-    """a YAML file of these flags' values; applied after the run's settings, and the flags given override it"""
-
-    # The evaluation (the RL scripts' fields of the same names; with --run_dir, the run's values)
-    model_name_or_path: str = toy.SFT_POLICY
-    """the SFT (reference) policy: KL and perplexity are measured against it"""
-    reward_model_path: str = toy.REWARD_MODEL
-    """proxy reward model of eval/proxy_score"""
-    reward_fn: str | None = None
-    """a Python function as the proxy reward instead of a reward model (path/to/file.py:name or module:name)"""
-    gold_model_path: str | None = None
-    """gold reward model, or "toy"; default: toy on the toy task's data, else none"""
-    dataset_name: str = toy.DATASET
-    """the prompts (a hub id, a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file)"""
-    train_split: str = "train"
-    """the run's train split: without --eval_split in the dataset, its last --eval_num_prompts are evaluated"""
-    eval_split: str = "validation"
-    """split to evaluate on"""
-    prompt_column: str = "query"
-    """column holding the prompt text"""
-    prompt_template: str | None = None
-    """a format string over the dataset's columns that makes the prompt"""
-    answer_column: str | None = None
-    """column of solutions ending in `#### N`: eval/accuracy"""
-    reference_column: str = "reference_response"
-    """column of reference completions, for the gold win-rate"""
-    chat_template: bool = False
-    """wrap each prompt as a user message in the tokenizer's chat template"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens are dropped"""
-    response_length: int = 12
-    """new tokens per completion"""
-    temperature: float = 0.7
-    """temperature of the samples that KL is estimated on"""
-    top_p: float = 1.0
-    """nucleus sampling of those samples"""
-    eval_temperature: float = 0.01
-    """near-greedy temperature of the evaluated completions"""
-    missing_eos_penalty: bool = True
-    """give --penalty_reward_value instead of the proxy score to a completion with no stop token"""
-    penalty_reward_value: float = -1.0
-    """proxy reward of a completion with no stop token (with --missing_eos_penalty)"""
-    eval_num_prompts: int = 256
-    """evaluation prompts"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per generation / scoring forward pass"""
     bf16: bool = False
     """evaluate in bfloat16 (GPU runs)"""
     vllm: bool = False
@@ -98,6 +58,13 @@ class Args:
     of the same update had, so a run's own numbers come out again (on as many ranks)"""
     local_rank: int = -1
     """set by the deepspeed launcher"""
+
+    # the RL scripts' flags of the same names (with --run_dir, the run's values)
+    data: DataArgs = cli.group(DataArgs())
+    reward: RewardArgs = cli.group(RewardArgs())
+    evaluation: EvalArgs = cli.group(EvalArgs())
+    generation: GenerationArgs = cli.group(GenerationArgs())
+    config_files: ConfigFiles = cli.group(ConfigFiles())
 
 
 # the fields that --run_dir takes from the run's args.json
@@ -121,7 +88,7 @@ def policies_to_evaluate(args: Args) -> list[dict]:
         if not saved:
             common.fail(f"--run_dir {args.run_dir!r} has no saved policy (policies/update-N or policy/); train with "
                         "--save_every N to keep a snapshot every N updates")
-        found.append({"policy": args.model_name_or_path, "update": 0, "episode": 0})
+        found.append({"policy": args.data.model_name_or_path, "update": 0, "episode": 0})
     for path in saved if args.run_dir else []:
         found.append({"policy": path, **trained_to(path)})
     for path in args.model_paths:
@@ -151,13 +118,13 @@ def write_table(output_dir: str, rows: list[dict]):
     import csv
     import io
 
-    common.write_atomically(os.path.join(output_dir, "eval.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    outputs.write_atomically(os.path.join(output_dir, "eval.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     columns = list(dict.fromkeys(name for row in rows for name in row))
     text = io.StringIO()
     writer = csv.DictWriter(text, columns)
     writer.writeheader()
     writer.writerows(rows)
-    common.write_atomically(os.path.join(output_dir, "eval.csv"), text.getvalue())
+    outputs.write_atomically(os.path.join(output_dir, "eval.csv"), text.getvalue())
     plot_table(output_dir, rows)
 
 
@@ -200,15 +167,13 @@ def engine_kernels():
 def start_engine(args: Args):
     """A vLLM engine for the SFT policy's architecture in this process, on this process's device (its GPU, or
     all its cores), as the RL scripts' `--vllm_device shared` places it."""
-    import vllm_generator
+    import vllm_placement
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: no other process to place
-    if not torch.cuda.is_available():
-        os.environ.update(vllm_generator.cpu_engine_environment(sorted(os.sched_getaffinity(0)),
-                                                                args.vllm_cpu_kv_cache_gib))
-
+    os.environ.update(vllm_placement.shared_device_environment(args.vllm_cpu_kv_cache_gib))
     with engine_kernels():
-        return vllm_generator.start_vllm(args, args.vllm_gpu_memory_utilization)
+        return vllm_placement.start_vllm(args.data.model_name_or_path, args.bf16, args.seed,
+                                         args.data.max_prompt_length + args.generation.response_length,
+                                         args.vllm_enforce_eager, args.vllm_gpu_memory_utilization)
 
 
 def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,14 +182,16 @@ def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torc
     import dataclasses
 
     import vllm_generator
+    import weight_transport
 
     prompts = task.eval_prompts["input_ids"]
     seeds = [hash((args.seed, update, row)) % 2**63 for row in range(len(prompts))]
-    near_greedy = dataclasses.replace(args, temperature=args.eval_temperature, top_p=1.0)
+    near_greedy = dataclasses.replace(args.generation, temperature=args.evaluation.eval_temperature, top_p=1.0)
     with engine_kernels():
-        vllm_generator.load_engine_weights(llm, policy)  # and the prefix cache of the last policy's KV cleared
+        weight_transport.load_engine_weights(llm, policy)  # and the prefix cache of the last policy's KV cleared
         return tuple(vllm_generator.vllm_generate(llm, prompts, seeds, sampling, task.eos_ids,
-                                                  task.tokenizer.pad_token_id)[0] for sampling in (near_greedy, args))
+                                                  task.tokenizer.pad_token_id)[0]
+                     for sampling in (near_greedy, args.generation))
 
 
 def main(args: Args):
@@ -238,7 +205,7 @@ def main(args: Args):
         args.output_dir = os.path.join(args.run_dir, "eval")
     to_evaluate = policies_to_evaluate(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    task = data.load_task(args, rank, dtype, evaluation=True)
+    task = data.load_task(args.data, args.reward, args.evaluation, None, rank, dtype, evaluate=True)
     table = os.path.join(args.output_dir, "eval.jsonl")
     rows = []
     if os.path.isfile(table):  # a resumed evaluation keeps what it measured
@@ -252,8 +219,10 @@ def main(args: Args):
     from transformers import AutoModelForCausalLM
 
     device = common.local_device()
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
-    reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype).to(device).eval()
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.data.model_name_or_path, dtype=dtype).to(device).eval()
+    reward_model = None
+    if not args.reward.reward_fn:
+        reward_model = data.load_reward_model(args.reward.reward_model_path, dtype).to(device).eval()
     llm = start_engine(args) if args.vllm else None
     for entry in to_evaluate:
         if entry["policy"] in done:
@@ -261,10 +230,11 @@ def main(args: Args):
         policy = AutoModelForCausalLM.from_pretrained(entry["policy"], dtype=dtype).to(device).eval()
         if not data.same_vocabulary(task.tokenizer, data.load_tokenizer(entry["policy"])):
             common.fail(f"policy {entry['policy']!r} has another vocabulary than the SFT policy "
-                        f"{args.model_name_or_path!r}; KL and perplexity need the same one")
+                        f"{args.data.model_name_or_path!r}; KL and perplexity need the same one")
         update = entry["update"] or 0
         generated = engine_completions(args, llm, policy, task, update) if llm is not None else None
-        metrics = evaluation.evaluate(args, task, policy, ref_policy, reward_model, update, generated=generated)
+        metrics = evaluation.evaluate(args.evaluation, args.generation, args.seed, task, policy, ref_policy,
+                                      reward_model, update, generated=generated)
         rows.append({**entry, **metrics})
         if rank == 0:
             write_table(args.output_dir, rows)

@@ -10,10 +10,8 @@ A copy of rloo.py with the algorithm changed (`diff rloo.py grpo.py`); ALGORITHM
     deepspeed --num_gpus 2 grpo.py                         # two ranks (CPU: add --bind_cores_to_rank)
 """
 
-import dataclasses
 import functools
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -27,70 +25,21 @@ import corrections
 import data
 import evaluation
 import lora
-import toy
+import outputs
+from cli import ConfigFiles
+from common import DistributedArgs, GenerationArgs, RLOptimizerArgs
+from corrections import TokenCorrectionArgs
+from data import DataArgs, RewardArgs
+from evaluation import EvalArgs
+from lora import LoraArgs
+from outputs import RLRunArgs
 
 
 @dataclass
 class Args:
-    # Configuration
-    preset: str | None = None
-    """start from configs/grpo/NAME.yaml, a named configuration (the README lists them); flags override it"""
-    config: str | None = None
-    """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
-    that run; applied after --preset, and the flags given override it"""
+    """GRPO's own flags; the groups below hold the flags every RL script shares, each declared in the
+    module that reads it"""
 
-    # Model and data
-    model_name_or_path: str = toy.SFT_POLICY
-    """SFT policy to start from; also the frozen reference policy of evaluation and of --beta (a local
-    directory or hub id)"""
-    reward_model_path: str = toy.REWARD_MODEL
-    """proxy reward model that RL optimises: any one-label AutoModelForSequenceClassification, decoder (read
-    at the last real token) or encoder (BERT, RoBERTa, DeBERTa), with its own tokenizer if need be"""
-    reward_fn: str | None = None
-    """a Python function as the reward instead of a reward model: path/to/file.py:name or module:name, called
-    as fn(prompts, completions, **columns) -> one float per completion, where columns are the prompts' other
-    dataset columns (e.g. a gold answer)"""
-    gold_model_path: str | None = None
-    """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
-    on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
-    dataset_name: str = toy.DATASET
-    """prompts: a hub id (owner/name, or owner/name:configuration), a `save_to_disk` directory, a data
-    directory, or a .json/.jsonl/.parquet file"""
-    train_split: str = "train"
-    """split to train on"""
-    eval_split: str = "validation"
-    """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (at most a
-    fifth of them) are held out of training for evaluation (with --eval_every 0 too)"""
-    prompt_column: str = "query"
-    """column holding the prompt text"""
-    prompt_template: str | None = None
-    """a format string over the dataset's columns that makes the prompt, e.g. "Problem: {question} Solution:"
-    (default: the --prompt_column text as it is)"""
-    answer_column: str | None = None
-    """column of solutions ending in `#### N` (GSM8k's format): evaluation reports eval/accuracy, the share of
-    greedy completions with the same final answer"""
-    reference_column: str = "reference_response"
-    """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
-    them (no win-rate when the column is absent)"""
-    chat_template: bool = False
-    """wrap each prompt as a user message in the tokenizer's chat template"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens are dropped (the count is printed)"""
-
-    # Generation
-    response_length: int = 12
-    """new tokens sampled per completion"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
-    top_p: float = 1.0
-    """nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p; the policy's
-    log-probs are those of that truncated distribution (the reference's are of its whole distribution)"""
-    missing_eos_penalty: bool = True
-    """give --penalty_reward_value instead of the score to a completion with no stop token"""
-    penalty_reward_value: float = -1.0
-    """reward given instead of the score to a completion with no stop token (with --missing_eos_penalty)"""
-
-    # Algorithm
     num_samples: int = 4
     """k: completions per prompt, the group whose rewards make each one's advantage"""
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"] = "dapo"
@@ -128,98 +77,21 @@ class Args:
     all (then no KL is logged, in training or evaluation)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator of --beta, r = ref_logp - logp: k1 -r, k2 r^2 / 2, k3 exp(r) - r - 1"""
-    off_policy_correction: Literal["none", "decoupled", "tis", "mask"] = "none"
-    """how the loss treats samples drawn with other weights than those it trains (ALGORITHMS.md, "Off-policy
-    corrections"): none, the ratio against the sampling weights' log-probs; decoupled (AReaL's decoupled PPO, the
-    kit's variant), against the weights just before each optimizer step, each term weighted by
-    min(pi_those / pi_sampling, --is_cap); tis (truncated importance sampling), against the weights at the
-    start of the update, weighted by min(pi_start / pi_sampling, --is_cap); mask (IcePop), the same ratio and
-    weight, but terms whose weight lies outside [--is_mask_low, --is_cap] are dropped"""
-    is_level: Literal["token", "sequence"] = "token"
-    """importance weights per token, or per completion (sequence: exp of its summed log-ratio, on every token)"""
-    is_cap: float | None = None
-    """upper bound of the importance weight: default 5 with decoupled (AReaL's), 2 with tis (verl's, slime's), 5
-    with mask (IcePop's); with none, the bound that async/is_truncated_frac counts against (2)"""
-    is_mask_low: float = 0.5
-    """with --off_policy_correction mask, the smallest weight kept (IcePop's 0.5)"""
     entropy_coef: float = 0.0
     """weight of an entropy bonus: the loss minus entropy_coef times the policy's mean token entropy"""
 
-    # Optimisation
-    total_episodes: int = 2240
-    """prompts to train on, over all ranks"""
-    per_device_train_batch_size: int = 8
-    """prompts per micro-batch on each rank (each with its k completions)"""
-    gradient_accumulation_steps: int = 4
-    """micro-batches per optimizer step"""
-    num_mini_batches: int = 1
-    """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
-    num_epochs: int = 1
-    """passes over each generated batch, prompt order shuffled each time (TRL's num_iterations)"""
-    learning_rate: float = 3e-5
-    """peak learning rate, decayed linearly to 0"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per generation / scoring forward pass"""
-
-    # Evaluation, logging, checkpoints
-    eval_every: int = 10
-    """evaluate every this many updates (and before the first and after the last); 0: never"""
-    eval_num_prompts: int = 256
-    """validation prompts used by each evaluation"""
-    eval_temperature: float = 0.01
-    """near-greedy temperature of evaluation completions (the paper's protocol)"""
-    save_every: int = 0
-    """every this many updates, write a resumable checkpoint (only the latest is kept) and a policy snapshot,
-    policies/update-N, for eval_checkpoints.py (0: neither; a checkpoint on preemption only)"""
-    keep_snapshots: int | None = None
-    """keep only the newest this many policy snapshots (default: all)"""
-    output_dir: str | None = None
-    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
-    resume: bool = False
-    """continue the run in --output_dir from its latest complete checkpoint, with the same arguments and ranks
-    (only logging, evaluation and checkpoint frequency, timeouts and the engine's placement may change)"""
-    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
-    """experiment name, used for the run directory and wandb"""
-    seed: int = 1
-    """seed of sampling, data order and initialisation"""
-    torch_deterministic: bool = True
-    """torch.use_deterministic_algorithms"""
-    track: bool = False
-    """log to wandb (set WANDB_MODE=offline to log without a network)"""
-    wandb_project_name: str = "async-rlhf"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team)"""
-
-    # LoRA
-    use_peft: bool = False
-    """train a LoRA adapter (peft) instead of every weight: the reference policy is the same model with the
-    adapter switched off (no second copy in memory); checkpoints hold the adapter and its optimizer state;
-    policy/ is the adapter"""
-    lora_r: int = 16
-    """LoRA rank r of each adapted layer's update B A"""
-    lora_alpha: int = 32
-    """LoRA scale: the update is (lora_alpha / lora_r) B A"""
-    lora_dropout: float = 0.0
-    """dropout on each adapted layer's input to A while the model is in training mode; 0 keeps the policy's
-    log-probs the same in every forward (as the kit's dropout-free models do), which the importance ratio assumes"""
-    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
-    """layer names to adapt (as in the model's named_modules, e.g. q_proj v_proj), or all-linear: every linear
-    layer but the output layer (attention and MLP projections of Llama, Qwen2, GPT-NeoX/Pythia, GPT-2)"""
-    save_merged: bool = False
-    """also write the policy with the adapter merged in, a plain model (what vLLM and from_pretrained load), to
-    policy_merged/ (with --use_peft)"""
-
-    # Distributed
-    zero_stage: Literal[2, 3] = 2
-    """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models;
-    2 on a single rank runs as stage 0: nothing to partition)"""
-    bf16: bool = False
-    """train and generate in bfloat16 (GPU runs)"""
-    local_rank: int = -1
-    """set by the deepspeed launcher"""
+    # the flags every RL script shares, by kind (flat names on the command line: --learning_rate)
+    data: DataArgs = cli.group(DataArgs())
+    reward: RewardArgs = cli.group(RewardArgs())
+    generation: GenerationArgs = cli.group(GenerationArgs())
+    optimizer: RLOptimizerArgs = cli.group(RLOptimizerArgs(per_device_train_batch_size=8, learning_rate=3e-5,
+                                                           total_episodes=2240))
+    evaluation: EvalArgs = cli.group(EvalArgs())
+    run: RLRunArgs = cli.group(RLRunArgs())
+    corrections: TokenCorrectionArgs = cli.group(TokenCorrectionArgs())
+    lora: LoraArgs = cli.group(LoraArgs())
+    distributed: DistributedArgs = cli.group(DistributedArgs())
+    config_files: ConfigFiles = cli.group(ConfigFiles())
 
 
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
@@ -241,10 +113,10 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
     if args.delta is not None and args.delta <= 1 + upper_clip(args):
         common.fail(f"--delta caps the unclipped ratio above its clip, so it must exceed 1 + epsilon_high = "
                     f"{1 + upper_clip(args):g}, got {args.delta}")
-    if args.soft_punish_cache and args.soft_punish_cache >= args.response_length:
+    if args.soft_punish_cache and args.soft_punish_cache >= args.generation.response_length:
         common.fail(f"--soft_punish_cache {args.soft_punish_cache} must be below --response_length "
-                    f"{args.response_length}")
-    return common.batch_sizes(args, world_size)
+                    f"{args.generation.response_length}")
+    return common.batch_sizes(args.optimizer, world_size)
 
 
 def upper_clip(args) -> float:
@@ -273,11 +145,13 @@ def final_scores(reward_model, rollout: common.Rollout, prompt_rows: dict, task:
                  update: int) -> torch.Tensor:
     """(N,) the rewards that make the advantages: the reward model's score or --reward_fn's value, then the
     missing-EOS penalty, then DAPO's soft overlong punishment."""
-    scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)
-    if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
-        scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
+    scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task,
+                                        args.generation.local_rollout_forward_batch_size, update)
+    if args.generation.missing_eos_penalty:  # no stop token: the penalty instead of the score
+        scores = torch.where(rollout.contains_eos, scores, args.generation.penalty_reward_value)
     if args.soft_punish_cache:
-        scores = scores + soft_overlong_punishment(rollout.lengths, args.response_length, args.soft_punish_cache)
+        scores = scores + soft_overlong_punishment(rollout.lengths, args.generation.response_length,
+                                                   args.soft_punish_cache)
     return scores
 
 
@@ -287,25 +161,23 @@ def sample_round(policy, reward_model, task: common.Task, sampler, args, update:
     prompt_rows = task.train_prompts[sampler.next_indices()]
     # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
     query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], args.num_samples,
-                                                               args, task, sampler)
+                                                               args.generation, args.run.seed, task, sampler)
     rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
     return prompt_rows, rollout, final_scores(reward_model, rollout, prompt_rows, task, args, update)
 
 
 def fill_with_signal(first_round, next_round, args, task: common.Task):
-    """DAPO's dynamic sampling: to the round `first_round` (prompt_rows, rollout, scores), add rounds of
-    next_round() until they hold as many groups with unequal rewards as the batch has prompts (on every rank:
-    all ranks sample as many rounds, generate being collective under ZeRO-3), or --max_sampling_rounds; the
-    batch is then common.groups_to_train of them. Returns the batch as a round, and dynamic_sampling/*."""
+    """DAPO's dynamic sampling (common.sample_until_signal): to the round `first_round` (prompt_rows, rollout,
+    scores), add rounds of next_round() (on every rank as many: generate is collective under ZeRO-3); the batch
+    is then the groups it chose. Returns the batch as a round, and dynamic_sampling/*."""
     rounds, k, size = [first_round], args.num_samples, len(first_round[0]["input_ids"])
-    while True:
-        has_signal = torch.cat([common.groups_with_signal(scores, k) for _, _, scores in rounds])  # (groups,)
-        shortfall = torch.tensor(float(max(size - has_signal.sum().item(), 0)), device=common.local_device())
-        torch.distributed.all_reduce(shortfall, torch.distributed.ReduceOp.MAX)
-        if shortfall.item() == 0 or len(rounds) == args.max_sampling_rounds:
-            break
+
+    def next_scores() -> torch.Tensor:
         rounds.append(next_round())
-    groups = common.groups_to_train(has_signal, size)  # (B,)
+        return rounds[-1][2]
+
+    has_signal, groups = common.sample_until_signal(first_round[2], next_scores, k, size, args.max_sampling_rounds,
+                                                    all_ranks=True)  # (groups,), (B,)
     rows = (groups[:, None] * k + torch.arange(k)).flatten()  # (N,)
     pad = task.tokenizer.pad_token_id
     prompt_width = max(rollout.query_ids.shape[1] for _, rollout, _ in rounds)
@@ -380,9 +252,9 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
     per_token = weights * per_token  # the KL and entropy terms are not reweighted (as TRL's, slime's)
     if args.beta:
         per_token = per_token + args.beta * token_kl(new_logprobs, ref_logprobs, args.kl_estimator)
-    loss = token_average(per_token, mask, args.loss_type, args.response_length, step_tokens)
+    loss = token_average(per_token, mask, args.loss_type, args.generation.response_length, step_tokens)
     if args.entropy_coef:
-        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, args.response_length,
+        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, args.generation.response_length,
                                                         step_tokens)
     clipfrac = common.masked_mean(clipped.expand_as(mask).float(), mask.bool())
     return loss, clipfrac, ratio
@@ -395,40 +267,45 @@ def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)
     batch_size = local_batch_size * world_size
-    common.resolve_output_dir(args)
-    common.seed_everything(args.seed + rank, args.torch_deterministic)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    task = data.load_task(args, rank, dtype, evaluation=args.eval_every > 0)
-    sampler = data.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
+    outputs.resolve_output_dir(args.run)
+    common.seed_everything(args.run.seed + rank, args.run.torch_deterministic)
+    dtype = torch.bfloat16 if args.distributed.bf16 else torch.float32
+    task = data.load_task(args.data, args.reward, args.evaluation, args.lora, rank, dtype,
+                          evaluate=args.run.eval_every > 0)
+    evaluate = functools.partial(evaluation.evaluate, args.evaluation, args.generation, args.run.seed, task)
+    sampler = data.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.run.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args)
+        outputs.prepare_output_dir(args.run, cli.flag_values(args))
     torch.distributed.barrier()
 
     from transformers import get_scheduler
 
     # no reference policy at all with --beta 0 (but the free one of LoRA, the adapter off, for evaluation)
-    policy, ref_policy = lora.load_policy(args, dtype, reference=args.beta > 0)
-    reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
+    policy, ref_policy = lora.load_policy(args.data.model_name_or_path, args.lora, dtype, reference=args.beta > 0)
+    reward_model = None if args.reward.reward_fn else data.load_reward_model(args.reward.reward_model_path, dtype)
     parameter_counts = lora.trainable_parameters(policy)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
-    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.optimizer.learning_rate)
+    num_optimizer_steps = num_updates * args.optimizer.num_epochs * args.optimizer.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
-    policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
-    ref_policy = lora.reference_policy(args, ref_policy, policy) if args.beta > 0 or args.use_peft else None
+    policy = common.prepare_deepspeed(policy, args.distributed, args.optimizer, optimizer, scheduler)
+    if args.beta > 0 or args.lora.use_peft:
+        ref_policy = lora.reference_policy(args.distributed, ref_policy, policy)
     if reward_model is not None:  # none with --reward_fn
-        reward_model = common.prepare_deepspeed(reward_model, args).module
+        reward_model = common.prepare_deepspeed(reward_model, args.distributed).module
 
-    state = common.OnlineTrainerState()
-    if args.resume:
-        state = common.load_checkpoint(args.output_dir, policy)
+    state = outputs.OnlineTrainerState()
+    if args.run.resume:
+        state = outputs.load_checkpoint(args.run.output_dir, policy)
         sampler.position = state.data_position
-    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+    logger = outputs.MetricsLogger(args.run, cli.flag_values(args), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
     logger.log(state.update, parameter_counts)
-    if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, policy, ref_policy, reward_model, 0))
+    if state.update == 0 and args.run.eval_every:
+        logger.log_evaluation(0, 0, evaluate(policy, ref_policy, reward_model, 0))
     k = args.num_samples
-    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
+    micro_batch_size = args.optimizer.per_device_train_batch_size
+    mini_batch_size = micro_batch_size * args.optimizer.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
         # Rollout: k samples per prompt, truncated after the first stop token, and their rewards (with
@@ -443,12 +320,12 @@ def main(args: Args):
                 functools.partial(sample_round, policy, reward_model, task, sampler, args, update), args, task)
         t1 = time.time()
         common.check_rewards(scores, update)
-        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args) if args.beta else None  # (N, R)
-        orders = [torch.randperm(local_batch_size) for _ in range(args.num_epochs)]  # (B,) prompts, shuffled
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation) if args.beta else None  # (N, R)
+        orders = [torch.randperm(local_batch_size) for _ in range(args.optimizer.num_epochs)]  # (B,) prompts each
         # (N, R) the sampling weights' log-probs, the ratios' denominator: the first optimizer step's forward
         # computes them for its rows (under the same weights); one forward here for every other row
         first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
-        logprobs = common.logprobs_not_trained_first(policy, rollout, args, first_rows)
+        logprobs = common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
         start_logprobs = logprobs  # the sampler is the trainer, at the start of the update
 
         # Advantages: each reward against its group's; the tokens that count in the loss.
@@ -466,18 +343,19 @@ def main(args: Args):
             for step, mini_batch in enumerate(order.split(mini_batch_size)):
                 # dapo and cispo average over every completion token of the step (all micro-batches, all ranks)
                 step_rows = (mini_batch[:, None] * k + torch.arange(k)).flatten()
-                step_tokens = common.step_share(mask[step_rows], args)
-                for prompt_ids in mini_batch.split(args.per_device_train_batch_size):
+                step_tokens = common.loss_denominator(mask[step_rows], args.optimizer.gradient_accumulation_steps)
+                for prompt_ids in mini_batch.split(micro_batch_size):
                     rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
                     # (n, R); the entropy (n, R) too with --entropy_coef: it costs a pass over the vocabulary
                     new_logprobs = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.temperature, args.top_p, entropy=args.entropy_coef > 0)
+                        rollout.lengths[rows], args.generation.temperature, args.generation.top_p,
+                        entropy=args.entropy_coef > 0)
                     new_logprobs, entropy = new_logprobs if args.entropy_coef else (new_logprobs, None)
-                    if epoch == step == 0:  # still the sampling weights
-                        logprobs[rows] = new_logprobs.detach()
+                    common.reuse_first_step_logprobs(logprobs, rows, new_logprobs, epoch, step)
                     old_logprobs, weights, diagnostics = corrections.off_policy_terms(
-                        new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows], args)
+                        new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
+                        args.corrections, args.corrections.is_level == "sequence")
                     loss, clipfrac, ratio = policy_loss(
                         new_logprobs, old_logprobs, advantages[rows], mask[rows], args, step_tokens,
                         ref_logprobs[rows] if args.beta else None, entropy, weights)
@@ -495,7 +373,7 @@ def main(args: Args):
         ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items() if values}
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
-        rollout_stats = common.rollout_metrics(args, rollout, logprobs, None, scores)
+        rollout_stats = common.rollout_metrics(rollout, logprobs, None, scores)
         if args.beta:
             rollout_stats["objective/kl"] = common.masked_sum(logprobs - ref_logprobs, rollout.mask).mean().item()
         metrics = common.all_reduce_mean({
@@ -516,19 +394,18 @@ def main(args: Args):
         metrics.update({"lr": policy.get_lr()[0], "episode": state.episode,
                         "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
-        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
-            logger.log_evaluation(update, state.episode,
-                                  evaluation.evaluate(args, task, policy, ref_policy, reward_model, update))
+        if args.run.eval_every and (update % args.run.eval_every == 0 or update == num_updates):
+            logger.log_evaluation(update, state.episode, evaluate(policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
-        if args.save_every and update % args.save_every == 0:
-            common.save_snapshot(args, policy, task.tokenizer, state)
-        if preempted or (args.save_every and update % args.save_every == 0):
-            common.save_checkpoint(args.output_dir, policy, state)
+        if args.run.save_every and update % args.run.save_every == 0:
+            outputs.save_snapshot(args.run, policy, task.tokenizer, state)
+        if preempted or (args.run.save_every and update % args.run.save_every == 0):
+            outputs.save_checkpoint(args.run.output_dir, policy, state)
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_policy(args, policy, task.tokenizer, state)
+    outputs.save_policy(args.run.output_dir, policy, task.tokenizer, state, merged=args.lora.save_merged)
     logger.close()
 
 

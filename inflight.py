@@ -33,23 +33,8 @@ import torch
 
 import common
 import vllm_generator
-
-
-def check_args(args, world_size: int):
-    """--inflight_updates and --max_lag, checked before anything is written."""
-    if not args.inflight_updates:
-        for name in ("inflight_deterministic", "max_lag"):
-            if getattr(args, name) not in (False, None):
-                common.fail(f"--{name} applies to --inflight_updates, which is off")
-        return
-    if args.max_lag is not None and args.max_lag < args.async_steps:
-        common.fail(f"--max_lag must be at least --async_steps {args.async_steps} (the newest groups of a batch are "
-                    f"that many versions behind), got {args.max_lag}")
-    if getattr(args, "dynamic_sampling", False):
-        common.fail("--inflight_updates does not combine with --dynamic_sampling: turn one off")
-    if args.vllm_device == "shared":
-        common.fail("--inflight_updates needs an engine that samples while the trainer trains: not --vllm_device "
-                    "shared (engine and trainer take turns there)")
+import weight_transport
+from vllm_generator import GeneratorJob
 
 
 def sample_seed(seed: int, engine: int, serial: int, sample: int, tokens_done: int = 0) -> int:
@@ -58,14 +43,14 @@ def sample_seed(seed: int, engine: int, serial: int, sample: int, tokens_done: i
     return random.Random(f"{seed}/{engine}/{serial}/{sample}/{tokens_done}").getrandbits(63)
 
 
-class InflightSampler:
-    """The engine of one generator process, run step by step: this engine's share of a batch of prompt
-    groups in flight at all times, each sample's tokens with their engine log-probs and versions."""
+class InflightGeneration:
+    """What one generator process's engine does in flight, driven step by step: this engine's share of a batch
+    of prompt groups in flight at all times, each sample's tokens with their engine log-probs and versions."""
 
-    def __init__(self, job: vllm_generator.GeneratorJob, llm, receiver, sampling_policy, checked):
-        self.job, self.args, self.llm, self.engine = job, job.args, llm, llm.llm_engine
+    def __init__(self, job: GeneratorJob, llm, receiver, sampling_policy, checked):
+        self.job, self.asynchronous, self.llm, self.llm_engine = job, job.asynchronous, llm, llm.llm_engine
         self.receiver, self.sampling_policy, self.checked = receiver, sampling_policy, checked
-        self.capacity = len(vllm_generator.engine_share(range(job.sampler.global_batch_size), job.engine))
+        self.capacity = len(vllm_generator.engine_share(range(job.sampler.global_batch_size), job.share))
         self.loaded = 0  # the engine starts with the SFT weights, version 0
         self.groups = {}  # serial -> group in flight: {"prompt_index", "samples": [{"tokens", "logprobs", ...}]}
         self.finished = collections.deque()  # groups whose k samples are done, in the order they finished
@@ -84,7 +69,7 @@ class InflightSampler:
         a prompt's cached KV serves only prompts of the same weights."""
         while len(self.groups) < self.capacity:
             if not self.prompts:
-                self.prompts.extend(vllm_generator.engine_share(self.job.sampler.next_indices(), self.job.engine))
+                self.prompts.extend(vllm_generator.engine_share(self.job.sampler.next_indices(), self.job.share))
             self.serial += 1
             samples = [{"tokens": [], "logprobs": [], "versions": [], "done": False, "request": None}
                        for _ in range(self.job.num_samples)]
@@ -102,16 +87,16 @@ class InflightSampler:
         done = len(state["tokens"])
         self.requests_added += 1
         state["request"] = f"{serial}/{sample}/{self.requests_added}"
-        seed = sample_seed(self.args.seed, self.job.engine[0], serial, sample, done)
+        seed = sample_seed(self.job.seed, self.job.share[0], serial, sample, done)
         prompt = TokensPrompt(prompt_token_ids=self.job.prompts[group["prompt_index"]] + state["tokens"],
                               cache_salt=f"version {self.loaded}")
-        params = vllm_generator.sampling_params(self.args, self.job.eos_ids, seed, self.args.response_length - done,
-                                                delta=True)
-        self.engine.add_request(state["request"], prompt, params)
+        params = vllm_generator.sampling_params(self.job.generation, self.job.eos_ids, seed,
+                                                self.job.generation.response_length - done, delta=True)
+        self.llm_engine.add_request(state["request"], prompt, params)
 
     def step(self):
         """One engine step: every running request's next token, tagged with the loaded version."""
-        for output in self.engine.step():
+        for output in self.llm_engine.step():
             serial, sample, _ = map(int, output.request_id.split("/"))
             group = self.groups.get(serial)
             if group is None or group["samples"][sample]["request"] != output.request_id:
@@ -129,7 +114,7 @@ class InflightSampler:
         """Load the arrived `version` between two steps, the requests in flight keeping their KV."""
         t0 = time.time()
         self.receiver.load(version, self.llm, in_flight=True)
-        vllm_generator.check_engine_holds(self.llm, self.sampling_policy, self.checked, version)
+        weight_transport.check_engine_holds(self.llm, self.sampling_policy, self.checked, version)
         self.loaded = version
         self.window["weight_load"] += time.time() - t0
 
@@ -150,7 +135,7 @@ class InflightSampler:
                 if not multiprocessing.parent_process().is_alive():
                     return None
                 poll()
-                if not self.args.inflight_deterministic:
+                if not self.asynchronous.inflight_deterministic:
                     newest = self.receiver.newest()
                     if newest is not None and newest > self.loaded:
                         self.load(newest)
@@ -158,7 +143,8 @@ class InflightSampler:
                 self.step()
             group = self.finished.popleft()
             oldest = min(v for sample in group["samples"] for v in sample["versions"])
-            if self.args.max_lag is not None and update - 1 - oldest > self.args.max_lag:
+            max_lag = self.asynchronous.max_lag
+            if max_lag is not None and vllm_generator.staleness(update, oldest) > max_lag:
                 self.window["dropped"] += 1
             else:
                 self.accepted.append(group)
@@ -169,9 +155,9 @@ class InflightSampler:
     def batch(self, update: int) -> dict:
         """The accepted groups as a batch of the kit's layout (rows: each group's k samples, adjacent), with
         "token_versions" (N, R), -1 at pads, and the engine's metrics."""
-        args, k = self.args, self.job.num_samples
+        k = self.job.num_samples
         samples = [sample for group in self.accepted for sample in group["samples"]]
-        shape = (len(samples), args.response_length)
+        shape = (len(samples), self.job.generation.response_length)
         responses = numpy.full(shape, self.job.pad_token_id, dtype=numpy.int64)
         logprobs = numpy.full(shape, common.INVALID_LOGPROB, dtype=numpy.float32)
         versions = numpy.full(shape, -1, dtype=numpy.int64)
@@ -186,24 +172,24 @@ class InflightSampler:
                    "async/dropped_groups": self.window["dropped"]}
         # async/logprob_diff on the rows sampled wholly with the loaded weights, which the sampling policy holds
         current = [row for row, sample in enumerate(samples) if set(sample["versions"]) == {self.loaded}]
-        checked = current[:args.logprob_check_rows]
-        if vllm_generator.logprob_checked(update, args) and checked:
+        checked = current[:self.asynchronous.logprob_check_rows]
+        if vllm_generator.logprob_checked(update, self.asynchronous) and checked:
             t0 = time.time()
             logprob_diff = vllm_generator.engine_logprob_diff(
                 self.sampling_policy, [queries[row] for row in checked], torch.from_numpy(responses[checked]),
-                torch.from_numpy(logprobs[checked]), args, self.job.eos_ids, self.job.pad_token_id)
-            vllm_generator.check_engine_took_weights(logprob_diff, self.loaded, args)
+                torch.from_numpy(logprobs[checked]), self.job)
+            vllm_generator.check_engine_took_weights(logprob_diff, self.loaded, self.job)
             metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t0})
         return {"update": update, "prompt_indices": prompt_indices, "queries": queries, "responses": responses,
                 "logprobs": logprobs, "token_versions": versions, "version": int(versions[versions >= 0].min()),
-                "engine": self.job.engine, "data_position": self.job.sampler.position, "metrics": metrics}
+                "engine": self.job.share, "data_position": self.job.sampler.position, "metrics": metrics}
 
     def snapshot(self, update: int, next_update: int) -> dict:
         """What a checkpoint after `update` needs to continue this engine: the groups in flight with their
         tokens so far, those finished but not yet in a batch, the prompts drawn but not admitted, the batch
         being put together (`next_update`'s)."""
         return copy.deepcopy({
-            "snapshot": update, "update": next_update, "engine": self.job.engine, "loaded": self.loaded,
+            "snapshot": update, "update": next_update, "engine": self.job.share, "loaded": self.loaded,
             "groups": list(self.groups.values()), "finished": list(self.finished), "accepted": self.accepted,
             "dropped": self.window["dropped"], "prompts": list(self.prompts), "serial": self.serial,
             "requests_added": self.requests_added, "data_position": self.job.sampler.position})
@@ -215,7 +201,7 @@ class InflightSampler:
 
     def prefill_anew(self):
         """Every request in flight continues from its tokens so far, prefilled with the loaded weights."""
-        self.engine.abort_request(self.running_requests())
+        self.llm_engine.abort_request(self.running_requests())
         for serial, group in self.groups.items():
             for sample, state in enumerate(group["samples"]):
                 if not state["done"]:
@@ -232,62 +218,57 @@ class InflightSampler:
         self.prefill_anew()
 
 
-def generate_inflight(job: vllm_generator.GeneratorJob):
+def generate_inflight(job: GeneratorJob):
     """The generator process with --inflight_updates (see the module's docstring): ENGINE_STARTED, then the
     batch of each update in `job.updates`, and the snapshots a checkpoint takes (the engine's own at each
-    deterministic swap to a --save_every version, or as the trainer asks on `job.requests`), go to the
-    queue `batches`. After the last batch it answers snapshot requests until the trainer stops it."""
-    args = job.args
+    deterministic swap to a --save_every version, vllm_generator.proactive_snapshot, or as the trainer asks on
+    the channel `requests`), go to the channel `batches`. After the last batch it answers snapshot requests
+    until the trainer stops it."""
+    channels = job.channels
     try:
         llm, sampling_policy, checked, receiver = vllm_generator.start_engine(job)
-        sampler = InflightSampler(job, llm, receiver, sampling_policy, checked)
-        job.batches.put(vllm_generator.ENGINE_STARTED)
+        generation = InflightGeneration(job, llm, receiver, sampling_policy, checked)
+        channels.batches.put(vllm_generator.ENGINE_STARTED)
         next_update = job.updates.start
 
         def answer_snapshot_requests():
             with contextlib.suppress(queue.Empty):
-                job.batches.put(sampler.snapshot(job.requests.get_nowait(), next_update))
+                channels.batches.put(generation.snapshot(channels.requests.get_nowait(), next_update))
 
         if job.snapshot is not None and len(job.updates):  # a resumed run: its weights first
-            if not sampler.wait_and_load(job.first_version, answer_snapshot_requests):
+            if not generation.wait_and_load(job.first_version, answer_snapshot_requests):
                 return
-            sampler.restore(job.snapshot)
+            generation.restore(job.snapshot)
         for update in job.updates:
             next_update = update
-            batch = sampler.next_batch(update, answer_snapshot_requests)
+            batch = generation.next_batch(update, answer_snapshot_requests)
             if batch is None:
                 return  # no trainer: free the engine's device
-            job.batches.put(batch)
-            next_update, version = update + 1, update - args.async_steps
-            if update == job.updates.stop - 1 or version <= sampler.loaded:
+            channels.batches.put(batch)
+            # once the batch of update t is finished, the engine samples on with the weights after update t-K
+            next_update, version = update + 1, vllm_generator.sampling_version(update + 1, job.asynchronous.async_steps)
+            if update == job.updates.stop - 1 or version <= generation.loaded:
                 continue
-            if not sampler.wait_and_load(version, answer_snapshot_requests):
+            if not generation.wait_and_load(version, answer_snapshot_requests):
                 return
-            if args.inflight_deterministic and args.save_every and version % args.save_every == 0:
-                job.batches.put(sampler.snapshot(version, next_update))
-                sampler.prefill_anew()
-        sampler.engine.abort_request(sampler.running_requests())
+            if vllm_generator.swaps_with_snapshot(job.asynchronous, job.save_every, version):
+                channels.batches.put(generation.snapshot(version, next_update))
+                generation.prefill_anew()
+        generation.llm_engine.abort_request(generation.running_requests())
         while multiprocessing.parent_process().is_alive():
             answer_snapshot_requests()
             time.sleep(0.1)
     except BaseException as error:  # any failure must reach the trainer, which stops with it
-        job.batches.put(f"{type(error).__name__}: {error}")
-
-
-def proactive_snapshot(args, update: int, num_updates: int) -> bool:
-    """Whether the engine sends the snapshot of a checkpoint after `update` unasked: at its deterministic swap
-    to that version, which it makes when a later batch samples with it."""
-    return (args.inflight_deterministic and args.save_every > 0 and update % args.save_every == 0
-            and update <= vllm_generator.sampling_version(num_updates, args.async_steps))
+        channels.batches.put(f"{type(error).__name__}: {error}")
 
 
 def inflight_metrics(batch: dict, mask: torch.Tensor, update: int) -> dict:
     """The staleness of this update's tokens, over every rank: async/token_staleness_mean and _max (versions
-    between the weights that sampled a token and those that train on it, update - 1), and
+    between the weights that sampled a token and those that train on it, vllm_generator.staleness), and
     async/multi_version_share, the share of completions sampled by more than one version.
     mask: (N, R) the rollout's response tokens"""
     versions = batch["token_versions"][:, :mask.shape[1]].to(mask.device)  # (N, R)
-    staleness = (update - 1 - versions).float()
+    staleness = vllm_generator.staleness(update, versions).float()
     metrics = common.all_reduce_masked_means({"async/token_staleness_mean": staleness}, mask)
     oldest = torch.where(mask.bool(), staleness, 0.0).max().to(common.local_device(), torch.float64)
     torch.distributed.all_reduce(oldest, torch.distributed.ReduceOp.MAX)  # NCCL: on the GPU

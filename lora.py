@@ -1,27 +1,52 @@
-"""LoRA (--use_peft) in the RL scripts: the policy with a peft adapter, its reference (the same model with the
-adapter off, no second copy), and the checks of the LoRA flags. The weights the engine samples with, the
+"""LoRA (--use_peft) in the RL scripts: its flags (LoraArgs) and their checks, the policy with a peft adapter,
+its reference (the same model with the adapter off, no second copy). The weights the engine samples with, the
 adapter merged in, are common.merged_weights (a merged save writes them too)."""
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 import common
 
 
-def check_args(args):
-    """The LoRA flags, and that --lora_target_modules names layers of the policy, before anything is written."""
-    common.check_signs(args, ("lora_r", "lora_alpha"))
-    if not 0 <= args.lora_dropout < 1:
-        common.fail(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    if not args.use_peft and args.save_merged:
-        common.fail("--save_merged merges a LoRA adapter into the saved policy: it needs --use_peft")
-    if args.use_peft:
-        check_targets(args.model_name_or_path, args.lora_target_modules)
+@dataclass
+class LoraArgs(common.FlagGroup):
+    """LoRA: a low-rank adapter trained instead of every weight"""
+
+    use_peft: bool = False
+    """train a LoRA adapter (peft) instead of every weight: the reference policy is the same model with the
+    adapter switched off (no second copy in memory); checkpoints hold the adapter and its optimizer state;
+    policy/ is the adapter; a vLLM engine samples from base + adapter, merged out of place into each weight
+    send; PPO's value model gets an adapter too (its score head trains whole)"""
+    lora_r: int = 16
+    """LoRA rank r of each adapted layer's update B A"""
+    lora_alpha: int = 32
+    """LoRA scale: the update is (lora_alpha / lora_r) B A"""
+    lora_dropout: float = 0.0
+    """dropout on each adapted layer's input to A while the model is in training mode; 0 keeps the policy's
+    log-probs the same in every forward (as the kit's dropout-free models do), which the logged KL and the
+    importance ratios assume"""
+    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    """layer names to adapt (as in the model's named_modules, e.g. q_proj v_proj), or all-linear: every linear
+    layer but the output layer (attention and MLP projections of Llama, Qwen2, GPT-NeoX/Pythia, GPT-2)"""
+    save_merged: bool = False
+    """also write the policy with the adapter merged in, a plain model (what vLLM and from_pretrained load), to
+    policy_merged/ (with --use_peft)"""
+
+    def check(self):
+        common.check_signs(self, ("lora_r", "lora_alpha"))
+        if not 0 <= self.lora_dropout < 1:
+            common.fail(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.use_peft and self.save_merged:
+            common.fail("--save_merged merges a LoRA adapter into the saved policy: it needs --use_peft")
 
 
-def check_targets(model_path: str, targets: list[str]):
-    """Each of --lora_target_modules names layers of the policy (peft itself fails only when none does), checked
-    on the architecture alone (meta tensors: nothing loaded) before anything is written."""
-    if targets == ["all-linear"]:
+def check_targets(lora: LoraArgs, model_path: str):
+    """With --use_peft, each of --lora_target_modules names layers of the policy (peft itself fails only when
+    none does), checked on the architecture alone (meta tensors: nothing loaded) before anything is written."""
+    targets = lora.lora_target_modules
+    if not lora.use_peft or targets == ["all-linear"]:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -36,13 +61,13 @@ def check_targets(model_path: str, targets: list[str]):
                         f"{' '.join(linear)} (or give all-linear)")
 
 
-def with_lora(model, args, task_type: str):
+def with_lora(model, lora: LoraArgs, task_type: str):
     """`model` with a LoRA adapter (peft) on --lora_target_modules: only the adapter trains (and, for a
     sequence classifier such as PPO's value model, its head: peft's modules_to_save)."""
     from peft import LoraConfig, get_peft_model
 
-    targets = args.lora_target_modules
-    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+    targets = lora.lora_target_modules
+    config = LoraConfig(task_type=task_type, r=lora.lora_r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
                         target_modules="all-linear" if targets == ["all-linear"] else targets)
     try:
         return get_peft_model(model, config)
@@ -52,19 +77,20 @@ def with_lora(model, args, task_type: str):
                     "all-linear)")
 
 
-def load_policy(args, dtype, reference: bool = True):
-    """The policy to train and its frozen reference, both --model_name_or_path with dropout off. With
-    --use_peft the policy carries a LoRA adapter and the reference is None: the same model with the adapter
-    switched off (reference_policy), not a second copy in memory. Without `reference` no copy is loaded."""
+def load_policy(model_path: str, lora: LoraArgs, dtype, reference: bool = True):
+    """The policy to train and its frozen reference, both `model_path` (--model_name_or_path) with dropout off.
+    With --use_peft the policy carries a LoRA adapter and the reference is None: the same model with the
+    adapter switched off (reference_policy), not a second copy in memory. Without `reference` no copy is
+    loaded."""
     from transformers import AutoModelForCausalLM
 
-    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     common.disable_dropout(policy)  # before the adapter: --lora_dropout stays as given
-    if args.use_peft:
-        return with_lora(policy, args, "CAUSAL_LM"), None
+    if lora.use_peft:
+        return with_lora(policy, lora, "CAUSAL_LM"), None
     if not reference:
         return policy, None
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    ref_policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     common.disable_dropout(ref_policy)
     return policy, ref_policy
 
@@ -81,13 +107,13 @@ class AdapterOff:
             return self.policy(**inputs)
 
 
-def reference_policy(args, ref_policy, engine, part: str | None = None):
+def reference_policy(distributed: common.DistributedArgs, ref_policy, engine, part: str | None = None):
     """The frozen reference policy, ready to call: its own copy under DeepSpeed (ZeRO-3 partitions it too), or
     with --use_peft (`ref_policy` None) the engine's policy with its adapter off. `part`: the policy's
     attribute name when the engine trains more than the policy (PPO)."""
     if ref_policy is None:
         return AdapterOff(engine.module if part is None else getattr(engine.module, part))
-    return common.prepare_deepspeed(ref_policy, args).module
+    return common.prepare_deepspeed(ref_policy, distributed).module
 
 
 def trainable_parameters(model) -> dict[str, float]:

@@ -7,8 +7,7 @@ reward model, and run a DPO step on (best, worst) pairs. The synchronous baselin
     deepspeed --num_gpus 4 online_dpo.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
 """
 
-import dataclasses
-import os
+import functools
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -21,69 +20,20 @@ import common
 import data
 import evaluation
 import lora
-import toy
+import outputs
+from cli import ConfigFiles
+from common import DistributedArgs, GenerationArgs, RLOptimizerArgs
+from data import DataArgs, RewardArgs
+from evaluation import EvalArgs
+from lora import LoraArgs
+from outputs import RLRunArgs
 
 
 @dataclass
 class Args:
-    # Configuration
-    preset: str | None = None
-    """start from configs/online_dpo/NAME.yaml, a named configuration (the README lists them); flags override it"""
-    config: str | None = None
-    """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
-    that run; applied after --preset, and the flags given override it"""
+    """Online DPO's own flags; the groups below hold the flags every RL script shares, each declared in the module
+    that reads it"""
 
-    # Model and data
-    model_name_or_path: str = toy.SFT_POLICY
-    """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
-    reward_model_path: str = toy.REWARD_MODEL
-    """proxy reward model that RL optimises: any one-label AutoModelForSequenceClassification, decoder (read
-    at the last real token) or encoder (BERT, RoBERTa, DeBERTa), with its own tokenizer if need be"""
-    reward_fn: str | None = None
-    """a Python function as the reward instead of a reward model: path/to/file.py:name or module:name, called
-    as fn(prompts, completions, **columns) -> one float per completion, where columns are the prompts' other
-    dataset columns (e.g. a gold answer)"""
-    gold_model_path: str | None = None
-    """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
-    on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
-    dataset_name: str = toy.DATASET
-    """prompts: a hub id (owner/name, or owner/name:configuration), a `save_to_disk` directory, a data
-    directory, or a .json/.jsonl/.parquet file"""
-    train_split: str = "train"
-    """split to train on"""
-    eval_split: str = "validation"
-    """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (at most a
-    fifth of them) are held out of training for evaluation (with --eval_every 0 too)"""
-    prompt_column: str = "query"
-    """column holding the prompt text"""
-    prompt_template: str | None = None
-    """a format string over the dataset's columns that makes the prompt, e.g. "Problem: {question} Solution:"
-    (default: the --prompt_column text as it is)"""
-    answer_column: str | None = None
-    """column of solutions ending in `#### N` (GSM8k's format): evaluation reports eval/accuracy, the share of
-    greedy completions with the same final answer"""
-    reference_column: str = "reference_response"
-    """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
-    them (no win-rate when the column is absent)"""
-    chat_template: bool = False
-    """wrap each prompt as a user message in the tokenizer's chat template"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens are dropped (the count is printed)"""
-
-    # Generation
-    response_length: int = 12
-    """new tokens sampled per completion"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
-    top_p: float = 1.0
-    """nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p; the policy's
-    log-probs are those of that truncated distribution (the reference's are of its whole distribution)"""
-    missing_eos_penalty: bool = True
-    """give --penalty_reward_value instead of the score to a completion with no stop token"""
-    penalty_reward_value: float = -1.0
-    """reward given instead of the score to a completion with no stop token (with --missing_eos_penalty)"""
-
-    # Algorithm
     num_samples: int = 2
     """k: completions per prompt; DPO trains on the best (chosen) vs the worst (rejected)"""
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
@@ -93,81 +43,16 @@ class Args:
     kl_coef: float = 0.05
     """weight of KL in the logged objective/rlhf_reward (DPO's loss does not use it)"""
 
-    # Optimisation
-    total_episodes: int = 4480
-    """prompts to train on, over all ranks"""
-    per_device_train_batch_size: int = 16
-    """prompts (pairs) per micro-batch on each rank"""
-    gradient_accumulation_steps: int = 4
-    """micro-batches per optimizer step"""
-    num_mini_batches: int = 1
-    """optimizer steps per generated batch; the i-th is i-1 updates off-policy"""
-    num_epochs: int = 1
-    """passes over each generated batch"""
-    learning_rate: float = 1e-4
-    """peak learning rate, decayed linearly to 0 (the paper's 3e-6 is for 1B-parameter models)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per generation / scoring forward pass"""
-
-    # Evaluation, logging, checkpoints
-    eval_every: int = 10
-    """evaluate every this many updates (and before the first and after the last); 0: never"""
-    eval_num_prompts: int = 256
-    """validation prompts used by each evaluation"""
-    eval_temperature: float = 0.01
-    """near-greedy temperature of evaluation completions (the paper's protocol)"""
-    save_every: int = 0
-    """every this many updates, write a resumable checkpoint (only the latest is kept) and a policy snapshot,
-    policies/update-N, for eval_checkpoints.py (0: neither; a checkpoint on preemption only)"""
-    keep_snapshots: int | None = None
-    """keep only the newest this many policy snapshots (default: all)"""
-    output_dir: str | None = None
-    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
-    resume: bool = False
-    """continue the run in --output_dir from its latest complete checkpoint, with the same arguments and ranks
-    (only logging, evaluation and checkpoint frequency, timeouts and the engine's placement may change)"""
-    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
-    """experiment name, used for the run directory and wandb"""
-    seed: int = 1
-    """seed of sampling, data order and initialisation"""
-    torch_deterministic: bool = True
-    """torch.use_deterministic_algorithms"""
-    track: bool = False
-    """log to wandb (set WANDB_MODE=offline to log without a network)"""
-    wandb_project_name: str = "async-rlhf"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team)"""
-
-    # LoRA
-    use_peft: bool = False
-    """train a LoRA adapter (peft) instead of every weight: the reference policy is the same model with the
-    adapter switched off (no second copy in memory); checkpoints hold the adapter and its optimizer state;
-    policy/ is the adapter"""
-    lora_r: int = 16
-    """LoRA rank r of each adapted layer's update B A"""
-    lora_alpha: int = 32
-    """LoRA scale: the update is (lora_alpha / lora_r) B A"""
-    lora_dropout: float = 0.0
-    """dropout on each adapted layer's input to A while the model is in training mode; 0 keeps the policy's
-    log-probs the same in every forward (as the kit's dropout-free models do), which the logged KL and entropy assume"""
-    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
-    """layer names to adapt (as in the model's named_modules, e.g. q_proj v_proj), or all-linear: every linear
-    layer but the output layer (attention and MLP projections of Llama, Qwen2, GPT-NeoX/Pythia, GPT-2)"""
-    save_merged: bool = False
-    """also write the policy with the adapter merged in, a plain model (what vLLM and from_pretrained load), to
-    policy_merged/ (with --use_peft)"""
-
-    # Distributed
-    zero_stage: Literal[2, 3] = 2
-    """DeepSpeed ZeRO stage of the policy (3 also partitions the reference and reward models;
-    2 on a single rank runs as stage 0: nothing to partition)"""
-    bf16: bool = False
-    """train and generate in bfloat16 (GPU runs)"""
-    local_rank: int = -1
-    """set by the deepspeed launcher"""
+    # the flags every RL script shares, by kind (flat names on the command line: --learning_rate)
+    data: DataArgs = cli.group(DataArgs())
+    reward: RewardArgs = cli.group(RewardArgs())
+    generation: GenerationArgs = cli.group(GenerationArgs())
+    optimizer: RLOptimizerArgs = cli.group(RLOptimizerArgs())
+    evaluation: EvalArgs = cli.group(EvalArgs())
+    run: RLRunArgs = cli.group(RLRunArgs())
+    lora: LoraArgs = cli.group(LoraArgs())
+    distributed: DistributedArgs = cli.group(DistributedArgs())
+    config_files: ConfigFiles = cli.group(ConfigFiles())
 
 
 def check_args(args: Args, world_size: int) -> tuple[int, int]:
@@ -175,7 +60,7 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
         common.fail(f"--num_samples must be at least 2 to form a (chosen, rejected) pair, got {args.num_samples}")
     if args.beta <= 0:
         common.fail(f"--beta must be positive, got {args.beta}")
-    return common.batch_sizes(args, world_size)
+    return common.batch_sizes(args.optimizer, world_size)
 
 
 def best_and_worst(scores: torch.Tensor, k: int):
@@ -207,39 +92,43 @@ def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)
     batch_size = local_batch_size * world_size
-    common.resolve_output_dir(args)
-    common.seed_everything(args.seed + rank, args.torch_deterministic)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    task = data.load_task(args, rank, dtype, evaluation=args.eval_every > 0)
-    sampler = data.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
+    outputs.resolve_output_dir(args.run)
+    common.seed_everything(args.run.seed + rank, args.run.torch_deterministic)
+    dtype = torch.bfloat16 if args.distributed.bf16 else torch.float32
+    task = data.load_task(args.data, args.reward, args.evaluation, args.lora, rank, dtype,
+                          evaluate=args.run.eval_every > 0)
+    evaluate = functools.partial(evaluation.evaluate, args.evaluation, args.generation, args.run.seed, task)
+    sampler = data.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.run.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args)
+        outputs.prepare_output_dir(args.run, cli.flag_values(args))
     torch.distributed.barrier()
 
     from transformers import get_scheduler
 
-    policy, ref_policy = lora.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
-    reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
+    policy, ref_policy = lora.load_policy(args.data.model_name_or_path, args.lora, dtype)  # ref_policy: None with LoRA
+    reward_model = None if args.reward.reward_fn else data.load_reward_model(args.reward.reward_model_path, dtype)
     parameter_counts = lora.trainable_parameters(policy)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
-    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.optimizer.learning_rate)
+    num_optimizer_steps = num_updates * args.optimizer.num_epochs * args.optimizer.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
-    policy = common.prepare_deepspeed(policy, args, optimizer, scheduler)
-    ref_policy = lora.reference_policy(args, ref_policy, policy)
+    policy = common.prepare_deepspeed(policy, args.distributed, args.optimizer, optimizer, scheduler)
+    ref_policy = lora.reference_policy(args.distributed, ref_policy, policy)
     if reward_model is not None:  # none with --reward_fn
-        reward_model = common.prepare_deepspeed(reward_model, args).module
+        reward_model = common.prepare_deepspeed(reward_model, args.distributed).module
 
-    state = common.OnlineTrainerState()
-    if args.resume:
-        state = common.load_checkpoint(args.output_dir, policy)
+    state = outputs.OnlineTrainerState()
+    if args.run.resume:
+        state = outputs.load_checkpoint(args.run.output_dir, policy)
         sampler.position = state.data_position
-    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+    logger = outputs.MetricsLogger(args.run, cli.flag_values(args), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
     logger.log(state.update, parameter_counts)
-    if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, policy, ref_policy, reward_model, 0))
+    if state.update == 0 and args.run.eval_every:
+        logger.log_evaluation(0, 0, evaluate(policy, ref_policy, reward_model, 0))
     k = args.num_samples
-    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
+    micro_batch_size = args.optimizer.per_device_train_batch_size
+    mini_batch_size = micro_batch_size * args.optimizer.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
         # Rollout: k samples per prompt, then the details in order: truncate after the first stop
@@ -247,25 +136,26 @@ def main(args: Args):
         t0 = time.time()
         prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
         # query_ids, query_mask: (N, P), left-padded; responses: (N, R)
-        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args, task,
-                                                                   sampler)
+        query_ids, query_mask, responses = common.sample_responses(policy, prompt_rows["input_ids"], k, args.generation,
+                                                                   args.run.seed, task, sampler)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
-        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (N, R)
-        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
-        if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
-            scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation)  # (N, R)
+        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task,
+                                        args.generation.local_rollout_forward_batch_size, update)  # (N,)
+        if args.generation.missing_eos_penalty:  # no stop token: the penalty instead of the score
+            scores = torch.where(rollout.contains_eos, scores, args.generation.penalty_reward_value)
         common.check_rewards(scores, update)
         ref_seq_logps = common.masked_sum(ref_logprobs, rollout.mask)  # (N,)
 
         # Pairs: best (chosen) vs worst (rejected) of each prompt's k samples.
         chosen_rows, rejected_rows, valid = best_and_worst(scores, k)  # (B,) each
-        orders = [torch.randperm(local_batch_size) for _ in range(args.num_epochs)]  # (B,) prompts, shuffled
+        orders = [torch.randperm(local_batch_size) for _ in range(args.optimizer.num_epochs)]  # (B,) prompts each
         # The policy's log-probs under the sampling weights, for the logged KL and entropy: the first
         # optimizer step's forward computes them for its pairs; one forward here for every other row.
         first_pairs = orders[0][:mini_batch_size]
-        logprobs = common.logprobs_not_trained_first(
-            policy, rollout, args, torch.cat([chosen_rows[first_pairs], rejected_rows[first_pairs]]))  # (N, R)
+        first_rows = torch.cat([chosen_rows[first_pairs], rejected_rows[first_pairs]])
+        logprobs = common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)  # (N, R)
         t2 = time.time()
 
         # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
@@ -275,14 +165,14 @@ def main(args: Args):
                                        "rejected_logps", "valid")}
         for epoch, order in enumerate(orders):
             for step, mini_batch in enumerate(order.split(mini_batch_size)):
-                step_pairs = common.step_share(valid[mini_batch], args)  # non-tied, every rank's
-                for pairs in mini_batch.split(args.per_device_train_batch_size):
+                # the step's non-tied pairs, every rank's
+                step_pairs = common.loss_denominator(valid[mini_batch], args.optimizer.gradient_accumulation_steps)
+                for pairs in mini_batch.split(micro_batch_size):
                     rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])
                     token_logprobs = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.temperature, args.top_p)  # (2 * pairs, R)
-                    if epoch == step == 0:  # still the sampling weights
-                        logprobs[rows] = token_logprobs.detach()
+                        rollout.lengths[rows], args.generation.temperature, args.generation.top_p)  # (2 * pairs, R)
+                    common.reuse_first_step_logprobs(logprobs, rows, token_logprobs, epoch, step)
                     seq_logps = common.masked_sum(token_logprobs, rollout.mask[rows])
                     policy_chosen, policy_rejected = seq_logps.chunk(2)
                     ref_chosen, ref_rejected = ref_seq_logps[chosen_rows[pairs]], ref_seq_logps[rejected_rows[pairs]]
@@ -316,7 +206,7 @@ def main(args: Args):
         metrics |= common.all_reduce_masked_means(
             {"objective/scores_margin": scores[chosen_rows] - scores[rejected_rows]}, valid)
         metrics |= common.all_reduce_mean({
-            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
+            **common.rollout_metrics(rollout, logprobs, ref_logprobs, scores, args.kl_coef),
             "objective/tie_fraction": 1 - valid.mean().item(),
             "time/generate": t1 - t0,
             "time/score": t2 - t1,
@@ -325,19 +215,18 @@ def main(args: Args):
         metrics.update({"lr": policy.get_lr()[0], "episode": state.episode,
                         "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
-        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
-            logger.log_evaluation(update, state.episode,
-                                  evaluation.evaluate(args, task, policy, ref_policy, reward_model, update))
+        if args.run.eval_every and (update % args.run.eval_every == 0 or update == num_updates):
+            logger.log_evaluation(update, state.episode, evaluate(policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
-        if args.save_every and update % args.save_every == 0:
-            common.save_snapshot(args, policy, task.tokenizer, state)
-        if preempted or (args.save_every and update % args.save_every == 0):
-            common.save_checkpoint(args.output_dir, policy, state)
+        if args.run.save_every and update % args.run.save_every == 0:
+            outputs.save_snapshot(args.run, policy, task.tokenizer, state)
+        if preempted or (args.run.save_every and update % args.run.save_every == 0):
+            outputs.save_checkpoint(args.run.output_dir, policy, state)
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_policy(args, policy, task.tokenizer, state)
+    outputs.save_policy(args.run.output_dir, policy, task.tokenizer, state, merged=args.lora.save_merged)
     logger.close()
 
 

@@ -7,11 +7,9 @@ Implementation Details of RLHF with PPO" (Huang et al., 2024); ALGORITHMS.md has
     deepspeed --num_gpus 4 ppo.py --bf16 --model_name_or_path mnoukhov/pythia410m-sft-tldr ...
 """
 
-import dataclasses
-import os
+import functools
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -21,72 +19,24 @@ import corrections
 import data
 import evaluation
 import lora
-import toy
+import outputs
+from cli import ConfigFiles
+from common import DistributedArgs, GenerationArgs, RLOptimizerArgs
+from corrections import TokenCorrectionArgs
+from data import DataArgs, RewardArgs
+from evaluation import EvalArgs
+from lora import LoraArgs
+from outputs import RLRunArgs
 
 
 @dataclass
 class Args:
-    # Configuration
-    preset: str | None = None
-    """start from configs/ppo/NAME.yaml, a named configuration (the README lists them); flags override it"""
-    config: str | None = None
-    """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
-    that run; applied after --preset, and the flags given override it"""
+    """PPO's own flags; the groups below hold the flags every RL script shares, each declared in the
+    module that reads it"""
 
-    # Model and data
-    model_name_or_path: str = toy.SFT_POLICY
-    """SFT policy to start from; also the frozen reference policy (a local directory or hub id)"""
-    reward_model_path: str = toy.REWARD_MODEL
-    """proxy reward model that RL optimises: any one-label AutoModelForSequenceClassification, decoder (read
-    at the last real token) or encoder (BERT, RoBERTa, DeBERTa), with its own tokenizer if need be"""
-    reward_fn: str | None = None
-    """a Python function as the reward instead of a reward model: path/to/file.py:name or module:name, called
-    as fn(prompts, completions, **columns) -> one float per completion, where columns are the prompts' other
-    dataset columns (e.g. a gold answer)"""
     value_model_path: str | None = None
     """value model: a one-label decoder classifier with the policy's vocabulary; default: the reward model
     (as in the paper), or with --reward_fn the policy with a fresh scalar head"""
-    gold_model_path: str | None = None
-    """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
-    on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
-    dataset_name: str = toy.DATASET
-    """prompts: a hub id (owner/name, or owner/name:configuration), a `save_to_disk` directory, a data
-    directory, or a .json/.jsonl/.parquet file"""
-    train_split: str = "train"
-    """split to train on"""
-    eval_split: str = "validation"
-    """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (at most a
-    fifth of them) are held out of training for evaluation (with --eval_every 0 too)"""
-    prompt_column: str = "query"
-    """column holding the prompt text"""
-    prompt_template: str | None = None
-    """a format string over the dataset's columns that makes the prompt, e.g. "Problem: {question} Solution:"
-    (default: the --prompt_column text as it is)"""
-    answer_column: str | None = None
-    """column of solutions ending in `#### N` (GSM8k's format): evaluation reports eval/accuracy, the share of
-    greedy completions with the same final answer"""
-    reference_column: str = "reference_response"
-    """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
-    them (no win-rate when the column is absent)"""
-    chat_template: bool = False
-    """wrap each prompt as a user message in the tokenizer's chat template"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens are dropped (the count is printed)"""
-
-    # Generation
-    response_length: int = 12
-    """new tokens sampled per completion"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs everywhere use logits / (temperature + 1e-7)"""
-    top_p: float = 1.0
-    """nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p; the policy's
-    log-probs are those of that truncated distribution (the reference's are of its whole distribution)"""
-    missing_eos_penalty: bool = True
-    """give --penalty_reward_value instead of the score to a completion with no stop token"""
-    penalty_reward_value: float = -1.0
-    """reward given instead of the score to a completion with no stop token (with --missing_eos_penalty)"""
-
-    # Algorithm
     kl_coef: float = 0.05
     """weight of the per-token KL penalty -kl_coef * (logp - ref_logp) in the reward"""
     whiten_rewards: bool = False
@@ -97,101 +47,22 @@ class Args:
     """lambda of GAE"""
     cliprange: float = 0.2
     """clip range of the per-token policy ratio"""
-    off_policy_correction: Literal["none", "decoupled", "tis", "mask"] = "none"
-    """how the loss treats samples drawn with other weights than those it trains (ALGORITHMS.md, "Off-policy
-    corrections"): none, the ratio against the sampling weights' log-probs; decoupled (AReaL's decoupled PPO, the
-    kit's variant), against the weights just before each optimizer step, each term weighted by
-    min(pi_those / pi_sampling, --is_cap); tis (truncated importance sampling), against the weights at the
-    start of the update, weighted by min(pi_start / pi_sampling, --is_cap); mask (IcePop), the same ratio and
-    weight, but terms whose weight lies outside [--is_mask_low, --is_cap] are dropped"""
-    is_level: Literal["token", "sequence"] = "token"
-    """importance weights per token, or per completion (sequence: exp of its summed log-ratio, on every token)"""
-    is_cap: float | None = None
-    """upper bound of the importance weight: default 5 with decoupled (AReaL's), 2 with tis (verl's, slime's), 5
-    with mask (IcePop's); with none, the bound that async/is_truncated_frac counts against (2)"""
-    is_mask_low: float = 0.5
-    """with --off_policy_correction mask, the smallest weight kept (IcePop's 0.5)"""
     cliprange_value: float = 0.2
     """clip range of the value prediction around the rollout's value"""
     vf_coef: float = 0.1
     """weight of the value loss: loss = policy loss + vf_coef * value loss"""
 
-    # Optimisation
-    total_episodes: int = 4480
-    """prompts to train on, over all ranks"""
-    per_device_train_batch_size: int = 16
-    """completions per micro-batch on each rank"""
-    gradient_accumulation_steps: int = 4
-    """micro-batches per optimizer step"""
-    num_mini_batches: int = 1
-    """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
-    num_epochs: int = 4
-    """passes over each generated batch, prompt order shuffled each time (the reference's num_ppo_epochs)"""
-    learning_rate: float = 3e-5
-    """peak learning rate of policy and value model, decayed linearly to 0"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm (over policy and value model together)"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per generation / scoring forward pass"""
-
-    # Evaluation, logging, checkpoints
-    eval_every: int = 10
-    """evaluate every this many updates (and before the first and after the last); 0: never"""
-    eval_num_prompts: int = 256
-    """validation prompts used by each evaluation"""
-    eval_temperature: float = 0.01
-    """near-greedy temperature of evaluation completions (the paper's protocol)"""
-    save_every: int = 0
-    """every this many updates, write a resumable checkpoint (only the latest is kept) and a policy snapshot,
-    policies/update-N, for eval_checkpoints.py (0: neither; a checkpoint on preemption only)"""
-    keep_snapshots: int | None = None
-    """keep only the newest this many policy snapshots (default: all)"""
-    output_dir: str | None = None
-    """run directory (metrics.jsonl, checkpoints, policy); default runs/<exp_name>__<seed>__<time>"""
-    resume: bool = False
-    """continue the run in --output_dir from its latest complete checkpoint, with the same arguments and ranks
-    (only logging, evaluation and checkpoint frequency, timeouts and the engine's placement may change)"""
-    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
-    """experiment name, used for the run directory and wandb"""
-    seed: int = 1
-    """seed of sampling, data order and initialisation"""
-    torch_deterministic: bool = True
-    """torch.use_deterministic_algorithms"""
-    track: bool = False
-    """log to wandb (set WANDB_MODE=offline to log without a network)"""
-    wandb_project_name: str = "async-rlhf"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team)"""
-
-    # LoRA
-    use_peft: bool = False
-    """train a LoRA adapter (peft) instead of every weight: the reference policy is the same model with the
-    adapter switched off (no second copy in memory); checkpoints hold the adapter and its optimizer state;
-    policy/ is the adapter. The value model trains a LoRA adapter of its own (same flags) and its value head in
-    full"""
-    lora_r: int = 16
-    """LoRA rank r of each adapted layer's update B A"""
-    lora_alpha: int = 32
-    """LoRA scale: the update is (lora_alpha / lora_r) B A"""
-    lora_dropout: float = 0.0
-    """dropout on each adapted layer's input to A while the model is in training mode; 0 keeps the policy's
-    log-probs the same in every forward (as the kit's dropout-free models do), which the importance ratio assumes"""
-    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
-    """layer names to adapt (as in the model's named_modules, e.g. q_proj v_proj), or all-linear: every linear
-    layer but the output layer (attention and MLP projections of Llama, Qwen2, GPT-NeoX/Pythia, GPT-2)"""
-    save_merged: bool = False
-    """also write the policy with the adapter merged in, a plain model (what vLLM and from_pretrained load), to
-    policy_merged/ (with --use_peft)"""
-
-    # Distributed
-    zero_stage: Literal[2, 3] = 2
-    """DeepSpeed ZeRO stage of policy and value model (3 also partitions the reference and reward models;
-    2 on a single rank runs as stage 0: nothing to partition)"""
-    bf16: bool = False
-    """train and generate in bfloat16 (GPU runs)"""
-    local_rank: int = -1
-    """set by the deepspeed launcher"""
+    # the flags every RL script shares, by kind (flat names on the command line: --learning_rate)
+    data: DataArgs = cli.group(DataArgs())
+    reward: RewardArgs = cli.group(RewardArgs())
+    generation: GenerationArgs = cli.group(GenerationArgs())
+    optimizer: RLOptimizerArgs = cli.group(RLOptimizerArgs(num_epochs=4, learning_rate=3e-5))
+    evaluation: EvalArgs = cli.group(EvalArgs())
+    run: RLRunArgs = cli.group(RLRunArgs())
+    corrections: TokenCorrectionArgs = cli.group(TokenCorrectionArgs())
+    lora: LoraArgs = cli.group(LoraArgs())
+    distributed: DistributedArgs = cli.group(DistributedArgs())
+    config_files: ConfigFiles = cli.group(ConfigFiles())
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -291,45 +162,49 @@ def value_loss(new_values, old_values, returns, mask, cliprange_value: float, st
 # (left-padded), R response tokens (the batch's longest, at most --response_length).
 def main(args: Args):
     rank, world_size = common.init_distributed()
-    local_batch_size, num_updates = common.batch_sizes(args, world_size)
+    local_batch_size, num_updates = common.batch_sizes(args.optimizer, world_size)
     batch_size = local_batch_size * world_size
-    common.resolve_output_dir(args)
-    common.seed_everything(args.seed + rank, args.torch_deterministic)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    task = data.load_task(args, rank, dtype, evaluation=args.eval_every > 0)
-    data.check_value_model(args, task)
-    sampler = data.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.seed)
+    outputs.resolve_output_dir(args.run)
+    common.seed_everything(args.run.seed + rank, args.run.torch_deterministic)
+    dtype = torch.bfloat16 if args.distributed.bf16 else torch.float32
+    task = data.load_task(args.data, args.reward, args.evaluation, args.lora, rank, dtype,
+                          evaluate=args.run.eval_every > 0)
+    evaluate = functools.partial(evaluation.evaluate, args.evaluation, args.generation, args.run.seed, task)
+    value_model_path = data.value_model_path(args.value_model_path, args.data.model_name_or_path, args.reward)
+    data.check_value_model(value_model_path, task, args.data.model_name_or_path)
+    sampler = data.PromptSampler(len(task.train_prompts), local_batch_size, rank, world_size, args.run.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args)
+        outputs.prepare_output_dir(args.run, cli.flag_values(args))
     torch.distributed.barrier()
 
     from transformers import get_scheduler
 
-    policy, ref_policy = lora.load_policy(args, dtype)  # ref_policy: None with --use_peft (the adapter off)
-    value_model = data.load_value_model(args, dtype)
-    if args.use_peft:  # a LoRA adapter of its own, and its value head (peft's modules_to_save) in full
-        value_model = lora.with_lora(value_model, args, "SEQ_CLS").get_base_model()
-    reward_model = None if args.reward_fn else data.load_reward_model(args.reward_model_path, dtype)
+    policy, ref_policy = lora.load_policy(args.data.model_name_or_path, args.lora, dtype)  # ref_policy: None with LoRA
+    value_model = data.load_value_model(value_model_path, dtype)
+    if args.lora.use_peft:  # a LoRA adapter of its own, and its value head (peft's modules_to_save) in full
+        value_model = lora.with_lora(value_model, args.lora, "SEQ_CLS").get_base_model()
+    reward_model = None if args.reward.reward_fn else data.load_reward_model(args.reward.reward_model_path, dtype)
     agent = PolicyAndValue(policy, value_model)
     parameter_counts = lora.trainable_parameters(agent)
-    optimizer = torch.optim.AdamW([p for p in agent.parameters() if p.requires_grad], lr=args.learning_rate)
-    num_optimizer_steps = num_updates * args.num_epochs * args.num_mini_batches
+    optimizer = torch.optim.AdamW([p for p in agent.parameters() if p.requires_grad], lr=args.optimizer.learning_rate)
+    num_optimizer_steps = num_updates * args.optimizer.num_epochs * args.optimizer.num_mini_batches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
-    agent = common.prepare_deepspeed(agent, args, optimizer, scheduler)
-    ref_policy = lora.reference_policy(args, ref_policy, agent, part="policy")
+    agent = common.prepare_deepspeed(agent, args.distributed, args.optimizer, optimizer, scheduler)
+    ref_policy = lora.reference_policy(args.distributed, ref_policy, agent, part="policy")
     if reward_model is not None:  # none with --reward_fn
-        reward_model = common.prepare_deepspeed(reward_model, args).module
+        reward_model = common.prepare_deepspeed(reward_model, args.distributed).module
 
-    state = common.OnlineTrainerState()
-    if args.resume:
-        state = common.load_checkpoint(args.output_dir, agent)
+    state = outputs.OnlineTrainerState()
+    if args.run.resume:
+        state = outputs.load_checkpoint(args.run.output_dir, agent)
         sampler.position = state.data_position
-    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_updates, state.update,
+    logger = outputs.MetricsLogger(args.run, cli.flag_values(args), num_updates, state.update,
                                   ("loss/policy_avg", "objective/scores", "objective/kl", "eval/gold_win_rate"))
     logger.log(state.update, parameter_counts)
-    if state.update == 0 and args.eval_every:
-        logger.log_evaluation(0, 0, evaluation.evaluate(args, task, agent, ref_policy, reward_model, 0, part="policy"))
-    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps  # prompts per optimizer step
+    if state.update == 0 and args.run.eval_every:
+        logger.log_evaluation(0, 0, evaluate(agent, ref_policy, reward_model, 0, part="policy"))
+    micro_batch_size = args.optimizer.per_device_train_batch_size
+    mini_batch_size = micro_batch_size * args.optimizer.gradient_accumulation_steps  # prompts per optimizer step
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
         # Rollout: one sample per prompt, then the details in order: truncate after the first stop
@@ -337,22 +212,24 @@ def main(args: Args):
         t0 = time.time()
         prompt_rows = task.train_prompts[sampler.next_indices()]  # {column: values}
         # query_ids, query_mask: (B, P), left-padded; responses: (B, R)
-        query_ids, query_mask, responses = common.sample_responses(agent, prompt_rows["input_ids"], 1, args,
-                                                                   task, sampler, part="policy")
+        query_ids, query_mask, responses = common.sample_responses(agent, prompt_rows["input_ids"], 1,
+                                                                   args.generation, args.run.seed, task, sampler,
+                                                                   part="policy")
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
-        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args)  # (B, R)
-        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task, args, update)  # (B,)
-        if args.missing_eos_penalty:  # no stop token: the penalty instead of the score
-            scores = torch.where(rollout.contains_eos, scores, args.penalty_reward_value)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation)  # (B, R)
+        scores = common.rollout_rewards(reward_model, rollout, prompt_rows, task,
+                                        args.generation.local_rollout_forward_batch_size, update)  # (B,)
+        if args.generation.missing_eos_penalty:  # no stop token: the penalty instead of the score
+            scores = torch.where(rollout.contains_eos, scores, args.generation.penalty_reward_value)
         common.check_rewards(scores, update)
         rows = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.lengths)
         # log-probs under the sampling weights and the values of the sampled tokens; not the training
         # forward's: the advantages need them (KL penalty, GAE) for every row before the first one trains
         with torch.no_grad():
             logprobs, values, _ = common.in_chunks(
-                lambda *chunk: forward_responses(agent, *chunk, args.temperature, args.top_p),
-                args.local_rollout_forward_batch_size, *rows)  # (B, R) each
+                lambda *chunk: forward_responses(agent, *chunk, args.generation.temperature, args.generation.top_p),
+                args.generation.local_rollout_forward_batch_size, *rows)  # (B, R) each
         start_logprobs = logprobs  # the sampler is the trainer, at the start of the update
 
         # Advantages: per-token KL penalty plus the score at the last real token, then GAE.
@@ -370,16 +247,18 @@ def main(args: Args):
         # micro-batches of per_device_train_batch_size prompts.
         stats = {name: [] for name in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "entropy",
                                        "ratio", "off_policy")}
-        for _ in range(args.num_epochs):
+        for _ in range(args.optimizer.num_epochs):
             order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
             for mini_batch in order.split(mini_batch_size):
-                step_tokens = common.step_share(mask[mini_batch], args)
-                for micro_batch in mini_batch.split(args.per_device_train_batch_size):
+                step_tokens = common.loss_denominator(mask[mini_batch], args.optimizer.gradient_accumulation_steps)
+                for micro_batch in mini_batch.split(micro_batch_size):
                     new_logprobs, new_values, entropy = forward_responses(
-                        agent, *(tensor[micro_batch] for tensor in rows), args.temperature, args.top_p)
+                        agent, *(tensor[micro_batch] for tensor in rows), args.generation.temperature,
+                        args.generation.top_p)
                     micro_mask = mask[micro_batch]
                     old_logprobs, weights, diagnostics = corrections.off_policy_terms(
-                        new_logprobs, logprobs[micro_batch], start_logprobs[micro_batch], micro_mask, args)
+                        new_logprobs, logprobs[micro_batch], start_logprobs[micro_batch], micro_mask,
+                        args.corrections, args.corrections.is_level == "sequence")
                     pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
                                                               micro_mask, args.cliprange, step_tokens, weights)
                     stats["off_policy"].append(diagnostics)
@@ -411,7 +290,7 @@ def main(args: Args):
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
             **off_policy,
-            **common.rollout_metrics(args, rollout, logprobs, ref_logprobs, scores),
+            **common.rollout_metrics(rollout, logprobs, ref_logprobs, scores, args.kl_coef),
             "objective/non_score_reward": non_score_reward,
             "time/generate": t1 - t0,
             "time/score": t2 - t1,
@@ -420,19 +299,19 @@ def main(args: Args):
         metrics.update({"lr": agent.get_lr()[0], "episode": state.episode,
                         "eps": (state.episode - start_episode) / (time.time() - start_time)})
         logger.log(update, metrics)
-        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
-            eval_metrics = evaluation.evaluate(args, task, agent, ref_policy, reward_model, update, part="policy")
+        if args.run.eval_every and (update % args.run.eval_every == 0 or update == num_updates):
+            eval_metrics = evaluate(agent, ref_policy, reward_model, update, part="policy")
             logger.log_evaluation(update, state.episode, eval_metrics)
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
-        if args.save_every and update % args.save_every == 0:
-            common.save_snapshot(args, agent, task.tokenizer, state, part="policy")
-        if preempted or (args.save_every and update % args.save_every == 0):
-            common.save_checkpoint(args.output_dir, agent, state)
+        if args.run.save_every and update % args.run.save_every == 0:
+            outputs.save_snapshot(args.run, agent, task.tokenizer, state, part="policy")
+        if preempted or (args.run.save_every and update % args.run.save_every == 0):
+            outputs.save_checkpoint(args.run.output_dir, agent, state)
         if preempted:
             common.exit_preempted(update, logger)
 
-    common.save_policy(args, agent, task.tokenizer, state, part="policy")
+    outputs.save_policy(args.run.output_dir, agent, task.tokenizer, state, part="policy", merged=args.lora.save_merged)
     logger.close()
 
 

@@ -12,7 +12,6 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,106 +19,49 @@ import torch.nn.functional as F
 import cli
 import common
 import data
+import outputs
 import toy
+from cli import ConfigFiles
+from common import DistributedArgs, OptimizerArgs
+from data import DataArgs
+from outputs import RunArgs
 
 
 @dataclass
 class Args:
-    # Configuration
-    preset: str | None = None
-    """start from configs/reward_model/NAME.yaml, a named configuration (the README lists them); flags override it"""
-    config: str | None = None
-    """a YAML file of these flags' values (`learning_rate: 3.0e-6` per line), or a run's args.json to repeat
-    that run; applied after --preset, and the flags given override it"""
+    """The reward model's own flags; the groups below hold those it shares with other scripts, each declared in
+    the module that reads it"""
 
-    # Model and data
-    model_name_or_path: str = toy.SFT_POLICY
-    """backbone to start from, usually the SFT policy (a local directory or hub id); loaded as a one-label
-    AutoModelForSequenceClassification, whose score head starts fresh"""
-    dataset_name: str = toy.PREFERENCE_DATASET
-    """preference pairs: a hub id (owner/name, or owner/name:configuration), a `save_to_disk` directory, a
-    data directory, or a .json/.jsonl/.parquet file"""
-    train_split: str = "train"
-    """split to train on"""
-    eval_split: str = "validation"
-    """split of the validation accuracy; if the dataset has none, the last --eval_num_examples train pairs (at
-    most a fifth of them) are held out of training for it"""
-    prompt_column: str = "prompt"
-    """column holding the prompt text"""
-    prompt_template: str | None = None
-    """a format string over the dataset's columns that makes the prompt, as in the RL scripts (default: the
-    --prompt_column text as it is)"""
     chosen_column: str = "chosen"
     """column holding the preferred completion"""
     rejected_column: str = "rejected"
     """column holding the other completion"""
-    chat_template: bool = False
-    """wrap each prompt as a user message in the tokenizer's chat template (as the RL scripts then must too)"""
-    max_prompt_length: int = 64
-    """pairs whose prompt is longer than this many tokens are dropped (the count is printed)"""
     max_completion_length: int = 16
     """pairs with a completion longer than this many tokens (a decoder's with its stop token) are dropped"""
     relabel_with: str | None = None
     """a gold scorer ("toy": the toy world's; or a gold reward model's path): before training, swap chosen
     and rejected of every pair (train and evaluation) that it scores the other way round, and train on that;
     the relabelled dataset is written to OUTPUT_DIR/relabelled_dataset, and the share swapped is printed"""
-
-    # Optimisation
-    num_epochs: int = 2
-    """passes over the train split"""
-    per_device_train_batch_size: int = 32
-    """pairs per micro-batch on each rank"""
-    gradient_accumulation_steps: int = 1
-    """micro-batches per optimizer step"""
-    learning_rate: float = 1e-3
-    """peak learning rate, decayed linearly to 0 (the toy's backbone is small; Pythia's uses 3e-6)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-
-    # Evaluation, logging, checkpoints
-    eval_every: int = 50
-    """compute the validation loss and accuracy every this many optimizer steps (and before the first and after
-    the last); 0: never"""
     eval_num_examples: int = 512
     """validation pairs"""
     eval_batch_size: int = 64
     """pairs per validation forward pass on each rank"""
-    save_every: int = 0
-    """write a resumable checkpoint every this many optimizer steps (0: only on preemption)"""
-    output_dir: str | None = None
-    """run directory (metrics.jsonl, checkpoints, reward_model); default runs/<exp_name>__<seed>__<time>"""
-    resume: bool = False
-    """continue the run in --output_dir from its latest complete checkpoint, with the same arguments and ranks"""
-    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
-    """experiment name, used for the run directory and wandb"""
-    seed: int = 1
-    """seed of the data order and of the fresh score head"""
-    torch_deterministic: bool = True
-    """torch.use_deterministic_algorithms"""
-    track: bool = False
-    """log to wandb (set WANDB_MODE=offline to log without a network)"""
-    wandb_project_name: str = "async-rlhf"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team)"""
 
-    # Distributed
-    zero_stage: Literal[2, 3] = 2
-    """DeepSpeed ZeRO stage (2 on a single rank runs as stage 0: nothing to partition)"""
-    bf16: bool = False
-    """train in bfloat16 (GPU runs)"""
-    local_rank: int = -1
-    """set by the deepspeed launcher"""
+    # the flags it shares with other scripts, by kind (flat names on the command line: --learning_rate)
+    data: DataArgs = cli.group(DataArgs(dataset_name=toy.PREFERENCE_DATASET, prompt_column="prompt"))
+    optimizer: OptimizerArgs = cli.group(OptimizerArgs(per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                                                       num_epochs=2, learning_rate=1e-3))
+    run: RunArgs = cli.group(RunArgs(eval_every=50))
+    distributed: DistributedArgs = cli.group(DistributedArgs())
+    config_files: ConfigFiles = cli.group(ConfigFiles())
 
 
 def check_args(args: Args) -> int:
     """The pairs per optimizer step on this rank."""
-    common.check_signs(args, ("num_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
-                              "learning_rate", "eval_num_examples", "eval_batch_size", "max_prompt_length",
-                              "max_completion_length"), ("eval_every", "save_every"))
+    common.check_signs(args, ("eval_num_examples", "eval_batch_size", "max_completion_length"))
     if args.chosen_column == args.rejected_column:
         common.fail(f"--chosen_column and --rejected_column are both {args.chosen_column!r}; they must differ")
-    return args.per_device_train_batch_size * args.gradient_accumulation_steps
+    return args.optimizer.per_device_train_batch_size * args.optimizer.gradient_accumulation_steps
 
 
 def relabelled_dataset(args: Args, rank: int, tokenizer, dtype) -> str:
@@ -128,17 +70,17 @@ def relabelled_dataset(args: Args, rank: int, tokenizer, dtype) -> str:
     return its path. Each rank scores its share of the pairs; a resumed run reads what its first run wrote."""
     from datasets import DatasetDict
 
-    path = os.path.join(args.output_dir, "relabelled_dataset")
+    path = os.path.join(args.run.output_dir, "relabelled_dataset")
     if os.path.isdir(path):
         return path
     world_size = torch.distributed.get_world_size()
     gold_score = data.load_gold_scorer(args.relabel_with, dtype, tokenizer)
     splits = {}
-    existing = data.split_names(args.dataset_name)
-    for split in dict.fromkeys(s for s in (args.train_split, args.eval_split) if s in existing):
-        rows = data.load_split(args.dataset_name, split)
+    existing = data.split_names(args.data.dataset_name)
+    for split in dict.fromkeys(s for s in (args.data.train_split, args.data.eval_split) if s in existing):
+        rows = data.load_split(args.data.dataset_name, split)
         mine = rows.select(range(rank, len(rows), world_size))
-        prompts = [data.prompt_text(args, row) for row in mine]
+        prompts = [data.prompt_text(args.data, row) for row in mine]
         swap_mine = []
         for start in range(0, len(mine), 256):
             window = slice(start, start + 256)
@@ -175,7 +117,7 @@ def pair_scores(args: Args, model, tokenizer, rows: dict, device) -> tuple[torch
         sequences = [p + c for column in columns for p, c in zip(rows["input_ids"], rows[f"{column}_ids"])]
         scores = common.reward_scores(model, *common.left_pad(sequences, tokenizer.pad_token_id, device))
     else:
-        prompts = [data.prompt_text(args, dict(zip(rows, values))) for values in zip(*rows.values())]
+        prompts = [data.prompt_text(args.data, dict(zip(rows, values))) for values in zip(*rows.values())]
         texts = [p + c for column in columns for p, c in zip(prompts, rows[column])]
         scores = common.score_texts(model, tokenizer, texts, [True] * len(texts))
     return scores.chunk(2)
@@ -210,56 +152,57 @@ def validation(args: Args, model, tokenizer, examples) -> dict[str, float]:
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size = check_args(args)
-    common.resolve_output_dir(args)
-    common.seed_everything(args.seed + rank, args.torch_deterministic)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    data.build_named_toys([args.model_name_or_path, args.dataset_name])
-    tokenizer = data.load_tokenizer(args.model_name_or_path, policy=False, base_model=True)
+    outputs.resolve_output_dir(args.run)
+    common.seed_everything(args.run.seed + rank, args.run.torch_deterministic)
+    dtype = torch.bfloat16 if args.distributed.bf16 else torch.float32
+    data.build_named_toys([args.data.model_name_or_path, args.data.dataset_name])
+    tokenizer = data.load_tokenizer(args.data.model_name_or_path, policy=False, base_model=True)
     if args.relabel_with == "toy":
-        first = data.load_split(args.dataset_name, args.train_split)[0]
+        first = data.load_split(args.data.dataset_name, args.data.train_split)[0]
         try:
-            toy.parse_query(data.prompt_text(args, first))
+            toy.parse_query(data.prompt_text(args.data, first))
         except (ValueError, KeyError):
-            common.fail(f"--relabel_with toy scores the embedded toy world's posts only, and {args.dataset_name!r} "
-                        "holds others; give a gold reward model's path")
+            common.fail(f"--relabel_with toy scores the embedded toy world's posts only, and "
+                        f"{args.data.dataset_name!r} holds others; give a gold reward model's path")
     if args.relabel_with and args.relabel_with != "toy":
         data.check_reward_model(args.relabel_with)
     from transformers import AutoModelForSequenceClassification, get_scheduler
 
-    model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, num_labels=1, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(args.data.model_name_or_path, num_labels=1, dtype=dtype)
     model.config.pad_token_id = tokenizer.pad_token_id  # so that HF's own pooling works on the saved model too
     common.disable_dropout(model)
     # a decoder's score is read at its stop token, as the RL scripts read it; an encoder has no stop token
     columns, append_eos = [args.chosen_column, args.rejected_column], common.is_decoder_classifier(model)
-    train_pairs, eval_pairs = data.load_examples(args, tokenizer, rank, columns, args.eval_num_examples, append_eos)
+    train_pairs, eval_pairs = data.load_examples(args.data, tokenizer, rank, columns, args.max_completion_length,
+                                                 args.eval_num_examples, append_eos)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        common.prepare_output_dir(args)
+        outputs.prepare_output_dir(args.run, cli.flag_values(args))
     torch.distributed.barrier()
     if args.relabel_with:
-        args.dataset_name = relabelled_dataset(args, rank, tokenizer, dtype)
-        train_pairs, eval_pairs = data.load_examples(args, tokenizer, rank, columns, args.eval_num_examples,
-                                                     append_eos)
-    sampler = data.PromptSampler(len(train_pairs), local_batch_size, rank, world_size, args.seed)
-    num_steps = args.num_epochs * sampler.batches_per_epoch
+        args.data.dataset_name = relabelled_dataset(args, rank, tokenizer, dtype)
+        train_pairs, eval_pairs = data.load_examples(args.data, tokenizer, rank, columns, args.max_completion_length,
+                                                     args.eval_num_examples, append_eos)
+    sampler = data.PromptSampler(len(train_pairs), local_batch_size, rank, world_size, args.run.seed)
+    num_steps = args.optimizer.num_epochs * sampler.batches_per_epoch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.optimizer.learning_rate)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_steps)
-    model = common.prepare_deepspeed(model, args, optimizer, scheduler)
+    model = common.prepare_deepspeed(model, args.distributed, args.optimizer, optimizer, scheduler)
 
-    state = common.OnlineTrainerState()
-    if args.resume:
-        state = common.load_checkpoint(args.output_dir, model)
+    state = outputs.OnlineTrainerState()
+    if args.run.resume:
+        state = outputs.load_checkpoint(args.run.output_dir, model)
         sampler.position = state.data_position
-    logger = common.MetricsLogger(args, os.path.basename(args.output_dir), num_steps, state.update,
+    logger = outputs.MetricsLogger(args.run, cli.flag_values(args), num_steps, state.update,
                                   ("train/loss", "eval/accuracy"))
-    if state.update == 0 and args.eval_every:
+    if state.update == 0 and args.run.eval_every:
         logger.log(0, {**validation(args, model, tokenizer, eval_pairs), "episode": 0})
     start_time, start_episode = time.time(), state.episode
     for step in range(state.update + 1, num_steps + 1):
         rows = train_pairs[sampler.next_indices()]  # {column: values}, this rank's share of the step
         losses, margins = [], []
-        for start in range(0, local_batch_size, args.per_device_train_batch_size):
-            end = start + args.per_device_train_batch_size
+        for start in range(0, local_batch_size, args.optimizer.per_device_train_batch_size):
+            end = start + args.optimizer.per_device_train_batch_size
             micro_batch = {name: values[start:end] for name, values in rows.items()}
             chosen, rejected = pair_scores(args, model, tokenizer, micro_batch, model.device)  # (pairs,) each
             loss = -F.logsigmoid(chosen - rejected).mean()  # Bradley-Terry: P(chosen > rejected) = sigmoid(margin)
@@ -276,18 +219,18 @@ def main(args: Args):
             "train/margin": margin.mean().item()}),
             "lr": model.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
-        if args.eval_every and (step % args.eval_every == 0 or step == num_steps):
+        if args.run.eval_every and (step % args.run.eval_every == 0 or step == num_steps):
             logger.log(step, {**validation(args, model, tokenizer, eval_pairs), "episode": state.episode})
         preempted = common.preemption_requested()
-        if preempted or (args.save_every and step % args.save_every == 0):
-            common.save_checkpoint(args.output_dir, model, state)
+        if preempted or (args.run.save_every and step % args.run.save_every == 0):
+            outputs.save_checkpoint(args.run.output_dir, model, state)
         if preempted:
             common.exit_preempted(step, logger)
 
-    common.save_model(os.path.join(args.output_dir, "reward_model"), model, tokenizer, state)
+    outputs.save_model(os.path.join(args.run.output_dir, "reward_model"), model, tokenizer, state)
     logger.close()
     if rank == 0:
-        print(f"saved the reward model to {os.path.join(args.output_dir, 'reward_model')}")
+        print(f"saved the reward model to {os.path.join(args.run.output_dir, 'reward_model')}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 The generator runs in a spawned process, which imports this module and calls the function that
 replaced vllm_generator.generate_ahead in the trainer (tests/run_with_faulty_generator.py); the fault is
-injected there, in the generator's own copy of vllm_generator.
+injected there, in the generator's own copy of vllm_generator (or of weight_transport).
 """
 
 import os
 import time
 
 import vllm_generator
+import weight_transport
 
 
 def with_vllm_generate_fault(fault, at_call: int):
@@ -48,7 +49,7 @@ def hanging_generate_ahead(*args):
 def stale_engine_generate_ahead(*args):
     """Receives every weight version but never loads one into the engine: it keeps sampling with the
     starting weights, as vLLM bugs have done."""
-    vllm_generator.load_engine_weights = lambda llm, model, in_flight=False: None
+    weight_transport.load_engine_weights = lambda llm, model, in_flight=False: None
     vllm_generator.generate_ahead(*args)
 
 
@@ -61,17 +62,17 @@ def partly_loading_generate_ahead(*args):
                    for name, tensor in model.state_dict().items())
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
 
-    vllm_generator.load_engine_weights = load_engine_weights
+    weight_transport.load_engine_weights = load_engine_weights
     vllm_generator.generate_ahead(*args)
 
 
 def hanging_receiver_generate_ahead(*args):
     """Its weight receiver hangs at the first version the trainer sends (opening its shared buffer)."""
-    vllm_generator.SharedWeights = lambda *args: time.sleep(3600)
+    weight_transport.SharedWeights = lambda *args: time.sleep(3600)
     vllm_generator.generate_ahead(*args)
 
 
 def dying_before_connecting_generate_ahead(*args):
     """Starts its engine, then dies when the trainer has it connect the weight channel (NCCL, on a GPU)."""
-    vllm_generator.weight_channel = lambda *args: os._exit(1)
+    weight_transport.weight_channel = lambda *args: os._exit(1)
     vllm_generator.generate_ahead(*args)

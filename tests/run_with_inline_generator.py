@@ -11,66 +11,77 @@ import os
 import shutil
 import sys
 import tempfile
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
 
+import async_generator
 import cli
 import common
 import vllm_generator
+import vllm_placement
 
 
 class InlineGenerator:
-    """Stands in for vllm_generator.AsyncGenerator: batch t is sampled with the weights published after
+    """Stands in for async_generator.AsyncGenerator: batch t is sampled with the weights published after
     update t-1 (the definition of K=0), in this process, with the same per-row seeds."""
 
-    def __init__(self, args, task, sampler, state, num_updates, num_samples):
-        assert args.async_steps == 0 and state.update == 0 and torch.distributed.get_world_size() == 1
-        self.args, self.task, self.sampler, self.num_samples = args, task, sampler, num_samples
+    def __init__(self, asynchronous, engine_args, generation, policy, run, bf16, task, sampler, state, num_updates,
+                 num_samples, process, dynamic_sampling=None):
+        assert asynchronous.async_steps == 0 and state.update == 0 and torch.distributed.get_world_size() == 1
+        self.engine_args, self.policy, self.seed, self.bf16 = engine_args, policy, run.seed, bf16
+        self.task, self.sampler, self.num_samples = task, sampler, num_samples
+        # what sample_batch reads of a generator process's job
+        self.job = SimpleNamespace(generation=generation, asynchronous=asynchronous, bf16=bf16, eos_ids=task.eos_ids,
+                                   pad_token_id=task.tokenizer.pad_token_id)
         self.published, self.version = tempfile.mkdtemp(), 0  # weights by version, as safetensors folders
         # the trainer's threads as start_generator leaves them (the thread count changes float sums)
         cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(cores if args.vllm_device == "shared" else cores - args.vllm_cpu_threads)
+        shared = engine_args.vllm_device == "shared"
+        torch.set_num_threads(cores if shared else cores - engine_args.vllm_cpu_threads)
 
     def wait_for_engine(self):
         from transformers import AutoModelForCausalLM
 
         # the engine's model in processes of its own: run in this one, vLLM changes the trainer's numerics
-        placement = vllm_generator.engine_placement(self.args, world_size=1)
+        placement = vllm_placement.engine_placement(self.engine_args, world_size=1)
         environment = {**placement.environment, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         with mock.patch.dict(os.environ, environment):
             for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 os.environ.pop(name)  # the engine's processes are not training ranks
-            self.llm = vllm_generator.start_vllm(self.args, placement.gpu_memory_utilization)
-        self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.args.model_name_or_path).eval()
+            self.llm = vllm_placement.start_vllm(
+                self.policy.model_name_or_path, self.bf16, self.seed,
+                self.policy.max_prompt_length + self.job.generation.response_length,
+                self.engine_args.vllm_enforce_eager, placement.gpu_memory_utilization)
+        self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.policy.model_name_or_path).eval()
 
     def batch_for(self, update: int) -> dict:
         if self.version != update - 1:  # through a folder: this engine runs in processes of its own
             self.version = update - 1
             folder = os.path.join(self.published, f"version-{self.version}")
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
-            self.llm.reset_prefix_cache()  # as vllm_generator.load_engine_weights does
+            self.llm.reset_prefix_cache()  # as weight_transport.load_engine_weights does
             self.sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
         prompts = self.task.train_prompts["input_ids"]
         indices = self.sampler.next_indices()
         queries = [prompts[i] for i in indices for _ in range(self.num_samples)]
-        seeds = vllm_generator.row_seeds(self.args.seed, update, range(len(queries)))
-        batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, queries, seeds, update, self.args,
-                                            self.task.eos_ids, self.task.tokenizer.pad_token_id)
+        seeds = vllm_generator.row_seeds(self.seed, update, range(len(queries)))
+        batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, queries, seeds, update, self.job)
         batch["metrics"]["time/weight_load"] = 0.0
         return {**batch, "prompt_indices": indices, "version": self.version,
                 "responses": torch.from_numpy(batch["responses"]), "logprobs": torch.from_numpy(batch["logprobs"])}
 
-    def publish_weights(self, engine, version: int, part: str | None = None):
-        with common.full_parameters(engine, part) as model:
+    def publish_weights(self, policy, version: int, part: str | None = None):
+        with common.full_parameters(policy, part) as model:
             folder = os.path.join(self.published, f"version-{version}")
             os.makedirs(folder)
             # clone: tied embeddings share storage, which safetensors refuses
             save_file({name: tensor.detach().clone() for name, tensor in model.state_dict().items()},
                       os.path.join(folder, "model.safetensors"))
 
-    def sample_ahead(self, update: int) -> tuple[list, None]:
+    def checkpoint_state(self, update: int) -> tuple[list, None]:
         return [], None  # K=0: nothing is sampled ahead, no engine state
 
     def stop(self):
@@ -79,5 +90,5 @@ class InlineGenerator:
 
 if __name__ == "__main__":
     script = importlib.import_module(sys.argv.pop(1))
-    vllm_generator.AsyncGenerator = InlineGenerator
+    async_generator.AsyncGenerator = InlineGenerator
     script.main(cli.parse(script.Args))

@@ -14,9 +14,9 @@ import sys
 
 import torch
 
+import async_generator
 import cli
 import common
-import vllm_generator
 
 if __name__ == "__main__":
     # the first argument, after the --local_rank=N the deepspeed launcher puts first
@@ -25,27 +25,28 @@ if __name__ == "__main__":
     script = importlib.import_module(name)
     leader = int(os.environ.get("RANK", "0")) == 0
     kept = {"weights": {}, "batches": {}}
-    batch_for, publish_weights = vllm_generator.AsyncGenerator.batch_for, vllm_generator.AsyncGenerator.publish_weights
+    generator_class = async_generator.AsyncGenerator
+    batch_for, publish_weights = generator_class.batch_for, generator_class.publish_weights
 
     def keeping_batch_for(generator, update: int) -> dict:
         batch = batch_for(generator, update)
         if leader:
             kept["batches"][update] = {name: batch[name] for name in ("queries", "responses", "logprobs", "version",
                                                                       "token_versions") if name in batch}
-            with open(os.path.join(generator.args.output_dir, "trained_prompts.jsonl"), "a") as file:
+            with open(os.path.join(args.run.output_dir, "trained_prompts.jsonl"), "a") as file:
                 file.write(json.dumps({"update": update, "prompt_indices": list(batch["prompt_indices"])}) + "\n")
         return batch
 
-    def keeping_publish_weights(generator, engine, version: int, part: str | None = None):
-        with common.full_parameters(engine, part) as model:  # every rank: ZeRO-3 gathers
+    def keeping_publish_weights(generator, policy, version: int, part: str | None = None):
+        with common.full_parameters(policy, part) as model:  # every rank: ZeRO-3 gathers
             if leader:
                 kept["weights"][version] = {name: value.detach().clone() for name, value in model.state_dict().items()}
-        return publish_weights(generator, engine, version, part)
+        return publish_weights(generator, policy, version, part)
 
-    vllm_generator.AsyncGenerator.batch_for = keeping_batch_for
-    vllm_generator.AsyncGenerator.publish_weights = keeping_publish_weights
+    async_generator.AsyncGenerator.batch_for = keeping_batch_for
+    async_generator.AsyncGenerator.publish_weights = keeping_publish_weights
     args = cli.parse(script.Args)
     script.main(args)
     if leader:
-        torch.save({**kept, "temperature": args.temperature, "top_p": args.top_p},
-                   os.path.join(args.output_dir, "kept.pt"))
+        torch.save({**kept, "temperature": args.generation.temperature, "top_p": args.generation.top_p},
+                   os.path.join(args.run.output_dir, "kept.pt"))

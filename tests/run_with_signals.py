@@ -19,9 +19,10 @@ import sys
 
 import deepspeed
 
+import async_generator
 import cli
 import common
-import vllm_generator
+import outputs
 
 
 def signal_at(point: str, events: list, update: list[int]):
@@ -48,9 +49,9 @@ if __name__ == "__main__":
     sys.argv.remove(events)
     script, events, update = importlib.import_module(name), json.loads(events), [0]
     common.sample_responses = signalling(common.sample_responses, "generation", events, update, starts_update=True)
-    vllm_generator.AsyncGenerator.batch_for = signalling(vllm_generator.AsyncGenerator.batch_for, "generation", events,
-                                                         update, starts_update=True)
-    common.write_checkpoint = signalling(common.write_checkpoint, "saving", events, update)
+    async_generator.AsyncGenerator.batch_for = signalling(async_generator.AsyncGenerator.batch_for, "generation",
+                                                          events, update, starts_update=True)
+    outputs.write_checkpoint = signalling(outputs.write_checkpoint, "saving", events, update)
     optimizer_step, stepped_in = deepspeed.DeepSpeedEngine.step, set()
 
     def step(engine, *args, **kwargs):

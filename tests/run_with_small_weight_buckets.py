@@ -1,5 +1,5 @@
 """A vLLM kit script (named by the first argument) that sends its weights to the engine in buckets of at most
-the bytes the second argument gives (vllm_generator.WEIGHT_BUCKET_BYTES; a large policy's weights take many
+the bytes the second argument gives (weight_transport.WEIGHT_BUCKET_BYTES; a large policy's weights take many
 buckets, the toy's fit one), and prints how many buckets each send took. On the CPU the trainer gathers
 and copies bucket by bucket into the shared buffer, which the engine's process reads whole: only the
 trainer needs the smaller size.
@@ -11,16 +11,16 @@ import importlib
 import sys
 
 import cli
-import vllm_generator
+import weight_transport
 
 if __name__ == "__main__":
-    script, vllm_generator.WEIGHT_BUCKET_BYTES = importlib.import_module(sys.argv.pop(1)), int(sys.argv.pop(1))
-    weight_buckets = vllm_generator.weight_buckets
+    script, weight_transport.WEIGHT_BUCKET_BYTES = importlib.import_module(sys.argv.pop(1)), int(sys.argv.pop(1))
+    weight_buckets = weight_transport.weight_buckets
 
     def counted_weight_buckets(sizes: list[int], element_bytes: int) -> list[range]:
         buckets = weight_buckets(sizes, element_bytes)
         print(f"weight buckets: {len(buckets)} for {len(sizes)} parameters", flush=True)
         return buckets
 
-    vllm_generator.weight_buckets = counted_weight_buckets
+    weight_transport.weight_buckets = counted_weight_buckets
     script.main(cli.parse(script.Args))

@@ -12,6 +12,7 @@ from conftest import word_tokenizer
 import common
 import data
 import math_reward
+import outputs
 
 PAD, EOS, OTHER_EOS = 0, 1, 7
 
@@ -119,10 +120,11 @@ def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, 
         monkeypatch.setenv(name, value)
     deepspeed.init_distributed("gloo")
     try:
-        args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1, zero_stage=2,
-                               bf16=False, max_grad_norm=0.01)  # small enough that the clipping acts
+        training = common.OptimizerArgs(per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                                        max_grad_norm=0.01)  # small enough that the clipping acts
         ours, plain = (AutoModelForCausalLM.from_pretrained(tiny_dir / "policy") for _ in range(2))
-        engine = common.prepare_deepspeed(ours, args, torch.optim.AdamW(ours.parameters(), lr=1e-2))
+        engine = common.prepare_deepspeed(ours, common.DistributedArgs(zero_stage=2), training,
+                                          torch.optim.AdamW(ours.parameters(), lr=1e-2))
         assert engine.zero_optimization_stage() == 0 and not engine.enable_backward_allreduce
         optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
         input_ids = torch.tensor([[2, 3, 4, 5], [5, 4, 3, 2], [3, 3, 4, 4], [2, 5, 2, 5]])
@@ -130,7 +132,8 @@ def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, 
             engine.backward(engine(input_ids=input_ids, labels=input_ids).loss)
             engine.step()
             plain(input_ids=input_ids, labels=input_ids).loss.backward()
-            assert torch.nn.utils.clip_grad_norm_(plain.parameters(), args.max_grad_norm) > 10 * args.max_grad_norm
+            norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), training.max_grad_norm)
+            assert norm > 10 * training.max_grad_norm
             optimizer.step()
             optimizer.zero_grad()
         for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
@@ -210,8 +213,7 @@ def test_rollout_metrics_count_eos_over_every_rank(monkeypatch):
                              contains_eos=torch.tensor([True, False, True]))
     logprobs, ref_logprobs = torch.tensor([[-1.0, -2.0], [-1.0, -1.0], [-3.0, 1.0]]), torch.full((3, 2), -1.0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)  # this rank's half of the batch
-    metrics = common.rollout_metrics(SimpleNamespace(kl_coef=0.5), rollout, logprobs, ref_logprobs,
-                                     torch.tensor([1.0, -1.0, 3.0]))
+    metrics = common.rollout_metrics(rollout, logprobs, ref_logprobs, torch.tensor([1.0, -1.0, 3.0]), kl_coef=0.5)
     assert metrics["val/num_eos_tokens"] == 4  # 2 here, as many on the other rank (all_reduce_mean averages)
     kl = [-1.0, 0.0, -2.0]  # sums over real tokens only: the pad of row 3 holds INVALID_LOGPROB
     assert metrics["objective/kl"] == pytest.approx(sum(kl) / 3)
@@ -316,9 +318,9 @@ def test_reward_function_gets_prompts_completions_and_the_other_columns_per_samp
     mat, sat = tokenizer.convert_tokens_to_ids(["mat", "sat"])
     rollout = common.Rollout(query_ids, query_mask, torch.tensor([[mat, EOS], [sat, EOS], [mat, EOS], [sat, PAD]]),
                              torch.tensor([2, 2, 2, 1]), torch.tensor([True, True, True, False]))
-    task = SimpleNamespace(tokenizer=tokenizer, reward_fn=reward_fn)
-    args = SimpleNamespace(prompt_column="prompt", reward_fn="test:reward_fn")
-    scores = common.function_rewards(task, args, rollout, rows, "update 3")
+    task = SimpleNamespace(tokenizer=tokenizer, reward_fn=reward_fn, reward_fn_name="test:reward_fn",
+                           prompt_column="prompt")
+    scores = common.function_rewards(task, rollout, rows, "update 3")
     assert scores.tolist() == [1.0, 0.0, 0.0, 1.0]
     # completions as the policy wrote them after its prompt (here with the space the tokenizer puts there)
     assert calls == [(["the cat", "the cat", "the dog", "the dog"], [" mat", " sat", " mat", " sat"],
@@ -334,13 +336,13 @@ def test_a_failing_reward_function_stops_naming_the_update(name, message):
     import datasets
 
     spec = f"tests/reward_fns.py:{name}"
-    task = SimpleNamespace(tokenizer=word_tokenizer(), reward_fn=data.load_reward_function(spec))
+    task = SimpleNamespace(tokenizer=word_tokenizer(), reward_fn=data.load_reward_function(spec), reward_fn_name=spec,
+                           prompt_column="prompt")
     rollout = common.Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
                              torch.tensor([[5], [6]]), torch.tensor([1, 1]), torch.tensor([False, False]))
     rows = datasets.Dataset.from_dict({"prompt": ["p", "q"], "input_ids": [[1], [1]]})[[0, 1]]
     with pytest.raises(SystemExit) as stop:
-        common.function_rewards(task, SimpleNamespace(prompt_column="prompt", reward_fn=spec), rollout, rows,
-                                "update 3")
+        common.function_rewards(task, rollout, rows, "update 3")
     assert str(stop.value.code) == f"error: {message}"
 
 
@@ -358,9 +360,8 @@ def test_reward_function_specs_resolve_or_fail_on_one_line():
 
 # ---- data ---------------------------------------------------------------------------------------
 def data_args(path, **overrides):
-    return SimpleNamespace(**{"dataset_name": str(path), "prompt_column": "query", "prompt_template": None,
-                              "chat_template": False,
-                              "max_prompt_length": 4, "model_name_or_path": "tiny", **overrides})
+    return data.DataArgs(**{"dataset_name": str(path), "max_prompt_length": 4, "model_name_or_path": "tiny",
+                            **overrides})
 
 
 def write_jsonl(path, rows):
@@ -457,7 +458,7 @@ def test_curves_png_is_drawn_from_metrics_jsonl(tmp_path):
               "eval/proxy_score": 0.5 * u, "eval/kl": 0.2 * u} for u in range(4)]
     lines.insert(1, {"update": 1, "time": 1010.0, "loss/policy_avg": 0.5})  # a training line is skipped
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    common.plot_curves(str(tmp_path))
+    outputs.plot_curves(str(tmp_path))
     image = matplotlib.image.imread(tmp_path / "curves.png")
     assert image.shape[:2] == (7 * 80, 13 * 80)  # six panels at 80 dpi
     assert image.std() > 0.01  # something is drawn
@@ -472,11 +473,11 @@ def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, one_ran
             drawn.append([m["update"] for m in map(json.loads, f) if "eval/proxy_score" in m])
 
     monkeypatch.setattr(common, "plot_curves", plot_curves)
-    logger = common.MetricsLogger(SimpleNamespace(output_dir=str(tmp_path), track=False), "run", 4, 0, ())
+    logger = outputs.MetricsLogger(outputs.RunArgs(output_dir=str(tmp_path)), {}, 4, 0, ())
     for update in range(4):
         logger.log_evaluation(update, 8 * update, {"eval/proxy_score": 0.1 * update})
         if update == 1:  # a minute passes
-            logger.curves_drawn_at -= common.CURVES_EVERY_SECONDS
+            logger.curves_drawn_at -= outputs.CURVES_EVERY_SECONDS
     logger.close()
     assert drawn == [[0, 1, 2], [0, 1, 2, 3]]  # not at the start, when the first evaluation alone is no curve
 

@@ -3,7 +3,6 @@ bonus and the advantages against numbers computed by hand on a tiny batch (two p
 of 3, 1, 2 and 3 tokens, the first truncated). The script's bad flags: test_reliability.py."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,10 +21,16 @@ ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5])
 # row 3 -> 0.5 x 3. Sums per row -2.7, 1.5, -1.0, 1.5: -0.7 over 9 tokens.
 
 
+def grpo_args(**overrides) -> grpo.Args:
+    """grpo.py's flags, its defaults but `overrides` (dapo, clip [0.8, 1.2], token ratios, no KL, no entropy
+    bonus), completions of 3 tokens."""
+    args = grpo.Args(**overrides)
+    args.generation.response_length = 3
+    return args
+
+
 def loss_of(mask=MASK, new=NEW, step_tokens=9.0, ref=None, entropy=None, **overrides):
-    args = SimpleNamespace(**{"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "delta": None,
-                              "importance_sampling_level": "token", "beta": 0.0, "kl_estimator": "k3",
-                              "entropy_coef": 0.0, "response_length": 3, **overrides})
+    args = grpo_args(**overrides)
     return grpo.policy_loss(new, new - LOG_RATIO, ADVANTAGES, mask, args, step_tokens, ref, entropy)[0].item()
 
 
@@ -66,18 +71,15 @@ def test_cispo_is_reinforce_weighted_by_the_capped_ratio_with_no_gradient_throug
     # -min(ratio, 1.3) * A * logp: row 0: 0.65 + 0.5 + 2.0; row 1: -0.39; row 2: 0.5 + 0.75; row 3: -0.6
     assert loss_of(loss_type="cispo", epsilon_high=1.3) == pytest.approx(3.41 / 9, abs=1e-6)
     new = NEW.clone().requires_grad_()
-    args = SimpleNamespace(loss_type="cispo", epsilon=0.2, epsilon_high=1.3, delta=None, beta=0.0,
-                           importance_sampling_level="token", entropy_coef=0.0, response_length=3)
-    grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
+    grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, grpo_args(loss_type="cispo", epsilon_high=1.3),
+                     9.0)[0].backward()
     # the capped weight, with no derivative of its own: also where the cap does not bind (ratio 0.5, logp -1)
     assert new.grad[0, :2].tolist() == pytest.approx([-1.3 / 9, -0.5 / 9])
 
 
 def test_the_clipped_tokens_get_no_gradient():
     new = NEW.clone().requires_grad_()
-    args = SimpleNamespace(loss_type="bnpo", epsilon=0.2, epsilon_high=None, delta=None, beta=0.0,
-                           importance_sampling_level="token", entropy_coef=0.0, response_length=3)
-    grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
+    grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, grpo_args(loss_type="bnpo"), 9.0)[0].backward()
     assert new.grad[0, 0].item() == 0  # ratio 1.5 > 1.2 with A > 0: clipped
     assert new.grad[0, 1].item() == pytest.approx(-0.5 / 9)  # ratio 0.5, A = 1: d(-ratio A)/dlogp / 9
 

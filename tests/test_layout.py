@@ -1,15 +1,52 @@
-"""The kit's layout promises: a synchronous script never imports vLLM, the embedded tasks and the
-math reward import nothing of the kit (no import circle), and the toy's own answer check agrees with
-the math reward's on the arithmetic task."""
+"""The kit's layout promises: no kit module imports another that imports it back (imports inside functions
+included), as the README's map says; a synchronous script never imports vLLM; the embedded tasks and the
+math reward import nothing of the kit; and the toy's own answer check agrees with the math reward's on the
+arithmetic task."""
 
+import ast
+import os
+import re
 import subprocess
 import sys
 
 from scripts import ROOT, environment
 
-KIT_MODULES = ("cli", "common", "corrections", "data", "evaluation", "lora", "vllm_generator", "math_reward",
-               "online_dpo", "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm",
-               "sft", "reward_model", "eval_checkpoints")
+KIT_MODULES = tuple(sorted(name.removesuffix(".py") for name in os.listdir(ROOT) if name.endswith(".py")))
+
+
+def kit_imports(module: str) -> set[str]:
+    """The kit modules that `module` imports, at its top or inside a function."""
+    with open(os.path.join(ROOT, f"{module}.py")) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names & set(KIT_MODULES) - {module}
+
+
+def test_the_imports_go_one_way():
+    """No circle: the modules can be ordered so that each imports only modules before it."""
+    left = {module: kit_imports(module) for module in KIT_MODULES}
+    while left:
+        ready = [module for module, imports in left.items() if not imports & set(left)]
+        assert ready, f"an import circle among {sorted(left)}"
+        for module in ready:
+            del left[module]
+
+
+def test_the_readmes_map_of_imports_is_the_code():
+    """The README's table of what each shared module imports of the kit."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = re.findall(r"^\| `(\w+)\.py` \| imports (.+?) \|$", f.read(), re.M)
+    assert rows
+    for module, imports in rows:
+        assert set(re.findall(r"`(\w+)`", imports)) == kit_imports(module), module
+    scripts = {"online_dpo", "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm",
+               "sft", "reward_model", "eval_checkpoints"}
+    assert {module for module, _ in rows} == set(KIT_MODULES) - scripts
 
 
 def modules_after_import(*names: str) -> set[str]:
@@ -24,12 +61,13 @@ def test_the_synchronous_scripts_import_no_vllm_code():
     loaded = modules_after_import("online_dpo", "ppo", "rloo", "bok", "grpo", "sft", "reward_model",
                                   "eval_checkpoints")
     assert {"common", "data"} <= loaded
-    assert not {name for name in loaded if name == "vllm_generator" or name.split(".")[0] == "vllm"}
+    vllm_modules = {"async_generator", "vllm_generator", "vllm_placement", "weight_transport", "inflight"}
+    assert not {name for name in loaded if name in vllm_modules or name.split(".")[0] == "vllm"}
 
 
 def test_the_toy_and_the_math_reward_import_nothing_of_the_kit():
     loaded = modules_after_import("toy", "math_reward")
-    assert {"toy", "math_reward"} <= loaded and not set(KIT_MODULES) - {"math_reward"} & loaded
+    assert {"toy", "math_reward"} <= loaded and not set(KIT_MODULES) - {"toy", "math_reward"} & loaded
 
 
 def test_the_toys_answer_check_agrees_with_the_math_reward():

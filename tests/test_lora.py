@@ -6,7 +6,6 @@ researcher's Qwen2 chat policy with a BERT reward model: test_own_inputs*.py."""
 import copy
 import json
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import common
 import lora
 import toy
 
-LORA = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"])
+LORA = lora.LoraArgs(use_peft=True, lora_r=4, lora_alpha=8)
 
 
 def policy_with_trained_adapter(name: str):

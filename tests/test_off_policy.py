@@ -4,7 +4,6 @@ RLOO's and GRPO's losses; every correction equals none when nothing is stale, an
 is 1."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,8 +24,8 @@ ADVANTAGES = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
 
 
 def terms(correction, level="token", cap=None, new=STEP):
-    args = SimpleNamespace(off_policy_correction=correction, is_level=level, is_cap=cap, is_mask_low=0.5)
-    return corrections.off_policy_terms(new, SAMPLING, START, MASK, args)
+    flags = corrections.CorrectionArgs(off_policy_correction=correction, is_cap=cap)
+    return corrections.off_policy_terms(new, SAMPLING, START, MASK, flags, sequence_level=level == "sequence")
 
 
 def ppo_loss(correction, level="token", cap=None):
@@ -77,8 +76,8 @@ def test_the_diagnostics():
 def test_nothing_stale_every_correction_is_none(correction):
     """K = 0, one mini-batch: the sampling, start-of-update and step log-probs are the same."""
     fresh = SAMPLING.clone().requires_grad_()
-    args = SimpleNamespace(off_policy_correction=correction, is_level="token", is_cap=None, is_mask_low=0.5)
-    anchor, weights, diagnostics = corrections.off_policy_terms(fresh, SAMPLING, SAMPLING, MASK, args)
+    anchor, weights, diagnostics = corrections.off_policy_terms(
+        fresh, SAMPLING, SAMPLING, MASK, corrections.CorrectionArgs(off_policy_correction=correction), False)
     assert torch.equal(weights, torch.ones_like(weights)) and torch.equal(anchor, SAMPLING)
     assert diagnostics["async/mismatch_kl"] == 0 and diagnostics["async/is_ratio_mean"] == 1
     assert diagnostics["async/is_ratio_max"] == 1 and diagnostics["async/is_truncated_frac"] == 0
@@ -94,8 +93,8 @@ def test_rloo_and_grpo_weight_their_terms_the_same_way():
     # ratio exp(sum log 1.5 0.5 3 - sum log 1.2 0.8 2.5) = 2.25 / 2.4 = 0.9375: inside the clip; weight 2
     loss = rloo.sequence_policy_loss(new_seq, old_seq, advantage, 0.2, weights.flatten())[0]
     assert loss.item() == pytest.approx(-2.0 * 0.9375)
-    args = SimpleNamespace(loss_type="bnpo", epsilon=0.2, epsilon_high=None, delta=None, beta=0.0,
-                           importance_sampling_level="token", entropy_coef=0.0, response_length=4)
+    args = grpo.Args(loss_type="bnpo")
+    args.generation.response_length = 4
     anchor, weights, _ = terms("tis")
     loss = grpo.policy_loss(STEP, anchor, ADVANTAGES[0, :1].repeat(1), MASK, args, 3.0, weights=weights)[0]
     # A = 1 on every token: -1.2 (clipped), -0.625, -1.2 (clipped at 1.2), weighted 1.2, 0.8, 2

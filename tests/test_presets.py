@@ -5,6 +5,7 @@ import json
 import os
 import re
 import sys
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -44,6 +45,12 @@ def parse(module, *argv):
         return cli.parse(module.Args, getattr(module, "RUN_FIELDS", ()))
 
 
+def parsed_and_flags(module, *argv) -> tuple:
+    """parse's Args, and every flag by its command-line name (its groups' too) as attributes."""
+    _, args = parsed_and_flags(module, *argv)
+    return args, SimpleNamespace(**cli.flag_values(args))
+
+
 def launch_of(script: str, name: str) -> str:
     """The preset file's launch command: its comment line `# launch: ...`."""
     with open(cli.presets(EVERY_SCRIPT[script].Args)[name]) as f:
@@ -78,14 +85,14 @@ def test_a_preset_is_its_file_given_to_config(script, name):
     """Every key of the file is a flag of its script (config_flags refuses any other), and --preset NAME is
     --config configs/<script>/NAME.yaml."""
     module, path = EVERY_SCRIPT[script], cli.presets(EVERY_SCRIPT[script].Args)[name]
-    assert {**vars(parse(module, "--preset", name)), "preset": None} == {**vars(parse(module, "--config", path)),
-                                                                         "config": None}
+    assert {**cli.flag_values(parse(module, "--preset", name)), "preset": None} == {
+        **cli.flag_values(parse(module, "--config", path)), "config": None}
     assert launch_of(script, name).split()[-3:] == [script, "--preset", name]
 
 
 @pytest.mark.parametrize(("script", "name"), TLDR_PRESETS)
 def test_preset_parses_divides_and_names_the_artefacts(script, name):
-    args = parse(SCRIPTS[script], "--preset", name)
+    parsed, args = parsed_and_flags(SCRIPTS[script], "--preset", name)
     assert args.preset == name
     size = re.match(r"tldr-(410m|1b|2\.8b)-", name).group(1)
     assert args.model_name_or_path == f"mnoukhov/pythia{size}-sft-tldr"
@@ -95,7 +102,7 @@ def test_preset_parses_divides_and_names_the_artefacts(script, name):
     assert (args.response_length, args.temperature, args.penalty_reward_value, args.learning_rate, args.bf16) == (
         53, 0.7, -1.0, 3e-6, True)
     world_size = world_size_of(script, name)
-    local_batch_size, num_updates = common.batch_sizes(args, world_size)
+    local_batch_size, num_updates = common.batch_sizes(parsed.optimizer, world_size)
     assert num_updates == 256
     assert local_batch_size * world_size == (504 if "async-4gpu" in name else 512)
     if "async-4gpu" in name:
@@ -113,7 +120,7 @@ GSM8K = {"online_dpo": (8, 0.7, 1.0, 0.1, 5e-6, 512, 1, False),
 
 @pytest.mark.parametrize(("script", "name"), GSM8K_PRESETS)
 def test_gsm8k_presets_carry_the_reference_settings(script, name):
-    args = parse(SCRIPTS[script], "--preset", name)
+    parsed, args = parsed_and_flags(SCRIPTS[script], "--preset", name)
     assert (args.model_name_or_path, args.dataset_name, args.eval_split) == (
         "realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k:main", "test")
     assert args.prompt_template.format(question="Q?") == "[MATH_TASK] Problem:\nQ?\n\nSolution:"
@@ -124,7 +131,7 @@ def test_gsm8k_presets_carry_the_reference_settings(script, name):
     coefficient = args.beta if algorithm == "online_dpo" else args.kl_coef
     assert (samples, args.temperature, args.top_p, coefficient, args.learning_rate, args.response_length,
             args.num_epochs, args.missing_eos_penalty) == expected[:8]
-    local_batch_size, num_updates = common.batch_sizes(args, world_size_of(script, name))
+    local_batch_size, num_updates = common.batch_sizes(parsed.optimizer, world_size_of(script, name))
     batch_size = local_batch_size * world_size_of(script, name)
     if algorithm == "online_dpo":  # 8 x 6 prompts per device and 73,728 episodes, on 4 or 3 training GPUs
         assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 6)
@@ -136,47 +143,49 @@ def test_gsm8k_presets_carry_the_reference_settings(script, name):
 
 
 def test_grpo_gsm8k_presets_are_the_papers_math_setting_and_verls_qwen_baseline():
-    rho = parse(grpo, "--preset", "gsm8k-rho1b-1gpu")
+    rho_args, rho = parsed_and_flags(grpo, "--preset", "gsm8k-rho1b-1gpu")
     assert (rho.model_name_or_path, rho.dataset_name, rho.reward_fn, rho.num_samples, rho.loss_type) == (
         "realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k:main", "math_reward:gsm8k_reward", 8, "dapo")
     assert rho.prompt_template.format(question="Q?") == "[MATH_TASK] Problem:\nQ?\n\nSolution:"
-    assert common.batch_sizes(rho, 1) == (64, 256)  # RLOO's math run: 64 prompts x 8 samples, 256 updates
-    qwen = parse(grpo, "--preset", "gsm8k-qwen2.5-0.5b-1gpu")
+    # RLOO's math run: 64 prompts x 8 samples, 256 updates
+    assert common.batch_sizes(rho_args.optimizer, 1) == (64, 256)
+    qwen_args, qwen = parsed_and_flags(grpo, "--preset", "gsm8k-qwen2.5-0.5b-1gpu")
     assert (qwen.model_name_or_path, qwen.chat_template, qwen.eval_split, qwen.answer_column) == (
         "Qwen/Qwen2.5-0.5B-Instruct", True, "test", "answer")
     assert qwen.prompt_template.format(question="Q?") == (
         'Q? Let\'s think step by step and output the final answer after "####".')
-    assert common.batch_sizes(qwen, 1) == (64, 116)
+    assert common.batch_sizes(qwen_args.optimizer, 1) == (64, 116)
 
 
 def test_toy_math_presets_run_the_arithmetic_task():
     import toy
 
     for module in SCRIPTS.values():
-        args = parse(module, "--preset", "toy-math")
+        parsed, args = parsed_and_flags(module, "--preset", "toy-math")
         assert (args.model_name_or_path, args.dataset_name, args.reward_fn) == (
             toy.MATH_POLICY, toy.MATH_DATASET, "math_reward:gsm8k_reward")
         assert not args.missing_eos_penalty and args.answer_column == "answer"
-        common.batch_sizes(args, 1)
+        common.batch_sizes(parsed.optimizer, 1)
 
 
 @pytest.mark.parametrize("name", ["chatbot-llama3.1-8b-async-8gpu", "chatbot-llama3.1-8b-sync-8gpu"])
 def test_the_chatbot_presets_are_the_papers_run_at_k1_and_k0(name):
     """The paper's third experiment: Llama 3.1 8B SFT on No Robots, online DPO, 7 training GPUs + the engine."""
-    args = parse(online_dpo_vllm, "--preset", name)
+    parsed, args = parsed_and_flags(online_dpo_vllm, "--preset", name)
     assert (args.model_name_or_path, args.dataset_name, args.prompt_column, args.chat_template) == (
         "allenai/open_instruct_dev", "HuggingFaceH4/no_robots", "prompt", True)
     assert (args.beta, args.learning_rate, args.temperature, args.response_length, args.penalty_reward_value) == (
         0.03, 8e-7, 0.7, 1024, -10.0)
     assert (args.zero_stage, args.bf16, args.async_steps) == (3, True, 1 if "async" in name else 0)
-    local_batch_size, num_updates = common.batch_sizes(args, world_size_of("online_dpo_vllm.py", name))
+    local_batch_size, num_updates = common.batch_sizes(parsed.optimizer, world_size_of("online_dpo_vllm.py", name))
     assert (local_batch_size * 7, num_updates) == (224, 446)
 
 
 def test_flags_override_a_preset():
-    args = parse(online_dpo, "--preset", "tldr-1b-4gpu", "--learning_rate", "1e-5", "--seed", "7")
+    _, args = parsed_and_flags(online_dpo, "--preset", "tldr-1b-4gpu", "--learning_rate", "1e-5", "--seed", "7")
     assert (args.learning_rate, args.seed, args.model_name_or_path) == (1e-5, 7, "mnoukhov/pythia1b-sft-tldr")
-    assert parse(online_dpo).model_name_or_path == online_dpo.Args().model_name_or_path  # no preset: the toy task
+    # no preset: the toy task
+    assert parse(online_dpo).data.model_name_or_path == online_dpo.Args().data.model_name_or_path
 
 
 def test_unknown_preset_is_a_one_line_error():
@@ -197,7 +206,8 @@ def test_the_readme_lists_exactly_the_preset_files_with_their_launch_commands():
 def test_toy_names_are_the_embedded_tasks_artefacts():
     import toy
 
-    args = parse(rloo, "--model_name_or_path", "toy:math_policy", "--dataset_name", "toy:math_dataset")
+    _, args = parsed_and_flags(rloo, "--model_name_or_path", "toy:math_policy", "--dataset_name",
+                               "toy:math_dataset")
     assert (args.model_name_or_path, args.dataset_name) == (toy.MATH_POLICY, toy.MATH_DATASET)
     with pytest.raises(SystemExit, match=re.escape("--reward_model_path 'toy:gold' names no toy artefact; they are "
                                                    "toy:sft_policy, toy:reward_model")):
@@ -206,7 +216,7 @@ def test_toy_names_are_the_embedded_tasks_artefacts():
 
 @pytest.mark.parametrize(("script", "name"), PIPELINE_PRESETS)
 def test_pipeline_presets_divide_and_name_the_artefacts(script, name):
-    args = parse(PIPELINE_SCRIPTS[script], "--preset", name)
+    _, args = parsed_and_flags(PIPELINE_SCRIPTS[script], "--preset", name)
     size = re.match(r"tldr-(410m|1b|2\.8b)-", name).group(1)
     world_size = world_size_of(script, name)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -224,16 +234,18 @@ def test_pipeline_presets_divide_and_name_the_artefacts(script, name):
 def test_every_script_takes_a_config_file(tmp_path, module):
     config = tmp_path / "run.yaml"
     config.write_text("seed: 7\ndataset_name: my/prompts\n")
-    args = parse(module, "--config", str(config), "--seed", "9")
+    _, args = parsed_and_flags(module, "--config", str(config), "--seed", "9")
     assert (args.seed, args.dataset_name, args.config) == (9, "my/prompts", str(config))
 
 
 def test_eval_checkpoints_takes_the_runs_evaluation_settings(tmp_path):
-    recorded = vars(parse(online_dpo, "--preset", "toy-math", "--response_length", "20", "--learning_rate", "1e-5"))
+    recorded = cli.flag_values(parse(online_dpo, "--preset", "toy-math", "--response_length", "20",
+                                     "--learning_rate", "1e-5"))
     (tmp_path / "args.json").write_text(json.dumps({"args": recorded, "ranks": 1, "versions": {}, "argv": []}))
     config = tmp_path / "eval.yaml"
     config.write_text("eval_num_prompts: 64\n")
-    args = parse(eval_checkpoints, "--run_dir", str(tmp_path), "--config", str(config), "--seed", "3")
+    _, args = parsed_and_flags(eval_checkpoints, "--run_dir", str(tmp_path), "--config", str(config), "--seed",
+                               "3")
     # the run's evaluation fields (not its training ones), then the file, then the flags
     assert (args.dataset_name, args.answer_column, args.reward_fn, args.response_length) == (
         recorded["dataset_name"], "answer", "math_reward:gsm8k_reward", 20)
@@ -244,22 +256,23 @@ def test_a_config_file_sits_between_the_preset_and_the_flags(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("learning_rate: 3e-5  # YAML reads this as text: the flag's own parser makes it a float\n"
                       "seed: 7\nbf16: false\ntrack: true\ngold_model_path: null\nresponse_length: 20\n")
-    args = parse(online_dpo, "--preset", "tldr-1b-4gpu", "--config", str(config), "--seed", "9")
+    _, args = parsed_and_flags(online_dpo, "--preset", "tldr-1b-4gpu", "--config", str(config), "--seed", "9")
     assert (args.model_name_or_path, args.learning_rate, args.bf16, args.track) == (
         "mnoukhov/pythia1b-sft-tldr", 3e-5, False, True)  # the preset's, then the file's
     assert (args.seed, args.response_length, args.gold_model_path, args.config) == (9, 20, None, str(config))
     # a file may name the preset itself; a --preset flag overrides it
     config.write_text("preset: tldr-410m-1gpu\nseed: 7\n")
-    assert parse(online_dpo, "--config", str(config)).model_name_or_path == "mnoukhov/pythia410m-sft-tldr"
-    assert parse(online_dpo, "--config", str(config), "--preset", "tldr-1b-1gpu").model_name_or_path == (
+    assert parse(online_dpo, "--config", str(config)).data.model_name_or_path == "mnoukhov/pythia410m-sft-tldr"
+    assert parse(online_dpo, "--config", str(config), "--preset", "tldr-1b-1gpu").data.model_name_or_path == (
         "mnoukhov/pythia1b-sft-tldr")
 
 
 def test_a_runs_args_json_is_a_config(tmp_path):
-    recorded = vars(parse(rloo_vllm, "--preset", "toy-math", "--learning_rate", "1e-5", "--vllm_device", "shared"))
+    recorded = cli.flag_values(parse(rloo_vllm, "--preset", "toy-math", "--learning_rate", "1e-5",
+                                     "--vllm_device", "shared"))
     path = tmp_path / "args.json"
     path.write_text(json.dumps({"args": recorded, "ranks": 1, "versions": {}, "argv": []}))
-    again = vars(parse(rloo_vllm, "--config", str(path)))
+    again = cli.flag_values(parse(rloo_vllm, "--config", str(path)))
     assert again == {**recorded, "config": str(path)}
 
 
@@ -288,12 +301,12 @@ def test_gsm8k_prompts_are_the_template_as_the_scripts_apply_it(tmp_path, name):
 
     import data
 
-    args = parse(grpo, "--preset", name)
+    parsed, args = parsed_and_flags(grpo, "--preset", name)
     tokenizer = byte_level_bpe_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     question = "what is two plus three ?"
-    args.dataset_name = write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": question, "answer": "#### 5"}])
-    [prompt] = data.load_prompts(args, tokenizer, "train")["input_ids"]
+    parsed.data.dataset_name = write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": question, "answer": "#### 5"}])
+    [prompt] = data.load_prompts(parsed.data, tokenizer, "train")["input_ids"]
     filled = {"gsm8k-rho1b-1gpu": f"[MATH_TASK] Problem:\n{question}\n\nSolution:",
               "gsm8k-qwen2.5-0.5b-1gpu":
                   f'{question} Let\'s think step by step and output the final answer after "####".'}

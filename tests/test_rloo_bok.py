@@ -1,7 +1,6 @@
 """rloo.py and bok.py: advantages, loss and selection on hand-made numbers, and both scripts end to end."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,8 +59,7 @@ def test_nll_sums_real_tokens_over_the_steps_share(one_rank_group):
     assert bok.nll_loss(logprobs, mask, step_tokens=3.0).item() == pytest.approx(2.0)
     # a step of this micro-batch and another with 5 tokens, accumulated over 2: each divides by (3 + 5) / 2
     other_mask = torch.ones(1, 5)
-    args = SimpleNamespace(gradient_accumulation_steps=2)
-    assert common.step_share(torch.cat([F.pad(mask, (0, 2)), other_mask]), args) == 4.0
+    assert common.loss_denominator(torch.cat([F.pad(mask, (0, 2)), other_mask]), accumulation_steps=2) == 4.0
 
 
 @pytest.fixture(scope="module", params=["rloo.py", "bok.py"])

@@ -6,25 +6,23 @@ for a policy and prompts of a dataset split (with its prompt column).
 """
 
 import sys
-from types import SimpleNamespace
 
 import torch
 
 import common
 import data
-import toy
 import vllm_generator
+import vllm_placement
+import weight_transport
 
-ENGINE_ARGS = dict(vllm_device="cpu", vllm_cpu_threads=1, vllm_cpu_kv_cache_gib=1, vllm_gpu_memory_utilization=0.9,
-                   model_name_or_path=toy.SFT_POLICY, bf16=False, seed=0, max_prompt_length=64, response_length=12,
-                   temperature=0.7, top_p=1.0, per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                   zero_stage=2, max_grad_norm=1.0)
+ENGINE_ARGS = vllm_placement.EngineArgs(vllm_device="cpu", vllm_gpu_memory_utilization=0.9)
+GENERATION = common.GenerationArgs()
 
 
 def engine_environment() -> dict[str, str]:
     """The generator process's environment on a CPU: the engine in-process, on the last core (refused on a
     GPU node, so asked for only when a test runs)."""
-    return vllm_generator.engine_placement(SimpleNamespace(**ENGINE_ARGS), world_size=1).environment
+    return vllm_placement.engine_placement(ENGINE_ARGS, world_size=1).environment
 
 
 def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
@@ -32,24 +30,25 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
     with HF greedy."""
     from transformers import AutoModelForCausalLM
 
-    args = SimpleNamespace(**{**ENGINE_ARGS, "model_name_or_path": policy_path})
-    policy = AutoModelForCausalLM.from_pretrained(policy_path)  # before the engine, as in vllm_generator.generate_ahead
+    policy = AutoModelForCausalLM.from_pretrained(policy_path)  # before the engine, as in vllm_generator.start_engine
     # in this process, on the core engine_environment() names
-    llm = vllm_generator.start_vllm(args, args.vllm_gpu_memory_utilization)
+    llm = vllm_placement.start_vllm(policy_path, False, 0, 64 + GENERATION.response_length, False,
+                                    ENGINE_ARGS.vllm_gpu_memory_utilization)
     for module in policy.modules():
         module.do_not_compile = True  # vLLM's Transformers backend (GPT-NeoX) decorated HF classes just now
     common.init_distributed()
     tokenizer = data.load_tokenizer(policy_path)
     eos_ids = data.eos_token_ids(policy_path, tokenizer)
-    prompts = data.load_prompts(SimpleNamespace(dataset_name=dataset, prompt_column=prompt_column,
-                                                  prompt_template=None, chat_template=False, max_prompt_length=64),
-                                  tokenizer, split)["input_ids"][:32]
-    engine = common.prepare_deepspeed(policy, args, torch.optim.AdamW(policy.parameters(), lr=1e-2))
+    prompts = data.load_prompts(data.DataArgs(dataset_name=dataset, prompt_column=prompt_column, max_prompt_length=64),
+                                tokenizer, split)["input_ids"][:32]
+    training = common.OptimizerArgs(per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    engine = common.prepare_deepspeed(policy, common.DistributedArgs(), training,
+                                      torch.optim.AdamW(policy.parameters(), lr=1e-2))
     query_ids, query_mask = common.left_pad(prompts, tokenizer.pad_token_id, engine.device)
 
     def hf_greedy():
         output = engine.module.generate(input_ids=query_ids, attention_mask=query_mask, do_sample=False,
-                                        max_new_tokens=args.response_length, eos_token_id=eos_ids,
+                                        max_new_tokens=GENERATION.response_length, eos_token_id=eos_ids,
                                         pad_token_id=tokenizer.pad_token_id)[:, query_ids.shape[1]:]
         return [row[:n].tolist() for row, n in zip(*common.truncate_after_eos(output, eos_ids,
                                                                                   tokenizer.pad_token_id)[:2])]
@@ -58,16 +57,15 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                               SamplingParams(temperature=0, max_tokens=args.response_length, stop_token_ids=eos_ids),
-                               use_tqdm=False)
+        greedy = SamplingParams(temperature=0, max_tokens=GENERATION.response_length, stop_token_ids=eos_ids)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     before = hf_greedy()
     assert vllm_greedy() == before
     # the exact check of each load compares the tensors vLLM keeps as they are (on a CPU: the embeddings and
     # norms of Llama, Qwen2 and GPT-2; the output layer of GPT-NeoX, which runs through vLLM's Transformers backend)
-    pairs = vllm_generator.one_to_one_tensors(llm, engine.module)
+    pairs = weight_transport.one_to_one_tensors(llm, engine.module)
     assert pairs, "no tensor of the engine equals the policy's"
     for _ in range(3):  # a few large steps that change the greedy completions
         loss = -engine(input_ids=query_ids[:8], attention_mask=query_mask[:8]).logits[:, -1, 5].mean()
@@ -76,20 +74,20 @@ def check_greedy_after_weight_sync(policy_path, dataset, prompt_column, split):
     after = hf_greedy()
     assert after != before, "the training steps did not change the policy's greedy completions"
     try:  # the engine still holds the weights before the steps
-        vllm_generator.check_engine_holds(llm, engine.module, pairs, version=3)
+        weight_transport.check_engine_holds(llm, engine.module, pairs, version=3)
         raise AssertionError("an engine that kept its old weights passed the exact check")
     except RuntimeError as error:
         assert str(error).endswith("differ from the weights sent: the engine did not take the new weights"), error
-    vllm_generator.load_engine_weights(llm, engine.module)
-    vllm_generator.check_engine_holds(llm, engine.module, pairs, version=3)
+    weight_transport.load_engine_weights(llm, engine.module)
+    weight_transport.check_engine_holds(llm, engine.module, pairs, version=3)
     assert vllm_greedy() == after
     # seeded sampling: a row's completion depends on its prompt and seed alone, however vLLM batches
     # it, also in a batch of more prompt tokens than one engine step takes (4096 on a CPU)
     batch, pad = prompts * (4096 // sum(map(len, prompts)) + 1), tokenizer.pad_token_id
     assert sum(map(len, batch)) > 4096
     seeds = list(range(len(batch)))
-    responses, _ = vllm_generator.vllm_generate(llm, batch, seeds, args, eos_ids, pad)
-    alone, _ = vllm_generator.vllm_generate(llm, batch[-1:], seeds[-1:], args, eos_ids, pad)
+    responses, _ = vllm_generator.vllm_generate(llm, batch, seeds, GENERATION, eos_ids, pad)
+    alone, _ = vllm_generator.vllm_generate(llm, batch[-1:], seeds[-1:], GENERATION, eos_ids, pad)
     assert torch.equal(responses[-1:], alone)
     print("greedy completions equal after weight sync")
 

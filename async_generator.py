@@ -1,0 +1,283 @@
+"""The trainer's side of the asynchronous scripts' vLLM engine (AsyncGenerator): it starts the generator
+process (vllm_generator.generate_ahead, or inflight.generate_inflight with --inflight_updates) where
+vllm_placement says, hands each rank its share of each batch, sends the weights (weight_transport), and keeps
+what a checkpoint needs so that a resumed run trains on exactly the same samples. The scripts' loops call
+batch_for, publish_weights and checkpoint_state."""
+
+import atexit
+import collections
+import contextlib
+import dataclasses
+import datetime
+import itertools
+import multiprocessing
+import os
+import queue
+import time
+
+import torch
+
+import common
+import data
+import outputs
+import vllm_generator
+import vllm_placement
+import weight_transport
+from vllm_generator import AsyncArgs, sampling_version
+from vllm_placement import EngineArgs
+
+
+def check_flags(asynchronous: AsyncArgs, engine_args: EngineArgs, world_size: int):
+    """What the asynchronous flags' groups cannot check alone, before anything is written: in-flight updates
+    need an engine that samples while the trainer trains, and the engines' places must exist."""
+    if asynchronous.inflight_updates and engine_args.vllm_device == "shared":
+        common.fail("--inflight_updates needs an engine that samples while the trainer trains: not --vllm_device "
+                    "shared (engine and trainer take turns there)")
+    vllm_placement.check_placement(engine_args, world_size)
+
+
+ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
+               "--resume continues from it")
+
+
+class AsyncGenerator:
+    """The trainer's side of its engine's generator process (generate_ahead, placed by start_generator).
+
+    One engine per node (or --vllm_engines_per_node), each for an equal share of the node's consecutive
+    ranks: every rank makes an AsyncGenerator and makes each call; the first rank of each share (its
+    leader) talks to its engine's process and hands each rank of the share its part. Weights reach the
+    engine in memory (SharedWeights, or over NCCL between two GPUs), announced by version number; under
+    ZeRO-3 every rank gathers each bucket, so no weights cross nodes for it. Batches
+    an interrupted run had sampled ahead (the leader's `state.pending_batches`) come first; the process
+    carries on drawing prompts from `sampler` (whole global batches, of which it samples its share) after
+    them. The process is stopped when the trainer exits, however it exits.
+    """
+
+    def __init__(self, asynchronous: AsyncArgs, engine_args: EngineArgs, generation: common.GenerationArgs,
+                 policy: data.DataArgs, run: outputs.RLRunArgs, bf16: bool, task: common.Task,
+                 sampler: data.PromptSampler, state: outputs.OnlineTrainerState, num_updates: int, num_samples: int,
+                 process, dynamic_sampling: vllm_generator.DynamicSampling | None = None):
+        """`process`: what the generator process runs, vllm_generator.generate_ahead or
+        inflight.generate_inflight (looked up by the script at the call, so that tests can put a faulty one in
+        its place); `dynamic_sampling`: with --dynamic_sampling, how the process scores each round."""
+        self.asynchronous = asynchronous
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.num_updates, self.num_samples, self.save_every = num_updates, num_samples, run.save_every
+        engine_ranks = vllm_placement.ranks_per_engine(engine_args.vllm_engines_per_node, world_size, os.environ)
+        self.share = (rank // engine_ranks, world_size // engine_ranks)  # this rank's engine: (index, engines)
+        self.leader = rank % engine_ranks == 0
+        # each rank's batch comes from its leader
+        self.engine_group, _ = torch.distributed.new_subgroups(
+            engine_ranks, timeout=datetime.timedelta(seconds=vllm_generator.process_group_timeout(asynchronous)))
+        self.prompts_per_rank = sampler.global_batch_size // world_size
+        self.sampled_ahead = collections.deque(state.pending_batches)
+        saved = [*self.sampled_ahead, *([state.engine_snapshot] if state.engine_snapshot else [])]
+        if any(batch["engine"] != self.share for batch in saved):
+            sampled_for = saved[0]["engine"]
+            common.fail(f"--resume: the checkpoint's sampled-ahead batches are engine {sampled_for[0]} of "
+                        f"{sampled_for[1]}'s, and this rank's engine would be {self.share[0]} of {self.share[1]}: "
+                        "resume with the nodes, ranks per node and engines per node of the interrupted run")
+        sampler.position = self.sampled_ahead[-1]["data_position"] if self.sampled_ahead else state.data_position
+        self.channels = self.process = self.placement = None
+        self.store = self.channel = None  # over NCCL
+        self.shared, self.free_shared = {}, []  # SharedWeights by handle, and those the generator handed back
+        self.engine_started = False
+        self.snapshots = {}  # --inflight_updates: the engine's snapshots by the update whose checkpoint takes them
+        self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
+        if self.leader:
+            context = multiprocessing.get_context("spawn")
+            node_engine = (rank % vllm_placement.ranks_per_node(world_size, os.environ)) // engine_ranks  # in the node
+            self.placement = vllm_placement.engine_placement(engine_args, world_size, node_engine)
+            if self.placement.weights_over_nccl:  # the group's rendezvous, on a free port; the group itself
+                self.store = torch.distributed.TCPStore(  # once the engine has started
+                    "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=asynchronous.generator_timeout))
+            # the engine samples a batch when the trainer asks for it; in flight, makes a snapshot
+            requests = context.Queue() if self.placement.takes_turns or asynchronous.inflight_updates else None
+            self.channels = vllm_generator.Channels(context.Queue(), context.Queue(), context.Queue(), requests,
+                                                    self.store.port if self.store else 0)
+            first_update = state.update + len(self.sampled_ahead) + 1
+            job = vllm_generator.GeneratorJob(
+                asynchronous=asynchronous, engine_args=engine_args, generation=generation,
+                policy_path=policy.model_name_or_path, bf16=bf16, seed=run.seed,
+                max_model_len=policy.max_prompt_length + generation.response_length, save_every=run.save_every,
+                placement=self.placement, share=self.share, prompts=task.train_prompts["input_ids"],
+                sampler=sampler, updates=range(first_update, num_updates + 1), first_version=state.update,
+                num_samples=num_samples, eos_ids=task.eos_ids, pad_token_id=task.tokenizer.pad_token_id,
+                channels=self.channels, snapshot=state.engine_snapshot, dynamic_sampling=dynamic_sampling and
+                dataclasses.replace(dynamic_sampling, task=dataclasses.replace(  # what crosses processes
+                    dynamic_sampling.task, reward_fn=None, eval_prompts=None, gold_score=None)))
+            self.process = vllm_placement.start_generator(self.placement, process, (job,))
+            atexit.register(self.stop)  # however the trainer exits
+            common.STOP_BEFORE_FAILING.append(self.stop)
+            if self.placement.takes_turns:  # on the trainer's GPU, it measures its memory before the trainer's
+                self.wait_for_engine()      # first evaluation takes some
+
+    def _receive(self, timeout: float, timeout_error: str):
+        """The process's next message; stops within a second when it has failed or died, and with
+        `timeout_error` after `timeout` seconds."""
+        deadline = time.time() + timeout
+        while True:
+            alive = self.process.is_alive()  # before reading, so that what it sent before it ended is read first
+            try:
+                item = self.channels.batches.get(timeout=0.5)
+            except queue.Empty:
+                if not alive:
+                    common.fail(ENGINE_DIED)
+                if time.time() > deadline:
+                    common.fail(timeout_error)
+                continue
+            if isinstance(item, str):
+                common.fail(f"generation failed: {item}")
+            return item
+
+    def _next_batch(self) -> dict:
+        """The next whole batch from the process (asked for first, when the engine shares the trainer's
+        device), its arrays as tensors; the snapshots that come first are kept."""
+        if self.placement.takes_turns:
+            if torch.cuda.is_available():  # the engine wakes on this GPU: the memory the trainer's cache holds
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            self.requested += 1
+            self.channels.requests.put(self.requested)
+        while (batch := self._next_message()) is None:
+            pass
+        return batch
+
+    def _next_message(self) -> dict | None:
+        """The next batch from the process, its arrays as tensors; None for a snapshot (--inflight_updates),
+        which is kept."""
+        timeout = self.asynchronous.generator_timeout
+        item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
+        if "snapshot" in item:
+            self.snapshots[item["snapshot"]] = item
+            return None
+        return {**item, **{name: torch.from_numpy(item[name])
+                           for name in ("responses", "logprobs", "scores", "token_versions") if name in item}}
+
+    def wait_for_engine(self):
+        """Wait until the engine has started (it loads the model and warms up while the trainer sets up and
+        makes its first evaluation; on the trainer's own device, before that evaluation: see __init__)."""
+        if self.leader and not self.engine_started:
+            timeout = self.asynchronous.engine_start_timeout
+            self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
+            self.engine_started = True
+            if self.placement.weights_over_nccl:
+                self.channels.published.put(weight_transport.CONNECTING)  # the generator process builds its end now
+                self.channel = weight_transport.connect_weight_channel(self.store, self.process,
+                                                                       self.asynchronous.generator_timeout)
+
+    def batch_for(self, update: int) -> dict:
+        """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
+        per sample (each prompt's adjacent) "queries" (token lists), "responses" and the engine's "logprobs"
+        (N, R), with --inflight_updates each token's "token_versions" (N, R); the weight "version" it was sampled
+        with (in flight: its oldest token's), and its engine's timings."""
+        shares = None
+        if self.leader:
+            batch = self.sampled_ahead.popleft() if self.sampled_ahead else self._next_batch()
+            assert batch["update"] == update
+            prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
+            shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
+                       **{name: batch[name][r * rows:(r + 1) * rows]
+                          for name in ("queries", "responses", "logprobs", "scores", "token_versions")
+                          if name in batch}}
+                      for r in range(torch.distributed.get_world_size(self.engine_group))]
+        received = [None]
+        torch.distributed.scatter_object_list(received, shares, group=self.engine_group, group_src=0)
+        return received[0]
+
+    def publish_weights(self, policy, version: int, part: str | None = None):
+        """Hand the weights of `policy` (its DeepSpeed engine) after update `version` to the vLLM engine,
+        announced by version number: one memory copy into a shared buffer, or over NCCL to an engine on a GPU of
+        its own; bucket by bucket (every rank calls it: under ZeRO-3 a rank gathers one bucket at a time).
+        `part`: the policy's attribute name when the DeepSpeed engine trains more than the policy (PPO)."""
+        if version > sampling_version(self.num_updates, self.asynchronous.async_steps):
+            return  # no batch samples with these weights (and the process may have ended)
+        model = policy.module if part is None else getattr(policy.module, part)
+        weights = common.merged_weights(model)  # the order the receiver expects; a LoRA adapter merged in
+        first = weights[0][1][0]
+        sizes = [getattr(made_of[0], "ds_numel", made_of[0].numel()) for _, made_of, _ in weights]  # ZeRO-3: whole
+        offsets = [0, *itertools.accumulate(sizes)]  # in the flat weights
+        shared = None
+        if self.leader and self.placement.weights_over_nccl:
+            self.channels.published.put((version, None))  # the buckets follow
+        elif self.leader:
+            shared = self._free_shared_weights(offsets[-1], first.dtype, version)
+        for bucket in weight_transport.weight_buckets(sizes, first.element_size()):
+            with common.gathered(policy, [p for i in bucket for p in weights[i][1]]):
+                if shared is not None:
+                    for i in bucket:
+                        shared.flat[offsets[i]:offsets[i + 1]].copy_(weights[i][2]().reshape(-1))
+                elif self.leader:
+                    self._send(torch.cat([weights[i][2]().reshape(-1) for i in bucket]), version)
+        if shared is not None:
+            self.channels.published.put((version, shared.handle))
+
+    def _free_shared_weights(self, numel: int, dtype: torch.dtype, version: int) -> weight_transport.SharedWeights:
+        """A shared buffer the generator is not reading: a new one while there are fewer than two (the trainer
+        writes one while the generator reads the other), then the one it handed back, waited for."""
+        deadline = time.time() + self.asynchronous.generator_timeout
+        while not self.free_shared:
+            if len(self.shared) < 2:
+                weights = weight_transport.SharedWeights(numel, dtype)
+                self.shared[weights.handle] = weights
+                return weights
+            if not self.process.is_alive() or time.time() > deadline:
+                self._fail_sending(version)
+            with contextlib.suppress(queue.Empty):
+                self.free_shared.append(self.channels.released.get(timeout=0.1))
+        return self.shared[self.free_shared.pop(0)]
+
+    def _send(self, flat: torch.Tensor, version: int):
+        """Broadcast one bucket, watching the process: a send to a process that died, failed or hangs stops the
+        run with the kit's error, not with the channel's (NCCL's watchdog would abort the trainer)."""
+        work = self.channel.broadcast([flat], torch.distributed.BroadcastOptions())
+        deadline = time.time() + self.asynchronous.generator_timeout
+        while not work.is_completed() and self.process.is_alive() and time.time() < deadline:
+            time.sleep(0.001)
+        if work.is_completed():
+            try:
+                work.wait()  # rethrows the send's error (NCCL's work objects have no is_success)
+                return
+            except RuntimeError:
+                pass
+        self.channel.abort()  # nothing more goes over it, and nothing waits for it at exit
+        self._fail_sending(version)
+
+    def _fail_sending(self, version: int):
+        """Stop with the process's own error, or its death, which say more than a failed send."""
+        message = (f"sending the weights of update {version} to the vLLM engine failed or took longer than "
+                   f"--generator_timeout {self.asynchronous.generator_timeout:g} s")
+        while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this
+            self._receive(2.0, message)
+
+    def checkpoint_state(self, update: int) -> tuple[list[dict], dict | None]:
+        """What a checkpoint after `update` saves (each leader's in its rank's state) so that a resumed run
+        trains on exactly these samples: the batches for the updates after it that the process samples with
+        weights older than update's (min(K, updates left)), waited for; with --inflight_updates, those it
+        finished before its snapshot, and the snapshot (inflight.py). Its engine's share on a leader; empty
+        on the other ranks."""
+        if not self.leader:
+            return [], None
+        if not self.asynchronous.inflight_updates:
+            older = [later for later in range(update + 1, self.num_updates + 1)
+                     if sampling_version(later, self.asynchronous.async_steps) < update]
+            while len(self.sampled_ahead) < len(older):
+                self.sampled_ahead.append(self._next_batch())
+            return list(self.sampled_ahead), None
+        if update not in self.snapshots and not vllm_generator.proactive_snapshot(
+                self.asynchronous, self.save_every, update, self.num_updates):
+            self.channels.requests.put(update)
+        while update not in self.snapshots:
+            if (batch := self._next_message()) is not None:
+                self.sampled_ahead.append(batch)
+        snapshot = self.snapshots.pop(update)
+        return [batch for batch in self.sampled_ahead if batch["update"] < snapshot["update"]], snapshot
+
+    def stop(self):
+        """Stop the process (SIGKILL: it ignores the preemption signals, and holds nothing that needs
+        saving)."""
+        if self.process is not None:
+            self.process.kill()  # nothing happens if it has ended by itself, after the run's last batch
+            self.process.join()
+            self.process = None
