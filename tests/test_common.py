@@ -472,7 +472,7 @@ def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, one_ran
         with open(tmp_path / "metrics.jsonl") as f:
             drawn.append([m["update"] for m in map(json.loads, f) if "eval/proxy_score" in m])
 
-    monkeypatch.setattr(common, "plot_curves", plot_curves)
+    monkeypatch.setattr(outputs, "plot_curves", plot_curves)
     logger = outputs.MetricsLogger(outputs.RunArgs(output_dir=str(tmp_path)), {}, 4, 0, ())
     for update in range(4):
         logger.log_evaluation(update, 8 * update, {"eval/proxy_score": 0.1 * update})

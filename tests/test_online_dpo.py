@@ -3,6 +3,9 @@ each carry their own copy), and the script end to end on the toy task."""
 
 import json
 import math
+import os
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -18,8 +21,10 @@ from scripts import (
     uninterrupted_and_resumed_runs,
 )
 
+import cli
 import online_dpo
 import online_dpo_vllm
+import toy
 
 DPO_SCRIPTS = [online_dpo, online_dpo_vllm]
 
@@ -147,6 +152,31 @@ def test_a_runs_args_json_repeats_it_exactly(tmp_path):
     # the trainable parameter counts, 2 updates, 3 evaluations
     assert numbers(first) == numbers(again) and len(numbers(first)) == 6
     assert_same_weights_and_metrics(first, again, ["loss/policy_avg"])
+
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+def test_an_args_json_written_before_the_flag_groups_replays_its_run(tmp_path):
+    """A run recorded by the kit before its flags were grouped by kind (flat Args; fixtures/: its args.json,
+    toy paths given as toy: names, and its numbers): the flags parse to the same values, and the run comes out
+    the same, update by update."""
+    recorded = os.path.join(FIXTURES, "online_dpo_args_before_flag_groups.json")
+    with open(recorded) as f:
+        flags = json.load(f)["args"]
+    with mock.patch.object(sys, "argv", ["online_dpo.py", "--config", recorded]):
+        parsed = cli.flag_values(cli.parse(online_dpo.Args))
+    toy_paths = {"toy:sft_policy": toy.SFT_POLICY, "toy:reward_model": toy.REWARD_MODEL, "toy:dataset": toy.DATASET}
+    assert parsed == {**{name: toy_paths.get(value, value) if isinstance(value, str) else value
+                         for name, value in flags.items()}, "config": recorded}
+    run_script("--config", recorded, "--output_dir", tmp_path / "again")
+    with open(os.path.join(FIXTURES, "online_dpo_metrics_before_flag_groups.jsonl")) as f:
+        before = [json.loads(line) for line in f]
+    again = [{name: m[name] for name in row} for row in before
+             for m in read_metrics(tmp_path / "again") if m["update"] == row["update"] and set(row) <= set(m)]
+    assert len(again) == len(before) == 7
+    for row, same in zip(before, again):
+        assert same == pytest.approx(row, rel=1e-6, abs=1e-7), row["update"]
 
 
 def test_refuses_to_overwrite_a_run(tmp_path):

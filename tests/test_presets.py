@@ -47,7 +47,7 @@ def parse(module, *argv):
 
 def parsed_and_flags(module, *argv) -> tuple:
     """parse's Args, and every flag by its command-line name (its groups' too) as attributes."""
-    _, args = parsed_and_flags(module, *argv)
+    args = parse(module, *argv)
     return args, SimpleNamespace(**cli.flag_values(args))
 
 
