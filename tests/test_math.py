@@ -1,6 +1,6 @@
 """The embedded arithmetic task (toy.build_math) and the scripts on it: the task is what it says, and
-scripts not covered by bench/math_sync_vs_async.py --quick (online DPO and GRPO, sync and async, in
-test_bench.py) and test_grpo.py learn it too."""
+scripts not covered by bench/math_sync_vs_async.py --quick (online DPO, sync and async, in test_bench.py) and
+test_grpo.py (GRPO as DAPO) learn it too."""
 
 import json
 import random
