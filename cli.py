@@ -47,6 +47,14 @@ def flag_values(args) -> dict:
             if not dataclasses.is_dataclass(getattr(holder, field.name))}
 
 
+def with_flags(args, **flags):
+    """`args`, a script's Args made in code (a bench's runs), with `flags` set by their command-line names."""
+    holders = {field.name: holder for holder in groups(args) for field in dataclasses.fields(holder)}
+    for name, value in flags.items():
+        setattr(holders[name], name, value)
+    return args
+
+
 def flag_names(args_class) -> list[str]:
     """The command-line names of `args_class`'s flags, its groups' flags included."""
     names = []

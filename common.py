@@ -8,18 +8,18 @@ In the order a reader meets it (ALGORITHMS.md has the formulas):
 - The Task a run loads (data.py loads it).
 - Rollout details: left padding, truncation after the stop token, temperature-scaled log-probs at the
   positions that predicted each token, the reward at the last real token, HF sampling, the Rollout of a
-  batch, the reward checks and the objective/* metrics. The scripts call these as named steps in their loops.
+  batch, DAPO's dynamic sampling rule, the reward checks and the objective/* metrics. The scripts call
+  these as named steps in their loops.
 - The policy's weights as a plain model (a LoRA adapter merged in): what the engine loads, what a merged
   save writes.
 
-Elsewhere: outputs.py is what a run writes (its directory and args.json, checkpoints and resume, the trained
-policy, metrics.jsonl, wandb, curves.png); cli.py parses the command line (flags, --config files, the presets in
-configs/); data.py loads
-models, rewards and prompts; lora.py puts a LoRA adapter on the policy; evaluation.py is the paper's
-evaluation; corrections.py the off-policy corrections; the asynchronous scripts' vLLM engine is
-async_generator.py (the trainer's side), vllm_generator.py (the generator process), vllm_placement.py,
-weight_transport.py and inflight.py (the synchronous scripts import none of them); math_reward.py is the
-GSM8k reward.
+Elsewhere (README, "Map of the code"): outputs.py is what a run writes (its directory and args.json,
+checkpoints and resume, the trained policy, metrics.jsonl, wandb, curves.png); cli.py parses the command line
+(flags, --config files, the presets in configs/); data.py loads models, rewards and prompts; lora.py puts a
+LoRA adapter on the policy; evaluation.py is the paper's evaluation; corrections.py the off-policy
+corrections; the asynchronous scripts' vLLM engine is async_generator.py (the trainer's side),
+vllm_generator.py (the generator process), vllm_placement.py, weight_transport.py and inflight.py (the
+synchronous scripts import none of them); math_reward.py is the GSM8k reward.
 """
 
 import atexit

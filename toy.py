@@ -14,6 +14,7 @@ demand, for questions about scale.
 """
 
 import fcntl
+import glob
 import hashlib
 import itertools
 import json
@@ -283,6 +284,8 @@ def built_once(folder: str, make, seed: int, name: str):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(os.path.join(folder, "summary.json")):  # built while this one waited
             return
+        for leftover in glob.glob(folder + ".building-*"):  # of a build that was killed: nothing builds it now
+            shutil.rmtree(leftover, ignore_errors=True)
         code = f"import toy; toy.build_in_this_process({folder!r}, toy.{make.__name__}, {seed}, {name!r})"
         environment = os.environ | {"ASYNC_RLHF_TOY_DIR": TOY_DIR, "PYTHONPATH": os.pathsep.join(
             [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}

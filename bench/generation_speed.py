@@ -17,7 +17,7 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import vllm_generator  # noqa: E402  (the kit's root on the path first)
+import vllm_placement  # noqa: E402  (the kit's root on the path first)
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Args:
 
 def main(args: Args):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    os.environ.update(vllm_generator.cpu_engine_environment(sorted(os.sched_getaffinity(0))[-args.threads:], 2))
+    os.environ.update(vllm_placement.cpu_engine_environment(sorted(os.sched_getaffinity(0))[-args.threads:], 2))
     torch.set_num_threads(args.threads)
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm import LLM, SamplingParams

@@ -91,8 +91,8 @@ def plot(runs: dict[tuple[str, str], list[list[dict]]], path: str):
 
     algorithms = list(dict.fromkeys(algorithm for algorithm, _ in runs))
     figure, axes = plt.subplots(1, len(algorithms), figsize=(6 * len(algorithms), 4.5), constrained_layout=True,
-                                sharey=True)
-    for axis, algorithm in zip(axes, algorithms):
+                                sharey=True, squeeze=False)  # one algorithm: still a row of axes
+    for axis, algorithm in zip(axes[0], algorithms):
         for color, arm in zip(("tab:blue", "tab:orange", "tab:green"), dict.fromkeys(arm for _, arm in runs)):
             for i, evals in enumerate(runs[algorithm, arm]):
                 axis.plot([m["minutes"] for m in evals], [m["eval/accuracy"] for m in evals], color=color,
@@ -101,7 +101,7 @@ def plot(runs: dict[tuple[str, str], list[list[dict]]], path: str):
         axis.set_xlabel("wall-clock minutes since launch")
         axis.grid(alpha=0.3)
         axis.legend()
-    axes[0].set_ylabel("eval/accuracy (greedy, held-out problems)")
+    axes[0][0].set_ylabel("eval/accuracy (greedy, held-out problems)")
     figure.savefig(path, dpi=100)
     plt.close(figure)
 

@@ -36,7 +36,8 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the algorithm scripts
-import toy  # noqa: E402  (after the path)
+import cli  # noqa: E402  (after the path)
+import toy  # noqa: E402
 
 
 @dataclass
@@ -91,12 +92,12 @@ def train(arm: str, size: str, mini_batches: int, seed: int, args: Args) -> dict
         extra = {key: args.is_cap if key == "is_cap" else value for key, value in extra.items()}
         module = importlib.import_module(script)
         policy = toy.LARGE_SFT_POLICY if size == "large" else toy.SFT_POLICY
-        run_args = module.Args(seed=seed, output_dir=output_dir, model_name_or_path=policy,
-                               total_episodes=args.optimizer_steps * args.prompts_per_step,
-                               per_device_train_batch_size=args.prompts_per_step, gradient_accumulation_steps=1,
-                               num_mini_batches=mini_batches, learning_rate=args.learning_rates[script],
-                               eval_every=args.optimizer_steps // 2 // mini_batches,
-                               eval_num_prompts=args.eval_num_prompts, num_epochs=1, **extra)
+        run_args = cli.with_flags(module.Args(), seed=seed, output_dir=output_dir, model_name_or_path=policy,
+                                  total_episodes=args.optimizer_steps * args.prompts_per_step,
+                                  per_device_train_batch_size=args.prompts_per_step, gradient_accumulation_steps=1,
+                                  num_mini_batches=mini_batches, learning_rate=args.learning_rates[script],
+                                  eval_every=args.optimizer_steps // 2 // mini_batches,
+                                  eval_num_prompts=args.eval_num_prompts, num_epochs=1, **extra)
         print(f"{name}: {script}.py --num_mini_batches {mini_batches} --seed {seed} "
               + " ".join(f"--{key} {value}" for key, value in extra.items()), flush=True)
         shutil.rmtree(output_dir, ignore_errors=True)  # an interrupted run starts over

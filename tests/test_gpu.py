@@ -37,7 +37,7 @@ LEARNING_RUN = ["--total_episodes", "1280", "--eval_every", "10", "--eval_num_pr
 
 @one_gpu
 def test_a_weight_channel_to_a_dead_generator_fails_on_one_line_within_the_timeout():
-    import vllm_generator
+    import weight_transport
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     process = multiprocessing.get_context("spawn").Process(target=os.getpid)  # ends at once, never connects
@@ -45,15 +45,15 @@ def test_a_weight_channel_to_a_dead_generator_fails_on_one_line_within_the_timeo
     started = time.time()
     with pytest.raises(SystemExit, match=re.escape("connecting the weight channel to the vLLM engine process failed: "
                                                    "the vLLM engine process died")):
-        vllm_generator.connect_weight_channel(store, process, timeout_seconds=60)
+        weight_transport.connect_weight_channel(store, process, timeout_seconds=60)
     assert time.time() - started < 60
 
 
 @one_gpu
 def test_the_trainers_weight_buffer_is_pinned_and_takes_the_gpus_weights():
-    import vllm_generator
+    import weight_transport
 
-    shared = vllm_generator.SharedWeights(2**20, torch.bfloat16)
+    shared = weight_transport.SharedWeights(2**20, torch.bfloat16)
     weights = torch.randn(2**20, device="cuda", dtype=torch.bfloat16)
     shared.flat.copy_(weights)
     assert shared.flat.is_pinned() and torch.equal(shared.flat.cuda(), weights)

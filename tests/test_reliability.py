@@ -183,8 +183,8 @@ def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_w
     before = files()
     changed = run_script(*run_args, "--resume", "--learning_rate", "0.001", "--total_episodes", "64", check=False)
     assert changed.returncode != 0 and changed.stderr.strip().splitlines()[-1] == (
-        f"error: --resume: the run in {str(out)!r} was trained with other settings: --total_episodes 32 -> 64; "
-        "--learning_rate 0.0001 -> 0.001; resume with its own (its args.json) or start a new run")
+        f"error: --resume: the run in {str(out)!r} was trained with other settings: --learning_rate 0.0001 -> 0.001; "
+        "--total_episodes 32 -> 64; resume with its own (its args.json) or start a new run")
     two_ranks = run_script(*run_args, "--resume", check=False, env={"OMP_NUM_THREADS": "1"},
                            launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())))
     assert two_ranks.returncode != 0 and "was trained with other settings: ranks 1 -> 2;" in two_ranks.stderr

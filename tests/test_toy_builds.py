@@ -1,4 +1,5 @@
-"""Building the embedded tasks: one build at a time on a machine, each in a process of its own."""
+"""Building the embedded tasks: one build at a time on a machine, each in a process of its own, which clears
+what a killed build left."""
 
 import fcntl
 import os
@@ -44,10 +45,12 @@ def test_a_build_waits_for_any_other_and_leaves_its_caller_as_it_was(tmp_path):
         assert sorted(os.listdir(tmp_path)) == ["builds.lock", "toy"]  # neither has started building
         math.kill()
         math.wait()
+        (tmp_path / "toy-pipeline.building-killed").mkdir()  # what a build killed mid-way leaves behind
     output = pipeline.communicate(timeout=120)[0]
     assert pipeline.returncode == 0, output
     assert output.splitlines()[-1] == "caller 1 1 True", output  # the build's 2 threads and its seed were its own
     assert "toy: building the pipeline's data" in output
+    assert sorted(os.listdir(tmp_path)) == ["builds.lock", "toy", "toy-pipeline"]  # the leftover removed
     built = toy.PIPELINE_DIR  # the same build as the one the suite uses, bit for bit
     toy.build_pipeline()
     for name in ("base_policy/model.safetensors", "sft_dataset/train/data-00000-of-00001.arrow"):
