@@ -19,6 +19,7 @@ import torch
 
 import common
 import data
+import lora
 import outputs
 import vllm_generator
 import vllm_placement
@@ -194,7 +195,7 @@ class AsyncGenerator:
         if version > sampling_version(self.num_updates, self.asynchronous.async_steps):
             return  # no batch samples with these weights (and the process may have ended)
         model = policy.module if part is None else getattr(policy.module, part)
-        weights = common.merged_weights(model)  # the order the receiver expects; a LoRA adapter merged in
+        weights = lora.merged_weights(model)  # the order the receiver expects; a LoRA adapter merged in
         first = weights[0][1][0]
         sizes = [getattr(made_of[0], "ds_numel", made_of[0].numel()) for _, made_of, _ in weights]  # ZeRO-3: whole
         offsets = [0, *itertools.accumulate(sizes)]  # in the flat weights

@@ -10,8 +10,6 @@ In the order a reader meets it (ALGORITHMS.md has the formulas):
   positions that predicted each token, the reward at the last real token, HF sampling, the Rollout of a
   batch, DAPO's dynamic sampling rule, the reward checks and the objective/* metrics. The scripts call
   these as named steps in their loops.
-- The policy's weights as a plain model (a LoRA adapter merged in): what the engine loads, what a merged
-  save writes.
 
 Elsewhere (README, "Map of the code"): outputs.py is what a run writes (its directory and args.json,
 checkpoints and resume, the trained policy, metrics.jsonl, wandb, curves.png); cli.py parses the command line
@@ -197,18 +195,23 @@ def init_distributed(timeout_seconds: float = 1800):
     elif "RANK" not in os.environ:  # neither a launcher nor srun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    import deepspeed
-
+    deepspeed = load_deepspeed()
     if torch.cuda.is_available():  # before any CUDA work, so that each rank's tensors and NCCL use its own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    # DeepSpeed's all-reduce through shared memory on a CPU serves its inference kernels only (the kit's collectives
-    # are torch.distributed's): switched off, DeepSpeed neither compiles it on a machine's first run (30 s on 2
-    # cores) nor maps a 66 MB buffer a rank in /dev/shm, which it never unlinks
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_seconds))
     atexit.unregister(end_distributed)  # once, however many runs one process makes (the tests do)
     atexit.register(end_distributed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def load_deepspeed():
+    """DeepSpeed, with its all-reduce through shared memory on a CPU switched off: it serves DeepSpeed's
+    inference kernels only (the kit's collectives are torch.distributed's), and off, DeepSpeed neither compiles
+    it on a machine's first run (30 s on 2 cores) nor maps a 66 MB buffer a rank in /dev/shm (never unlinked)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
 
 
 def srun_ranks(environment) -> dict[str, str]:
@@ -301,10 +304,10 @@ def prepare_deepspeed(model, distributed: DistributedArgs, training: OptimizerAr
 
 
 @contextlib.contextmanager
-def gathered(engine, parameters: list):
-    """ZeRO-3: the partitioned `parameters` of the engine's model whole on every rank inside; without
+def gathered(ds_engine, parameters: list):
+    """ZeRO-3: the partitioned `parameters` of the DeepSpeed engine's model whole on every rank inside; without
     ZeRO-3 they already are."""
-    if engine.zero_optimization_stage() == 3:
+    if ds_engine.zero_optimization_stage() == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(parameters):
@@ -314,17 +317,17 @@ def gathered(engine, parameters: list):
 
 
 @contextlib.contextmanager
-def full_parameters(engine, part: str | None = None):
-    """The engine's model (or its attribute `part`, e.g. PPO's "policy") with ZeRO-3 partitioned
-    parameters gathered: one gather for a whole generation, not one per step. `engine` may also be a plain
+def full_parameters(ds_engine, part: str | None = None):
+    """The DeepSpeed engine's model (or its attribute `part`, e.g. PPO's "policy") with ZeRO-3 partitioned
+    parameters gathered: one gather for a whole generation, not one per step. `ds_engine` may also be a plain
     model (eval_checkpoints.py's), whole already."""
     import deepspeed
 
-    if not isinstance(engine, deepspeed.DeepSpeedEngine):
-        yield engine if part is None else getattr(engine, part)
+    if not isinstance(ds_engine, deepspeed.DeepSpeedEngine):
+        yield ds_engine if part is None else getattr(ds_engine, part)
         return
-    model = engine.module if part is None else getattr(engine.module, part)
-    with gathered(engine, list(model.parameters())):
+    model = ds_engine.module if part is None else getattr(ds_engine.module, part)
+    with gathered(ds_engine, list(model.parameters())):
         yield model
 
 
@@ -783,32 +786,3 @@ def rollout_metrics(rollout: Rollout, logprobs, ref_logprobs, scores, kl_coef: f
         metrics.update({"objective/kl": kl.mean().item(),
                         "objective/rlhf_reward": (scores - kl_coef * kl).mean().item()})
     return metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# The policy's weights as a plain model (what the vLLM engine loads, what --save_merged writes)
-# ----------------------------------------------------------------------------------------------
-def merged_weights(model) -> list[tuple[str, list[torch.nn.Parameter], object]]:
-    """The weights of the policy's plain architecture, in its parameter order (what the vLLM engine and a
-    saved merged model hold): (name, the parameters the weight is made of, a function that makes it from
-    them). Without an adapter each parameter is its own weight. A LoRA layer's weight is merged out of place,
-    W + (alpha / r) B A (peft's get_delta_weight): the trained model's W never changes, where merging in place
-    and back would drift in bf16."""
-    weights = []
-    for name, parameter in model.named_parameters():
-        if ".lora_" in name:  # the adapter's own A and B
-            continue
-        plain_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")  # peft's wrapping
-        if ".base_layer." in name and name.endswith(".weight"):
-            layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
-            adapter = [p for adapter_name, p in layer.named_parameters() if "lora_" in adapter_name]
-            weights.append((plain_name, [parameter, *adapter], functools.partial(merge_lora, layer, parameter)))
-        else:
-            weights.append((plain_name, [parameter], functools.partial(torch.Tensor.detach, parameter)))
-    return weights
-
-
-@torch.no_grad()
-def merge_lora(layer, weight: torch.Tensor) -> torch.Tensor:
-    """W + (alpha / r) B A of a LoRA layer whose base weight is `weight`, a new tensor."""
-    return weight + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)

@@ -1,8 +1,9 @@
 """LoRA (--use_peft) in the RL scripts: its flags (LoraArgs) and their checks, the policy with a peft adapter,
-its reference (the same model with the adapter off, no second copy). The weights the engine samples with, the
-adapter merged in, are common.merged_weights (a merged save writes them too)."""
+its reference (the same model with the adapter off, no second copy), and the policy's weights as a plain model
+with the adapter merged in (merged_weights: what the vLLM engine samples with, what a merged save writes)."""
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -107,12 +108,12 @@ class AdapterOff:
             return self.policy(**inputs)
 
 
-def reference_policy(distributed: common.DistributedArgs, ref_policy, engine, part: str | None = None):
+def reference_policy(distributed: common.DistributedArgs, ref_policy, ds_engine, part: str | None = None):
     """The frozen reference policy, ready to call: its own copy under DeepSpeed (ZeRO-3 partitions it too), or
-    with --use_peft (`ref_policy` None) the engine's policy with its adapter off. `part`: the policy's
-    attribute name when the engine trains more than the policy (PPO)."""
+    with --use_peft (`ref_policy` None) the DeepSpeed engine's policy with its adapter off. `part`: the policy's
+    attribute name when the DeepSpeed engine trains more than the policy (PPO)."""
     if ref_policy is None:
-        return AdapterOff(engine.module if part is None else getattr(engine.module, part))
+        return AdapterOff(ds_engine.module if part is None else getattr(ds_engine.module, part))
     return common.prepare_deepspeed(ref_policy, distributed).module
 
 
@@ -121,3 +122,29 @@ def trainable_parameters(model) -> dict[str, float]:
     counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
     trainable = sum(n for n, requires_grad in counts if requires_grad)
     return {"model/trainable_parameters": trainable, "model/trainable_share": trainable / sum(n for n, _ in counts)}
+
+
+def merged_weights(model) -> list[tuple[str, list[torch.nn.Parameter], object]]:
+    """The weights of the policy's plain architecture, in its parameter order (what the vLLM engine and a
+    saved merged model hold): (name, the parameters the weight is made of, a function that makes it from
+    them). Without an adapter each parameter is its own weight. A LoRA layer's weight is merged out of place,
+    W + (alpha / r) B A (peft's get_delta_weight): the trained model's W never changes, where merging in place
+    and back would drift in bf16."""
+    weights = []
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name:  # the adapter's own A and B
+            continue
+        plain_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")  # peft's wrapping
+        if ".base_layer." in name and name.endswith(".weight"):
+            layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+            adapter = [p for adapter_name, p in layer.named_parameters() if "lora_" in adapter_name]
+            weights.append((plain_name, [parameter, *adapter], functools.partial(merge_lora, layer, parameter)))
+        else:
+            weights.append((plain_name, [parameter], functools.partial(torch.Tensor.detach, parameter)))
+    return weights
+
+
+@torch.no_grad()
+def merge_lora(layer, weight: torch.Tensor) -> torch.Tensor:
+    """W + (alpha / r) B A of a LoRA layer whose base weight is `weight`, a new tensor."""
+    return weight + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)

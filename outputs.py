@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import common
+import lora
 from common import fail
 
 
@@ -186,13 +187,13 @@ def stop_if_writing_fails(path: str, partial: str):
              "checkpoint is kept, --resume continues from it")
 
 
-def save_checkpoint(output_dir: str, engine, state: OnlineTrainerState):
+def save_checkpoint(output_dir: str, ds_engine, state: OnlineTrainerState):
     """Write the checkpoint under a temporary name, then rename it: a crash never leaves a corrupt one."""
     folder = os.path.join(output_dir, "checkpoints")
     final = os.path.join(folder, f"update-{state.update}")
     partial = os.path.join(folder, f".partial-update-{state.update}")
     with stop_if_writing_fails(final, partial):
-        write_checkpoint(final, partial, engine, state)
+        write_checkpoint(final, partial, ds_engine, state)
 
 
 @contextlib.contextmanager
@@ -213,15 +214,15 @@ def without_frozen_weights(model):
         handle.remove()
 
 
-def write_checkpoint(final: str, partial: str, engine, state: OnlineTrainerState):
+def write_checkpoint(final: str, partial: str, ds_engine, state: OnlineTrainerState):
     """save_checkpoint's writing: every rank's share into `partial`, then the rename to `final`."""
     rank = torch.distributed.get_rank()
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     torch.distributed.barrier()
-    with without_frozen_weights(engine.module):  # LoRA: the adapter, not the base model
-        engine.save_checkpoint(partial, tag="engine")
+    with without_frozen_weights(ds_engine.module):  # LoRA: the adapter, not the base model
+        ds_engine.save_checkpoint(partial, tag="engine")
     state.rng = OnlineTrainerState.capture_rng()
     torch.save(asdict(state), os.path.join(partial, f"trainer_state_rank{rank}.pt"))
     torch.distributed.barrier()
@@ -234,16 +235,16 @@ def write_checkpoint(final: str, partial: str, engine, state: OnlineTrainerState
     torch.distributed.barrier()
 
 
-def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
-    """The state of the latest complete checkpoint, loaded into `engine`. With none yet (a run stopped
+def load_checkpoint(output_dir: str, ds_engine) -> OnlineTrainerState:
+    """The state of the latest complete checkpoint, loaded into `ds_engine`. With none yet (a run stopped
     before its first checkpoint), a fresh state: the run starts over."""
     path = latest_checkpoint(output_dir)
     if path is None:
         if torch.distributed.get_rank() == 0:
             print(f"--resume: no complete checkpoint in {output_dir!r} yet; starting from update 0")
         return OnlineTrainerState()
-    frozen = any(not p.requires_grad for p in engine.module.parameters())  # LoRA's base: loaded, not saved
-    engine.load_checkpoint(path, tag="engine", load_module_strict=not frozen)
+    frozen = any(not p.requires_grad for p in ds_engine.module.parameters())  # LoRA's base: loaded, not saved
+    ds_engine.load_checkpoint(path, tag="engine", load_module_strict=not frozen)
     saved = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"),
                        weights_only=False)
     state = OnlineTrainerState(**saved)
@@ -251,7 +252,7 @@ def load_checkpoint(output_dir: str, engine) -> OnlineTrainerState:
     return state
 
 
-def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: str | None = None,
+def save_model(folder: str, ds_engine, tokenizer, state: OnlineTrainerState, part: str | None = None,
                merged: bool = False):
     """The trained model (a policy or a reward model) in Hugging Face format (loadable by `from_pretrained`, a
     policy by vLLM too) in `folder`, written atomically, with trained.json: the update and episode it was
@@ -259,16 +260,16 @@ def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: 
     loadable with peft, and by `from_pretrained` with peft installed); `merged`: as the plain model with the
     adapter merged in (what vLLM loads).
 
-    `part`: the model's attribute name when the engine trains more than the policy (PPO).
+    `part`: the model's attribute name when the DeepSpeed engine trains more than the policy (PPO).
     """
     rank = torch.distributed.get_rank()
     partial = os.path.join(os.path.dirname(folder), ".partial-" + os.path.basename(folder))
-    with stop_if_writing_fails(folder, partial), common.full_parameters(engine, part) as model:
+    with stop_if_writing_fails(folder, partial), common.full_parameters(ds_engine, part) as model:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial)  # save_pretrained would only log an error if a file were in the way
             if merged:
-                state_dict = {name: make().clone() for name, _, make in common.merged_weights(model)}
+                state_dict = {name: make().clone() for name, _, make in lora.merged_weights(model)}
                 model.get_base_model().save_pretrained(partial, state_dict=state_dict)
             else:
                 with without_frozen_weights(model):  # LoRA: the adapter alone, no copy of the base
@@ -282,23 +283,23 @@ def save_model(folder: str, engine, tokenizer, state: OnlineTrainerState, part: 
     torch.distributed.barrier()
 
 
-def save_policy(output_dir: str, engine, tokenizer, state: OnlineTrainerState, part: str | None = None,
+def save_policy(output_dir: str, ds_engine, tokenizer, state: OnlineTrainerState, part: str | None = None,
                 merged: bool = False):
     """The final policy in policy/ (save_model; a LoRA policy's adapter), and with `merged` (--save_merged)
     the adapter merged into the model in policy_merged/."""
-    save_model(os.path.join(output_dir, "policy"), engine, tokenizer, state, part)
+    save_model(os.path.join(output_dir, "policy"), ds_engine, tokenizer, state, part)
     if merged:
-        save_model(os.path.join(output_dir, "policy_merged"), engine, tokenizer, state, part, merged=True)
+        save_model(os.path.join(output_dir, "policy_merged"), ds_engine, tokenizer, state, part, merged=True)
     if torch.distributed.get_rank() == 0:
         print(f"saved the policy to {os.path.join(output_dir, 'policy')}"
               + (f" and merged to {os.path.join(output_dir, 'policy_merged')}" if merged else ""))
 
 
-def save_snapshot(run: RLRunArgs, engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
+def save_snapshot(run: RLRunArgs, ds_engine, tokenizer, state: OnlineTrainerState, part: str | None = None):
     """The policy of this update in policies/update-N (save_model), for eval_checkpoints.py; only the newest
     --keep_snapshots stay (all when it is None). Unlike checkpoints, snapshots hold no optimizer state."""
     folder = os.path.join(run.output_dir, "policies")
-    save_model(os.path.join(folder, f"update-{state.update}"), engine, tokenizer, state, part)
+    save_model(os.path.join(folder, f"update-{state.update}"), ds_engine, tokenizer, state, part)
     if torch.distributed.get_rank() == 0 and run.keep_snapshots is not None:
         snapshots = sorted((n for n in os.listdir(folder) if n.startswith("update-")), key=lambda n: int(n[7:]))
         for name in snapshots[:-run.keep_snapshots]:

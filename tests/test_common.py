@@ -112,13 +112,12 @@ def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
 def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, monkeypatch):
     """ZeRO-2 on a single rank runs as stage 0 without the gradient all-reduce; its step is exactly
     clip_grad_norm_ + AdamW."""
-    import deepspeed
     from transformers import AutoModelForCausalLM
 
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(common.free_port())).items():
         monkeypatch.setenv(name, value)
-    deepspeed.init_distributed("gloo")
+    common.load_deepspeed().init_distributed("gloo")
     try:
         training = common.OptimizerArgs(per_device_train_batch_size=4, gradient_accumulation_steps=1,
                                         max_grad_norm=0.01)  # small enough that the clipping acts

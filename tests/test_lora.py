@@ -44,10 +44,10 @@ def test_merged_weights_equal_peft_merge_and_the_reference_is_the_base_model(nam
     policy = policy_with_trained_adapter(name)
     base = copy.deepcopy(policy.get_base_model())  # still holding the adapter's layers: unloaded below
     merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
-    sent = {weight_name: make() for weight_name, _, make in common.merged_weights(policy)}
+    sent = {weight_name: make() for weight_name, _, make in lora.merged_weights(policy)}
     assert list(sent) == list(merged)  # the plain architecture's names, in its order
     assert all(torch.equal(sent[n], merged[n]) for n in merged)
-    adapted = [n for n, made_of, _ in common.merged_weights(policy) if len(made_of) == 3]
+    adapted = [n for n, made_of, _ in lora.merged_weights(policy) if len(made_of) == 3]
     assert adapted and all(not torch.equal(sent[n], base.get_parameter(n.replace(".weight", ".base_layer.weight")))
                            for n in adapted)  # the adapter is in what is sent
     # the trained model's own base weights are untouched (merged out of place)
@@ -64,7 +64,7 @@ def test_merged_weights_equal_peft_merge_and_the_reference_is_the_base_model(nam
 
 
 def test_the_default_targets_are_the_attention_and_mlp_projections():
-    targets = {name: sorted({n.split(".")[-2] for n, made_of, _ in common.merged_weights(
+    targets = {name: sorted({n.split(".")[-2] for n, made_of, _ in lora.merged_weights(
         policy_with_trained_adapter(name)) if len(made_of) == 3}) for name in ("llama", "gpt_neox", "gpt2")}
     assert targets == {
         "llama": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
