@@ -48,7 +48,7 @@ def preload():
     import deepspeed  # noqa: F401
     import matplotlib.figure  # noqa: F401
     import peft  # noqa: F401
-    import torch  # noqa: F401
+    import torch
     import transformers
     import tyro  # noqa: F401
     import vllm.engine.llm_engine  # noqa: F401
@@ -59,6 +59,15 @@ def preload():
     for name in ("AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer", "LlamaForCausalLM",
                  "LlamaForSequenceClassification", "GPT2LMHeadModel", "PreTrainedTokenizerFast", "get_scheduler"):
         getattr(transformers, name)
+    # vLLM's sampler counts the ranks of the sampled tokens' log-probs with a torch.compile'd function, compiled
+    # in each process at its first batch with log-probs (2 s of every generator process's start): compiled here
+    # once, for any batch and vocabulary size (shapes that vary make it dynamic), without compile workers
+    import torch._inductor.config
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    torch._inductor.config.compile_threads = 1
+    for rows, vocabulary in ((3, 70), (5, 90), (7, 130)):
+        batched_count_greater_than(torch.randn(rows, vocabulary), torch.randn(rows, 1))
 
 
 def fork_with_fds(fds: list[int], numbers: list[int], closing: list[socket.socket]) -> int:
