@@ -188,6 +188,15 @@ def test_flags_override_a_preset():
     assert parse(online_dpo).data.model_name_or_path == online_dpo.Args().data.model_name_or_path
 
 
+@pytest.mark.parametrize("module", [online_dpo, grpo_vllm], ids=lambda module: module.__name__)
+def test_a_misspelt_flag_is_a_one_line_error_naming_the_nearest(module):
+    """A group's flag (--learning_rate is the optimizer group's) as the algorithm's own (--beta)."""
+    for misspelt, meant in (("--learnin_rate", "--learning_rate"), ("--bta", "--beta")):
+        with pytest.raises(SystemExit) as stop:
+            parse(module, misspelt, "1e-5")
+        assert f"Perhaps you meant: {meant} FLOAT" in str(stop.value.code) and "\n" not in str(stop.value.code)
+
+
 def test_unknown_preset_is_a_one_line_error():
     with pytest.raises(SystemExit, match="--preset 'tldr-7b' is not one of this script's presets: gsm8k-rho1b-4gpu, "
                                          "tldr-1b-1gpu"):
