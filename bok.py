@@ -59,7 +59,7 @@ def best_of_k(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor, step_tokens: float) -> torch.Tensor:
     """Negative log-likelihood summed over real tokens and divided by `step_tokens`
-    (common.step_share: every token of the optimizer step weighs the same).  (batch, len)"""
+    (common.loss_denominator: every token of the optimizer step weighs the same).  (batch, len)"""
     return -(logprobs * mask).sum() / step_tokens
 
 

@@ -79,7 +79,20 @@ TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_
 
 
 # flags that were renamed: the one-line pointer to what replaces them (given the old value)
-RENAMED = {"decoupled_weight_cap": "--off_policy_correction decoupled --is_cap {value}"}
+RENAMED = {"decoupled_weight_cap": "--off_policy_correction pure_is --is_cap {value}"}
+
+
+# What the flags in a file mean: args.json records it (flags_format), a YAML file may say it (`flags_format: 2`).
+# Format 2: --off_policy_correction decoupled is AReaL's decoupled PPO; before (1), it named what is now pure_is.
+FLAGS_FORMAT = 2
+
+
+def in_current_names(values: dict, flags_format: int) -> dict:
+    """`values` (an args.json's flags by name) written in format `flags_format`, in today's meaning (a new
+    dict, when that differs)."""
+    if flags_format < 2 and values.get("off_policy_correction") == "decoupled":
+        return {**values, "off_policy_correction": "pure_is"}
+    return values
 
 
 def check_renamed(name: str, value, where: str):
@@ -158,8 +171,18 @@ def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> 
             values = yaml.safe_load(f)  # JSON is YAML too
     except yaml.YAMLError as error:
         common.fail(f"--config {path!r} is neither YAML nor JSON: {' '.join(str(error).split())}")
-    if isinstance(values, dict) and isinstance(values.get("args"), dict) and "versions" in values:
-        values = values["args"]  # a run's args.json
+    recorded_run = isinstance(values, dict) and isinstance(values.get("args"), dict) and "versions" in values
+    flags_format = values.pop("flags_format", 1) if isinstance(values, dict) else 1
+    if recorded_run:  # a run's args.json
+        written = values["args"]
+        values = in_current_names(written, flags_format)
+        if values is not written and os.environ.get("RANK", "0") == "0":
+            print(f"--config {path!r}: written when --off_policy_correction decoupled named what is now pure_is: "
+                  "replayed as pure_is")
+    elif isinstance(values, dict) and values.get("off_policy_correction") == "decoupled" and flags_format < 2:
+        common.fail(f"--config {path!r}: off_policy_correction: decoupled is AReaL's decoupled PPO since "
+                    "flags_format 2, and was what is now pure_is before: write pure_is for the earlier objective, "
+                    "or add `flags_format: 2` to the file for AReaL's")
     if not isinstance(values, dict) or not values:
         common.fail(f"--config {path!r} must map Args fields to values (one `name: value` per line)")
     fields = flag_names(args_class)

@@ -459,7 +459,9 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     chosen = torch.gather(log_probs, 2, tokens.unsqueeze(-1)).squeeze(-1)
     if not entropy:
         return chosen
-    return chosen, -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)  # outside the nucleus 0 * -inf
+    # outside the nucleus p log p is 0: log p = -inf must not enter the product, whose gradient would be NaN
+    finite = log_probs.masked_fill(torch.isneginf(log_probs), 0.0)
+    return chosen, -(log_probs.exp() * finite).sum(dim=-1)
 
 
 def response_inputs(query_ids, query_mask, responses, lengths) -> tuple[dict, torch.Tensor]:

@@ -133,11 +133,15 @@ def group_advantages(rewards: torch.Tensor, k: int, scale_rewards: str) -> torch
     if scale_rewards == "group":
         advantages = advantages / (per_prompt.std(dim=1, keepdim=True) + 1e-4)
     elif scale_rewards == "batch":
-        sums = torch.stack([torch.tensor(float(len(rewards))), rewards.sum().cpu(), (rewards ** 2).sum().cpu()])
-        sums = sums.to(common.local_device(), torch.float64)
-        torch.distributed.all_reduce(sums)
-        count, total, squares = sums.tolist()
-        advantages = advantages / (math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) + 1e-4)
+        # in fp64 and in two passes (the mean, then the squares about it): large rewards with a small spread
+        # would lose the spread in a sum of squares
+        batch_rewards = rewards.to(common.local_device(), torch.float64)
+        count_and_total = torch.stack([torch.ones_like(batch_rewards).sum(), batch_rewards.sum()])
+        torch.distributed.all_reduce(count_and_total)
+        count, total = count_and_total.tolist()
+        squares = ((batch_rewards - total / count) ** 2).sum()
+        torch.distributed.all_reduce(squares)
+        advantages = advantages / (math.sqrt(squares.item() / (count - 1)) + 1e-4)
     return advantages.flatten()
 
 
@@ -230,20 +234,23 @@ def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, resp
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, ref_logprobs=None,
-                entropy=None, weights=1.0):
+                entropy=None, weights=1.0, clip: bool = True):
     """The GRPO-family loss of n rows: new_logprobs (the training forward), old_logprobs (those the ratio is
     taken against), ref_logprobs (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages
     (n,); weights, each policy term's importance weight (1, or those of --off_policy_correction:
-    corrections.off_policy_terms), (n, R) or (n, 1). Returns (loss, share of masked tokens whose clip binds, the
-    ratios (n, R) or (n, 1))."""
+    corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio unclipped. Returns
+    (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)
     a = advantages[:, None]
     if args.loss_type == "cispo":  # REINFORCE weighted by the clipped ratio, no gradient through it
-        per_token = -torch.clamp(ratio, max=upper_clip(args)).detach() * a * new_logprobs
-        clipped = (ratio > upper_clip(args)) & (a > 0)
+        bound = upper_clip(args) if clip else math.inf
+        per_token = -torch.clamp(ratio, max=bound).detach() * a * new_logprobs
+        clipped = (ratio > bound) & (a > 0)
+    elif not clip:  # m2po: its trust region is the tokens it keeps
+        per_token, clipped = -ratio * a, torch.zeros_like(ratio, dtype=torch.bool)
     else:
         clipped_ratio = torch.clamp(ratio, 1 - args.epsilon, 1 + upper_clip(args))
         capped = ratio if args.delta is None else torch.clamp(ratio, max=args.delta)
@@ -346,32 +353,28 @@ def main(args: Args):
                 step_tokens = common.loss_denominator(mask[step_rows], args.optimizer.gradient_accumulation_steps)
                 for prompt_ids in mini_batch.split(micro_batch_size):
                     rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
-                    # (n, R); the entropy (n, R) too with --entropy_coef: it costs a pass over the vocabulary
-                    new_logprobs = common.response_logprobs(
+                    # (n, R) each: the entropy is logged, and in the loss with --entropy_coef
+                    new_logprobs, entropy = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.generation.temperature, args.generation.top_p,
-                        entropy=args.entropy_coef > 0)
-                    new_logprobs, entropy = new_logprobs if args.entropy_coef else (new_logprobs, None)
+                        rollout.lengths[rows], args.generation.temperature, args.generation.top_p, entropy=True)
                     common.reuse_first_step_logprobs(logprobs, rows, new_logprobs, epoch, step)
-                    old_logprobs, weights, diagnostics = corrections.off_policy_terms(
-                        new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
-                        args.corrections, args.corrections.is_level == "sequence")
+                    terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
+                                                         args.corrections, args.corrections.is_level == "sequence")
                     loss, clipfrac, ratio = policy_loss(
-                        new_logprobs, old_logprobs, advantages[rows], mask[rows], args, step_tokens,
-                        ref_logprobs[rows] if args.beta else None, entropy, weights)
-                    stats["off_policy"].append(diagnostics)
+                        new_logprobs, terms.anchor, advantages[rows], mask[rows], args, step_tokens,
+                        ref_logprobs[rows] if args.beta else None, entropy, terms.token_weights, terms.clip)
+                    stats["off_policy"].append(terms.diagnostics)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["loss"].append(loss.item())
                     stats["clipfrac"].append(clipfrac)
-                    if entropy is not None:
-                        stats["entropy"].append(common.masked_mean(entropy.detach(), mask[rows]))
+                    stats["entropy"].append(common.masked_mean(entropy.detach(), mask[rows]))
                     stats["ratio"].append(ratio.detach().expand_as(mask[rows])[mask[rows].bool()])
         t3 = time.time()
 
         # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
         ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
-        stats = {name: sum(values) / len(values) for name, values in stats.items() if values}
+        stats = {name: sum(values) / len(values) for name, values in stats.items()}
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
         rollout_stats = common.rollout_metrics(rollout, logprobs, None, scores)
         if args.beta:
@@ -379,7 +382,7 @@ def main(args: Args):
         metrics = common.all_reduce_mean({
             "loss/policy_avg": stats["loss"],
             "policy/clipfrac_avg": stats["clipfrac"],
-            **({"policy/entropy_avg": stats["entropy"]} if args.entropy_coef else {}),
+            "policy/entropy_avg": stats["entropy"],
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
             **off_policy,

@@ -146,14 +146,16 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return advantages, advantages + values
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float, step_tokens: float, weights=1.0):
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float, step_tokens: float, weights=1.0,
+                clip: bool = True):
     """Clipped surrogate on per-token ratios, each term times its importance weight (1, or those of
     --off_policy_correction: corrections.off_policy_terms), summed over real tokens and divided by
-    `step_tokens` (common.step_share: every token of the optimizer step weighs the same); old: the
-    log-probs the ratio is taken against. Returns (loss, clipfrac, ratio)."""
+    `step_tokens` (common.loss_denominator: every token of the optimizer step weighs the same); old: the
+    log-probs the ratio is taken against; `clip` False (m2po) leaves the ratio unclipped. Returns (loss,
+    clipfrac, ratio)."""
     ratio = torch.exp(new_logprobs - old_logprobs)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) if clip else unclipped
     loss = (weights * torch.max(unclipped, clipped) * mask).sum() / step_tokens
     clipfrac = ((clipped > unclipped).float() * mask).sum() / mask.sum()
     return loss, clipfrac, ratio
@@ -278,12 +280,13 @@ def main(args: Args):
                         agent, *(tensor[micro_batch] for tensor in rows), args.generation.temperature,
                         args.generation.top_p)
                     micro_mask = mask[micro_batch]
-                    old_logprobs, weights, diagnostics = corrections.off_policy_terms(
+                    terms = corrections.off_policy_terms(
                         new_logprobs, logprobs[micro_batch], start_logprobs[micro_batch], micro_mask,
                         args.corrections, args.corrections.is_level == "sequence")
-                    pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, old_logprobs, advantages[micro_batch],
-                                                              micro_mask, args.cliprange, step_tokens, weights)
-                    stats["off_policy"].append(diagnostics)
+                    pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, terms.anchor, advantages[micro_batch],
+                                                              micro_mask, args.cliprange, step_tokens,
+                                                              terms.token_weights, terms.clip)
+                    stats["off_policy"].append(terms.diagnostics)
                     vf_loss, vf_clipfrac = value_loss(new_values, values[micro_batch], returns[micro_batch],
                                                       micro_mask, args.cliprange_value, step_tokens)
                     agent.backward(pg_loss + args.vf_coef * vf_loss)
@@ -292,7 +295,7 @@ def main(args: Args):
                     stats["vf_loss"].append(vf_loss.item())
                     stats["pg_clipfrac"].append(pg_clipfrac.item())
                     stats["vf_clipfrac"].append(vf_clipfrac.item())
-                    stats["approxkl"].append(0.5 * common.masked_mean((new_logprobs - old_logprobs).detach() ** 2,
+                    stats["approxkl"].append(0.5 * common.masked_mean((new_logprobs - terms.anchor).detach() ** 2,
                                                                       micro_mask))
                     stats["entropy"].append(common.masked_mean(entropy.detach(), micro_mask))
                     stats["ratio"].append(ratio.detach()[micro_mask.bool()])

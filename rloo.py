@@ -69,14 +69,15 @@ def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return (per_prompt - baselines).flatten()
 
 
-def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float, weights=1.0):
+def sequence_policy_loss(new_seq_logps, old_seq_logps, advantages, cliprange: float, weights=1.0,
+                         clip: bool = True):
     """Clipped surrogate on the sequence-level ratio exp(sum new_logp - sum old_logp), each sequence's term
     times its importance weight (1, or those of --off_policy_correction: corrections.off_policy_terms), averaged
-    over sequences. All inputs (batch,); old: the log-probs the ratio is taken against. Returns (loss,
-    clipfrac, ratio)."""
+    over sequences. All inputs (batch,); old: the log-probs the ratio is taken against; `clip` False (m2po)
+    leaves the ratio unclipped. Returns (loss, clipfrac, ratio)."""
     ratio = torch.exp(new_seq_logps - old_seq_logps)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) if clip else unclipped
     return (weights * torch.max(unclipped, clipped)).mean(), (clipped > unclipped).float().mean(), ratio
 
 
@@ -154,28 +155,30 @@ def main(args: Args):
         # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
         # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
         # micro-batches of per_device_train_batch_size prompts with all their k samples.
-        stats = {name: [] for name in ("loss", "clipfrac", "approxkl", "ratio", "off_policy")}
+        stats = {name: [] for name in ("loss", "clipfrac", "approxkl", "entropy", "ratio", "off_policy")}
         for _ in range(args.optimizer.num_epochs):
             order = torch.randperm(local_batch_size)  # (B,) prompts, shuffled
             for mini_batch in order.split(mini_batch_size):
                 for prompt_ids in mini_batch.split(micro_batch_size):
                     rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
-                    new_logprobs = common.response_logprobs(
+                    new_logprobs, entropy = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
-                        rollout.lengths[rows], args.generation.temperature, args.generation.top_p)  # (n, R)
-                    old_logprobs, weights, diagnostics = corrections.off_policy_terms(
-                        new_logprobs, logprobs[rows], start_logprobs[rows], rollout.mask[rows],
-                        args.corrections, sequence_level=True)
-                    new_seq_logps = common.masked_sum(new_logprobs, rollout.mask[rows])  # (n,)
-                    old_seq_logps = common.masked_sum(old_logprobs, rollout.mask[rows])
+                        rollout.lengths[rows], args.generation.temperature, args.generation.top_p,
+                        entropy=True)  # (n, R) each
+                    terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows],
+                                                         rollout.mask[rows], args.corrections, sequence_level=True)
+                    # (n,) each completion's log-prob, over the tokens the correction keeps (m2po drops some)
+                    new_seq_logps = common.masked_sum(new_logprobs, terms.kept)
+                    old_seq_logps = common.masked_sum(terms.anchor, terms.kept)
                     loss, clipfrac, ratio = sequence_policy_loss(new_seq_logps, old_seq_logps, advantages[rows],
-                                                                 args.cliprange, weights.flatten())
+                                                                 args.cliprange, terms.weights.flatten(), terms.clip)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
                     stats["loss"].append(loss.item())
                     stats["clipfrac"].append(clipfrac.item())
                     stats["approxkl"].append(0.5 * ((new_seq_logps.detach() - old_seq_logps) ** 2).mean().item())
-                    stats["off_policy"].append(diagnostics)
+                    stats["off_policy"].append(terms.diagnostics)
+                    stats["entropy"].append(common.masked_mean(entropy.detach(), rollout.mask[rows]))
                     stats["ratio"].append(ratio.detach())
         t3 = time.time()
 
@@ -187,6 +190,7 @@ def main(args: Args):
             "loss/policy_avg": stats["loss"],
             "policy/clipfrac_avg": stats["clipfrac"],
             "policy/approxkl_avg": stats["approxkl"],
+            "policy/entropy_avg": stats["entropy"],
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
             **off_policy,

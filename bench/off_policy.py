@@ -6,8 +6,10 @@ learning schedule; only N, the mini-batches per generated batch (`--num_mini_bat
 generation of N mini-batches, then N optimizer steps, so the i-th step trains on data i-1 updates
 stale. N = 1 is on-policy. The arms: online DPO, PPO, RLOO, best-of-k, GRPO with the dapo loss and as
 Dr. GRPO (dr_grpo loss, unscaled advantages), both with DeepSeekMath's KL penalty (beta 0.04), all one
-epoch each, as in the paper's TL;DR runs, so every arm takes the same steps; and PPO and RLOO with the
-decoupled objective (`--off_policy_correction decoupled`). One learning rate per algorithm, the same
+epoch each, as in the paper's TL;DR runs, so every arm takes the same steps; and PPO and RLOO with pure
+importance sampling (`--off_policy_correction pure_is`: the ratio against each step's own weights, each term
+weighted by the capped pi_step / pi_sampling; until flags_format 2 the kit called it `decoupled`, and the
+tables in bench/RESULTS.md were measured under that name). One learning rate per algorithm, the same
 across N and sizes, as in the paper. Two sizes: the toy's 0.45M-parameter SFT policy and the 7.7x larger
 one (`python toy.py large`), with the same reward model and prompts.
 
@@ -53,10 +55,10 @@ class Args:
     """prompts per optimizer step (k samples each where the algorithm takes k)"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {
         "online_dpo": 3e-5, "ppo": 3e-5, "rloo": 3e-5, "bok": 3e-5, "grpo": 3e-5})
-    """one learning rate per algorithm (the decoupled arms take their algorithm's); 3e-5 brings every
+    """one learning rate per algorithm (the pure_is arms take their algorithm's); 3e-5 brings every
     on-policy run of the small policy to the task's plateau (win-rate ~0.55) in 32-48 of the 64 steps"""
     is_cap: float = 5.0
-    """the decoupled arms' cap on the importance weight from the sampling to the proximal weights"""
+    """the pure_is arms' cap on the importance weight from the sampling weights to each step's"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per arm, N and size"""
     eval_num_prompts: int = 256
@@ -75,8 +77,8 @@ ARMS = {  # arm: (script, its flags; "is_cap" takes --is_cap's value)
     # GRPO with DeepSeekMath's KL penalty (beta 0.04): a reference policy, and a KL, like every other arm
     "grpo_dapo": ("grpo", {"loss_type": "dapo", "beta": 0.04}),
     "grpo_dr_grpo": ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "none", "beta": 0.04}),
-    "ppo_decoupled": ("ppo", {"off_policy_correction": "decoupled", "is_cap": None}),
-    "rloo_decoupled": ("rloo", {"off_policy_correction": "decoupled", "is_cap": None}),
+    "ppo_pure_is": ("ppo", {"off_policy_correction": "pure_is", "is_cap": None}),
+    "rloo_pure_is": ("rloo", {"off_policy_correction": "pure_is", "is_cap": None}),
 }
 
 
@@ -161,15 +163,15 @@ def figure(table: dict, results: dict, args: Args, path: str) -> None:
     colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for (size, arms), row_axes in zip(table.items(), axes):
         for arm, row in arms.items():
-            decoupled = "is_cap" in ARMS[arm][1]
+            corrected = "is_cap" in ARMS[arm][1]
             for axis, (name, _) in zip(row_axes, panels):
                 means, stds = zip(*row[name].values())
                 axis.errorbar(args.mini_batches, means, yerr=stds, color=colors[arm], marker="o", capsize=3,
-                              linestyle="--" if decoupled else "-", label=arm)
+                              linestyle="--" if corrected else "-", label=arm)
             for n, runs in results[size][arm].items():
                 row_axes[-1].scatter([run["final"]["eval/kl"] for run in runs],
                                      [run["final"]["eval/gold_win_rate"] for run in runs],
-                                     color=colors[arm], s=12 + 4 * n, alpha=0.6, marker="^" if decoupled else "o")
+                                     color=colors[arm], s=12 + 4 * n, alpha=0.6, marker="^" if corrected else "o")
         for axis, (_, label) in zip(row_axes, panels):
             axis.set_xscale("log", base=2)
             axis.set_xticks(args.mini_batches, [str(n) for n in args.mini_batches])

@@ -1,21 +1,23 @@
 """Which off-policy correction keeps an asynchronous run stable as its samples grow staler? GRPO (dapo),
 RLOO and PPO in their vLLM scripts at exact staleness K (`--async_steps`), each with every
-`--off_policy_correction` (none, decoupled, tis, mask, at their default caps), on the arithmetic task
-(toy-math: final accuracy, and KL where the script has a reference policy) and the toy TL;DR task (final
-gold win-rate and KL), a few seeds; the score a quarter of the way too, where the toy tasks still learn.
-At K = 0 the corrections equal none (the tests prove it: every weight is
-1), so K = 0 runs none only, which stands for every correction in the table and figure.
+`--off_policy_correction` (none, decoupled, pure_is, tis, mask, m2po, at their default caps), on the
+arithmetic task (toy-math: final accuracy, and KL where the script has a reference policy) and the toy TL;DR
+task (final gold win-rate and KL), a few seeds; the score a quarter of the way too, where the toy tasks still
+learn. At K = 0 decoupled, tis and mask equal none (the tests prove it: the ratio is taken against the same
+log-probs, every weight is 1), so K = 0 runs none, pure_is and m2po (which differ when an update takes several
+optimizer steps), and none's runs stand for the other three. `--extra` adds flags to every run (the runs that
+tell why a correction collapses: `--extra --is_level sequence`, `--extra --num_epochs 1`), named in the output.
 
 Every run is the script's own preset (toy-math) or default (TL;DR) with only --async_steps,
 --off_policy_correction and --seed changed; a finished run (its `done` marker) is not run again, so an
 interrupted sweep goes on where it stopped when given the same --output_dir. Prints a table (mean ± std over
-seeds) and writes results.json and a figure (scores, KL and mismatch KL against K, one line per correction) to
---output_dir, and for a full run also to bench/results/off_policy_corrections.{json,png} (the name gains the
-task when not math, the algorithms when not all three, and the corrections when not all four:
-off_policy_corrections_grpo_rloo.png).
+seeds) and writes results.json and a figure (scores, KL, mismatch KL and effective sample size against K, and
+the final score against the mismatch KL, one line per correction) to --output_dir, and for a full run also to
+bench/results/off_policy_corrections.{json,png} (the name gains the task when not math, the algorithms when not
+all three, the corrections when not all six, and the --extra flags: off_policy_corrections_grpo_rloo.png).
 
-    python bench/off_policy_corrections.py                          # GRPO, RLOO, PPO on toy-math: ~2 h on 2 cores
-    python bench/off_policy_corrections.py --algorithms grpo --seeds 1    # ~20 minutes
+    python bench/off_policy_corrections.py                          # GRPO, RLOO, PPO on toy-math: ~4 h on 2 cores
+    python bench/off_policy_corrections.py --algorithms grpo --seeds 1    # ~40 minutes
     python bench/off_policy_corrections.py --tasks tldr --algorithms grpo --async_steps 0 4 16   # the TL;DR task
     python bench/off_policy_corrections.py --quick                  # a smoke test, not a result
 """
@@ -33,7 +35,8 @@ from typing import Literal
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORRECTIONS = ("none", "decoupled", "tis", "mask")
+CORRECTIONS = ("none", "decoupled", "pure_is", "tis", "mask", "m2po")
+SAME_AS_NONE_WHEN_FRESH = ("decoupled", "tis", "mask")
 SCORE = {"math": "eval/accuracy", "tldr": "eval/gold_win_rate"}
 
 
@@ -47,22 +50,24 @@ class Args:
     """the values of K"""
     seeds: tuple[int, ...] = (1, 2)
     """seeds per cell"""
-    corrections: tuple[Literal["none", "decoupled", "tis", "mask"], ...] = CORRECTIONS
+    corrections: tuple[Literal["none", "decoupled", "pure_is", "tis", "mask", "m2po"], ...] = CORRECTIONS
     """the values of --off_policy_correction"""
+    extra: tuple[str, ...] = ()
+    """flags added to every run (e.g. --is_level sequence); the run directories and result files name them"""
     quick: bool = False
-    """smoke test: GRPO on toy-math, K = 2, none and tis, 1 seed, 4 updates"""
+    """smoke test: GRPO on toy-math, K = 2, none and m2po, 1 seed, 4 updates"""
     output_dir: str | None = None
     """where the runs, results.json and the figure go (default runs/bench-off-policy-corrections-<time>)"""
 
 
 def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: Args) -> dict:
     """The final evaluation of one run."""
-    name = f"{algorithm}-{task}-k{k}-{correction}-seed{seed}"
+    name = f"{algorithm}-{task}-k{k}-{correction}{extra_suffix(args)}-seed{seed}"
     output_dir = os.path.join(args.output_dir, name)
     if not os.path.exists(os.path.join(output_dir, "done")):
         command = [sys.executable, os.path.join(ROOT, f"{algorithm}_vllm.py"),
                    *(["--preset", "toy-math"] if task == "math" else []), "--async_steps", str(k),
-                   "--off_policy_correction", correction, "--seed", str(seed), "--output_dir", output_dir,
+                   "--off_policy_correction", correction, "--seed", str(seed), "--output_dir", output_dir, *args.extra,
                    *(["--total_episodes", "256", "--eval_every", "4", "--eval_num_prompts", "64"]
                      if args.quick else [])]
         print("$", " ".join(command[1:]), flush=True)
@@ -80,7 +85,16 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
             # a quarter of the way (toy-math: update 8), where the toy tasks are still learning
             "early_score": evaluations[(len(evaluations) - 1) // 4][SCORE[task]],
             "mismatch_kl": statistics.mean(m["async/mismatch_kl"] for m in train_metrics),
-            "truncated_frac": statistics.mean(m["async/is_truncated_frac"] for m in train_metrics)}
+            "truncated_frac": statistics.mean(m["async/is_truncated_frac"] for m in train_metrics),
+            "ess": statistics.mean(m["async/ess"] for m in train_metrics),
+            # the share of terms a correction dropped: mask's out of bounds, m2po's tokens
+            "dropped_frac": statistics.mean(m.get("async/is_masked_frac", m.get("async/m2po_masked_frac", 0.0))
+                                            for m in train_metrics)}
+
+
+def extra_suffix(args) -> str:
+    """What --extra adds to a run's and a result file's name: `_is_level-sequence`."""
+    return "".join(f"_{flag.lstrip('-')}" if flag.startswith("--") else f"-{flag}" for flag in args.extra)
 
 
 def summary(values: list) -> list | None:
@@ -97,15 +111,17 @@ def figure(table: dict, args: Args, path: str):
     import matplotlib.pyplot as plt
 
     cells = [(algorithm, task) for algorithm in args.algorithms for task in args.tasks]
-    fig, axes = plt.subplots(4, len(cells), figsize=(5 * len(cells), 16), squeeze=False)
+    against_k = (("early_score", "{score} a quarter of the way"), ("score", "final {score}"),
+                 ("kl", "final eval/kl"), ("mismatch_kl", "async/mismatch_kl, mean over updates"),
+                 ("ess", "async/ess, mean over updates"))
+    fig, axes = plt.subplots(len(against_k) + 1, len(cells), figsize=(5 * len(cells), 4 * (len(against_k) + 1)),
+                             squeeze=False)
     for column, (algorithm, task) in enumerate(cells):
+        by_k = table[f"{algorithm} {task}"]
         for correction in args.corrections:
-            for row, (metric, label) in enumerate((("early_score", f"{SCORE[task]} a quarter of the way"),
-                                                   ("score", f"final {SCORE[task]}"), ("kl", "final eval/kl"),
-                                                   ("mismatch_kl", "async/mismatch_kl, mean over updates"))):
-                points = [(k, table[f"{algorithm} {task}"][k][correction][metric]) for k in args.async_steps
-                          if table[f"{algorithm} {task}"][k].get(correction)
-                          and table[f"{algorithm} {task}"][k][correction][metric]]
+            measured = [k for k in args.async_steps if by_k[k].get(correction)]
+            for row, (metric, label) in enumerate(against_k):
+                points = [(k, by_k[k][correction][metric]) for k in measured if by_k[k][correction][metric]]
                 if points:
                     ks, values = zip(*points)
                     axes[row][column].errorbar([k + 0.5 for k in ks], [v[0] for v in values],
@@ -113,8 +129,15 @@ def figure(table: dict, args: Args, path: str):
                 axes[row][column].set_xscale("log", base=2)
                 axes[row][column].set_xticks([k + 0.5 for k in args.async_steps], [str(k) for k in args.async_steps])
                 axes[row][column].set_xlabel("K (--async_steps)")
-                axes[row][column].set_ylabel(label)
+                axes[row][column].set_ylabel(label.format(score=SCORE[task]))
                 axes[row][column].set_title(f"{algorithm}_vllm.py, {task}")
+            # the final score against the drift it met: the toy's K read as an LLM run's mismatch KL
+            drift = [(by_k[k][correction]["mismatch_kl"][0], by_k[k][correction]["score"][0]) for k in measured]
+            axes[-1][column].plot(*zip(*sorted(drift)), marker="o", label=correction)
+        axes[-1][column].set_xscale("log")
+        axes[-1][column].set_xlabel("async/mismatch_kl, mean over updates")
+        axes[-1][column].set_ylabel(f"final {SCORE[task]}")
+        axes[-1][column].set_title(f"{algorithm}_vllm.py, {task}: score against drift")
         axes[0][column].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -123,7 +146,7 @@ def figure(table: dict, args: Args, path: str):
 def main(args: Args):
     if args.quick:
         args.algorithms, args.tasks, args.async_steps, args.seeds = ("grpo",), ("math",), (2,), (1,)
-        args.corrections = ("none", "tis")
+        args.corrections = ("none", "m2po")
     args.output_dir = args.output_dir or os.path.join(ROOT, "runs", f"bench-off-policy-corrections-{int(time.time())}")
     os.makedirs(args.output_dir, exist_ok=True)
     start = time.time()
@@ -132,28 +155,32 @@ def main(args: Args):
         for task in args.tasks:
             table[f"{algorithm} {task}"] = {k: {} for k in args.async_steps}
             for k in args.async_steps:
-                for correction in ("none",) if k == 0 else args.corrections:
+                for correction in args.corrections:
+                    if k == 0 and correction in SAME_AS_NONE_WHEN_FRESH:
+                        continue
                     runs = [train(algorithm, task, k, correction, seed, args) for seed in args.seeds]
                     table[f"{algorithm} {task}"][k][correction] = {
                         name: summary([run[name] for run in runs]) for name in runs[0]}
-            if 0 in args.async_steps:  # nothing is stale: none's runs stand for every correction
-                table[f"{algorithm} {task}"][0] = dict.fromkeys(args.corrections,
-                                                                table[f"{algorithm} {task}"][0]["none"])
+            if 0 in args.async_steps and "none" in args.corrections:  # nothing stale: none's runs stand for these
+                fresh = table[f"{algorithm} {task}"][0]
+                fresh.update({c: fresh["none"] for c in args.corrections if c in SAME_AS_NONE_WHEN_FRESH})
     print(f"the runs took {(time.time() - start) / 60:.1f} min; mean ± std over seeds {list(args.seeds)}")
     for cell, by_k in table.items():
-        print(f"\n{cell}: score a quarter of the way / final (final KL), mean mismatch KL and truncated share")
-        print(f"{'K':>3} " + "".join(f"{correction:>44}" for correction in args.corrections))
+        print(f"\n{cell}: score a quarter of the way / final (final KL), mean mismatch KL, truncated share, "
+              "ESS and dropped share")
+        print(f"{'K':>3} " + "".join(f"{correction:>56}" for correction in args.corrections))
         for k, by_correction in by_k.items():
             row = []
             for correction in args.corrections:
                 cell_values = by_correction.get(correction)
                 if cell_values is None:
-                    row.append(f"{'-':>44}")
+                    row.append(f"{'-':>56}")
                     continue
                 kl = f" ({cell_values['kl'][0]:.2f})" if cell_values["kl"] else ""
                 row.append(f"{cell_values['early_score'][0]:.3f} / {cell_values['score'][0]:.3f} ± "
                            f"{cell_values['score'][1]:.3f}{kl} {cell_values['mismatch_kl'][0]:.1e} "
-                           f"{cell_values['truncated_frac'][0]:.2f}".rjust(44))
+                           f"{cell_values['truncated_frac'][0]:.2f} {cell_values['ess'][0]:.2f} "
+                           f"{cell_values['dropped_frac'][0]:.2f}".rjust(56))
             print(f"{k:>3} " + "".join(row))
     destinations = [os.path.join(args.output_dir, "results")]
     if not args.quick:  # another task's, or a subset of the algorithms', in a file of their own
@@ -162,6 +189,7 @@ def main(args: Args):
             name += "".join(f"_{algorithm}" for algorithm in args.algorithms)
         if set(args.corrections) != set(CORRECTIONS):
             name += "".join(f"_{correction}" for correction in args.corrections)
+        name += extra_suffix(args)
         destinations.append(os.path.join(ROOT, "bench", "results", name))
     for destination in destinations:
         with open(destination + ".json", "w") as f:

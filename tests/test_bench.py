@@ -15,8 +15,8 @@ def test_off_policy_quick(tmp_path):
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy.py")
     results = json.loads((tmp_path / "results.json").read_text())
     table = results["table"]["small"]
-    assert sorted(table) == ["bok", "grpo_dapo", "grpo_dr_grpo", "online_dpo", "ppo", "ppo_decoupled", "rloo",
-                             "rloo_decoupled"]
+    assert sorted(table) == ["bok", "grpo_dapo", "grpo_dr_grpo", "online_dpo", "ppo", "ppo_pure_is", "rloo",
+                             "rloo_pure_is"]
     for arm, row in table.items():
         runs = {n: read_metrics(tmp_path / f"small-{arm}-mb{n}-seed1") for n in ("1", "2")}
         for n, metrics in runs.items():
@@ -28,7 +28,7 @@ def test_off_policy_quick(tmp_path):
         assert row["drop"] == [row["win_rate"]["1"][0] - row["win_rate"]["2"][0], 0.0]  # one seed
         updates = [m for m in runs["2"] if "loss/policy_avg" in m]
         assert len(updates) == 2  # N = 2: two generations, each trained on in two steps
-        if arm.endswith("decoupled"):  # the decoupled objective's ratio is 1 at every step
+        if arm.endswith("pure_is"):  # its ratio is 1 at every step
             assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in updates), arm
     assert "drop N=1->2" in result.stdout
     assert (tmp_path / "results.png").stat().st_size > 10_000
@@ -61,11 +61,11 @@ def test_math_sync_vs_async_quick(tmp_path):
 
 
 def test_off_policy_corrections_quick(tmp_path):
-    """GRPO on the arithmetic task at K = 2 without a correction and with tis, 4 updates: each cell is its run's
+    """GRPO on the arithmetic task at K = 2 without a correction and with m2po, 4 updates: each cell is its run's
     numbers."""
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy_corrections.py")
     table = json.loads((tmp_path / "results.json").read_text())["table"]["grpo math"]
-    assert list(table) == ["2"] and list(table["2"]) == ["none", "tis"]
+    assert list(table) == ["2"] and list(table["2"]) == ["none", "m2po"]
     for correction, cell in table["2"].items():
         metrics = read_metrics(tmp_path / f"grpo-math-k2-{correction}-seed1")
         evaluations = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
@@ -74,5 +74,7 @@ def test_off_policy_corrections_quick(tmp_path):
         assert cell["score"] == [evaluations[-1], 0.0] and cell["early_score"] == [evaluations[0], 0.0]
         assert cell["mismatch_kl"][0] == pytest.approx(sum(m["async/mismatch_kl"] for m in train) / 4), correction
         assert cell["mismatch_kl"][0] > 0
+        assert cell["ess"][0] == pytest.approx(sum(m["async/ess"] for m in train) / 4) and cell["ess"][0] < 1
+        assert cell["dropped_frac"][0] == pytest.approx(sum(m.get("async/m2po_masked_frac", 0) for m in train) / 4)
     assert (tmp_path / "results.png").stat().st_size > 10_000
     assert "grpo math: score a quarter of the way" in result.stdout

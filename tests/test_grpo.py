@@ -10,6 +10,7 @@ from scripts import assert_learns, read_metrics, run_script, toy_run
 
 import common
 import grpo
+import toy
 
 PAD = common.INVALID_LOGPROB
 # rows 0-1: prompt 1, rows 2-3: prompt 2; row 0 has no stop token (truncated at 3 tokens)
@@ -110,6 +111,36 @@ def test_advantages_by_group_by_batch_and_unscaled(monkeypatch):
         [0.5 / (batch_std + 1e-4), -0.5 / (batch_std + 1e-4), 0, 0])
 
 
+@pytest.mark.parametrize("script", ["grpo", "grpo_vllm"])
+def test_the_batch_std_is_exact_with_large_rewards_and_a_small_spread(monkeypatch, script):
+    """Rewards near 100 with a spread of 0.01: a sum of squares in fp32 loses the spread entirely."""
+    module = __import__(script)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor: None)  # one rank
+    monkeypatch.setattr(common, "local_device", lambda: torch.device("cpu"))
+    rewards = 100 + 0.01 * torch.randn(64, generator=torch.Generator().manual_seed(0))  # fp32
+    per_prompt = rewards.view(-1, 4)
+    centred = (per_prompt - per_prompt.mean(dim=1, keepdim=True)).flatten()
+    expected = centred.double() / (rewards.double().std().item() + 1e-4)
+    assert module.group_advantages(rewards, 4, "batch").tolist() == pytest.approx(expected.tolist(), rel=1e-5)
+
+
+def test_the_entropy_bonus_has_finite_gradients_under_top_p():
+    """Outside the nucleus log p = -inf: its p log p is 0 in value and must be in gradient too (it was NaN)."""
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    tokens = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(1))
+    logprobs, entropy = common.logprobs_from_logits(logits, tokens, 1.0, top_p=0.5, entropy=True)
+    (logprobs.sum() - 0.1 * entropy.sum()).backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    # the entropy of the first position's nucleus (its sampled token kept in it), renormalized
+    probs = torch.softmax(logits[0, 0].detach(), dim=-1)
+    ascending, order = probs.sort()
+    outside = set(order[ascending.cumsum(0) <= 0.5].tolist()) - {tokens[0, 0].item(), order[-1].item()}
+    nucleus = [token for token in range(11) if token not in outside]
+    assert 1 < len(nucleus) < 11
+    kept = probs[nucleus] / probs[nucleus].sum()
+    assert entropy[0, 0].item() == pytest.approx(-(kept * kept.log()).sum().item(), rel=1e-5)
+
+
 def test_dapos_soft_overlong_punishment():
     assert grpo.soft_overlong_punishment(torch.tensor([6, 7, 10]), 10, 4).tolist() == [0.0, -0.25, -1.0]
 
@@ -135,7 +166,9 @@ def test_grpo_learns_the_toy_task_and_with_dapo_the_arithmetic(tmp_path):
     assert all(m["val/ratio"] == 1 and m["val/ratio_var"] == 0 and m["policy/clipfrac_avg"] == 0 for m in train)
     # and nothing is stale: the off-policy diagnostics read 0 and 1
     assert all(m["async/mismatch_kl"] == 0 and m["async/is_ratio_mean"] == m["async/is_ratio_max"] == 1
-               and m["async/is_truncated_frac"] == 0 for m in train)
+               and m["async/is_truncated_frac"] == 0 and m["async/ess"] == 1 for m in train)
+    # the entropy is logged with no entropy bonus in the loss
+    assert all(0 < m["policy/entropy_avg"] < math.log(len(toy.WORDS)) for m in train)
     run_script("--preset", "toy-math", "--max_sampling_rounds", "2", "--total_episodes", "768", "--eval_every", "12",
                "--output_dir", tmp_path / "math", script="grpo.py")
     metrics = read_metrics(tmp_path / "math")

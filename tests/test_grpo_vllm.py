@@ -29,11 +29,13 @@ def test_off_policy_diagnostics_at_staleness_4_with_truncated_importance_samplin
                "--total_episodes", "384", "--eval_every", "0", "--output_dir", tmp_path / "run", script=SCRIPT)
     train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
     assert [m["async/staleness"] for m in train] == [0, 1, 2, 3, 4, 4]
-    names = ("async/mismatch_kl", "async/is_ratio_mean", "async/is_ratio_max", "async/is_truncated_frac")
+    names = ("async/mismatch_kl", "async/is_ratio_mean", "async/is_ratio_max", "async/is_truncated_frac",
+             "async/ess", "policy/entropy_avg", "policy/clipfrac_avg")
     assert all(math.isfinite(m[name]) for m in train for name in names)
     # fresh samples: the weights at the start of the update sampled them (the engine's log-probs are the
     # trainer's in fp32); stale ones: those weights moved since, and the more, the staler
     assert train[0]["async/is_ratio_max"] < 1 + 1e-4 and train[0]["async/is_truncated_frac"] == 0
-    assert all(m["async/is_ratio_max"] > 1.1 for m in train[1:])
+    assert train[0]["async/ess"] > 1 - 1e-6
+    assert all(m["async/is_ratio_max"] > 1.1 and m["async/ess"] < 1 for m in train[1:])
     mismatch = [m["async/mismatch_kl"] for m in train[:5]]  # staleness 0 to 4 (and 4 epochs of drift each)
     assert mismatch == sorted(mismatch) and mismatch[0] < 1e-4 < mismatch[1], mismatch

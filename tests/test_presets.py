@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import pytest
+import torch
 from scripts import ROOT
 
 import bok
@@ -19,6 +20,7 @@ import grpo
 import grpo_vllm
 import online_dpo
 import online_dpo_vllm
+import outputs
 import ppo
 import ppo_vllm
 import reward_model
@@ -283,6 +285,31 @@ def test_a_runs_args_json_is_a_config(tmp_path):
     path.write_text(json.dumps({"args": recorded, "ranks": 1, "versions": {}, "argv": []}))
     again = cli.flag_values(parse(rloo_vllm, "--config", str(path)))
     assert again == {**recorded, "config": str(path)}
+
+
+def test_decoupled_in_a_file_written_before_it_became_areals_keeps_its_meaning(tmp_path, capsys, monkeypatch):
+    """--off_policy_correction decoupled named what is now pure_is before flags_format 2: a run's args.json from
+    then replays as pure_is, and resuming that run as decoupled is refused; a YAML file saying decoupled must
+    say which it means."""
+    recorded = cli.flag_values(parse(grpo_vllm, "--off_policy_correction", "tis"))
+    recorded["off_policy_correction"] = "decoupled"
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"args": recorded, "ranks": 1, "versions": {}, "argv": []}))
+    assert parse(grpo_vllm, "--config", str(path)).corrections.off_policy_correction == "pure_is"
+    assert "replayed as pure_is" in capsys.readouterr().out
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    (tmp_path / "checkpoints" / "update-2").mkdir(parents=True)
+    now = parse(grpo_vllm, "--off_policy_correction", "decoupled", "--output_dir", str(tmp_path), "--resume")
+    with pytest.raises(SystemExit, match="--off_policy_correction 'pure_is' -> 'decoupled'"):
+        outputs.prepare_output_dir(now.run, cli.flag_values(now))
+    path.write_text(json.dumps({"args": recorded, "ranks": 1, "flags_format": 2, "versions": {}, "argv": []}))
+    assert parse(grpo_vllm, "--config", str(path)).corrections.off_policy_correction == "decoupled"
+    config = tmp_path / "run.yaml"
+    config.write_text("off_policy_correction: decoupled\n")
+    with pytest.raises(SystemExit, match="write pure_is for the earlier objective, or add `flags_format: 2`"):
+        parse(grpo_vllm, "--config", str(config))
+    config.write_text("flags_format: 2\noff_policy_correction: decoupled\n")
+    assert parse(grpo_vllm, "--config", str(config)).corrections.off_policy_correction == "decoupled"
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -88,7 +88,7 @@ def bad_input_cases(script, folder):
         cases.append((["--off_policy_correction", "mask", "--is_mask_low", "5"],
                       "--is_mask_low 5.0 must be at least 0 and below --is_cap 5"))
         cases.append((["--decoupled_weight_cap", "5"],
-                      "--decoupled_weight_cap is now --off_policy_correction decoupled --is_cap 5"))
+                      "--decoupled_weight_cap is now --off_policy_correction pure_is --is_cap 5"))
     if script.startswith(("online_dpo", "bok")):  # no policy ratio, no correction
         cases.append((["--off_policy_correction", "tis"], "Unrecognized options: --off_policy_correction"))
     if script.endswith("_vllm.py"):

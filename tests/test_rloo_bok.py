@@ -98,15 +98,24 @@ def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metr
     assert_same_weights_and_metrics(*runs[1:], ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
 
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
-def test_the_decoupled_objective_takes_its_ratio_against_the_proximal_weights(tmp_path, script):
-    # 2 mini-batches x 4 epochs: 7 of the 8 optimizer steps train on samples from earlier weights, yet
-    # against the weights of their own step the ratio is 1 and never clipped
+@pytest.mark.parametrize(("script", "correction"), [("rloo.py", "pure_is"), ("ppo.py", "pure_is"),
+                                                     ("ppo.py", "decoupled")])
+def test_pure_is_takes_its_ratio_against_each_steps_weights_and_decoupled_against_the_updates_start(
+        tmp_path, script, correction):
+    # 2 mini-batches x 4 epochs: 7 of the 8 optimizer steps train on samples from earlier weights; against the
+    # weights of their own step (pure_is) the ratio is 1 and never clipped; against the weights at the start of
+    # the update (decoupled, AReaL's proximal policy) it moves, and the clip binds
     run_script(*QUICK, "--total_episodes", "16", "--num_mini_batches", "2", "--gradient_accumulation_steps", "1",
-               "--off_policy_correction", "decoupled", "--is_cap", "2", "--eval_every", "0",
+               "--off_policy_correction", correction, "--is_cap", "2", "--eval_every", "0",
                "--output_dir", tmp_path / "run", script=script)
     [update] = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
-    assert update["val/ratio"] == pytest.approx(1.0) and update["val/ratio_var"] == pytest.approx(0, abs=1e-10)
-    assert update["policy/clipfrac_avg"] == 0
     # the steps after the first see weights that moved since sampling: the diagnostics say by how much
-    assert update["async/mismatch_kl"] > 0 and update["async/is_ratio_max"] > 1
+    assert update["async/mismatch_kl"] > 0
+    if correction == "pure_is":
+        assert update["val/ratio"] == pytest.approx(1.0) and update["val/ratio_var"] == pytest.approx(0, abs=1e-10)
+        assert update["policy/clipfrac_avg"] == 0
+        assert update["async/is_ratio_max"] > 1 and update["async/ess"] < 1  # of pi_step / pi_sampling
+    else:
+        assert update["val/ratio_var"] > 1e-4 and update["policy/clipfrac_avg"] > 0
+        # its weight is pi_start / pi_sampling: 1 where the trainer sampled the batch
+        assert update["async/is_ratio_max"] == 1 and update["async/ess"] == 1
