@@ -30,7 +30,7 @@ def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executab
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
     if preloaded and preloadable(launcher, env):
         with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-            process = PreloadedProcess(python_argv(command), stdout.fileno(), stderr.fileno(), cwd, env)
+            process = PreloadedProcess(python_argv(command), stdout.fileno(), stderr.fileno(), cwd)
             try:
                 process.wait(timeout)
             finally:  # timed out, or the test was stopped: the run goes
@@ -55,25 +55,21 @@ def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
     if preloaded and preloadable(launcher, env):
         with open(os.devnull, "w") as null:
-            return PreloadedProcess(python_argv(command), null.fileno(), null.fileno(), cwd, env)
+            return PreloadedProcess(python_argv(command), null.fileno(), null.fileno(), cwd)
     return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=environment(env))
 
 
 # the launchers whose commands tests/preloaded.py can run: Python programs
 PRELOADABLE_LAUNCHERS = ("deepspeed", "torchrun")
-# what a test may add to this environment and still run preloaded: each is a server of its own, which imported
-# the libraries in it (OpenMP reads its thread count at import), so a run's environment is its server's
-PRELOADED_ENVIRONMENTS = ({}, {"OMP_NUM_THREADS": "1"})
 
 
 def preloadable(launcher: tuple, env: dict | None) -> bool:
     """Whether a command can run in tests/preloaded.py: `python script`, or a launcher's command, in this
-    environment or another of PRELOADED_ENVIRONMENTS, on a CPU machine (a GPU node's tests start fresh
-    interpreters: no CUDA or NVML state of a preloaded vLLM is forked). Not where a test signals a launcher's
-    process group (preempt, kill_at): there the ranks and their engines are in the process group of the
-    launcher, not in sessions of their own."""
-    return (launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS) and (env or {}) in PRELOADED_ENVIRONMENTS
+    environment, on a CPU machine (a GPU node's tests start fresh interpreters: no CUDA or NVML state of a
+    preloaded vLLM is forked). Not where a test signals a launcher's process group (preempt, kill_at): there
+    the ranks and their engines are in the process group of the launcher, not in sessions of their own."""
+    return (launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS) and environment(env) == environment()
             and not torch.cuda.is_available())
 
 
@@ -84,29 +80,25 @@ def python_argv(command: list[str]) -> list[str]:
     return [shutil.which(command[0]), *command[1:]]
 
 
-# this worker's tests/preloaded.py servers, one per environment of PRELOADED_ENVIRONMENTS (the items it adds):
-# its process, our end of the socket pair, its output
-preloaded_servers = {}
+preloaded_server = None  # this worker's tests/preloaded.py: its process, our end of the socket pair, its output
 
 
 class PreloadedProcess:
-    """`python *argv` in `cwd`, in this environment (with `env`, one of PRELOADED_ENVIRONMENTS) and a session of
-    its own, forked by this worker's tests/preloaded.py for that environment (one at a time): `pid`, `poll()`,
-    `wait()` and `send_signal()` as subprocess.Popen's."""
+    """`python *argv` in `cwd`, in this environment and a session of its own, forked by this worker's
+    tests/preloaded.py (one at a time): `pid`, `poll()`, `wait()` and `send_signal()` as subprocess.Popen's."""
 
-    def __init__(self, argv: list[str], stdout: int, stderr: int, cwd: str, env: dict | None = None):
-        key = tuple(sorted((env or {}).items()))
-        server = preloaded_servers.get(key)
-        if server is None or server[0].poll() is not None:
+    def __init__(self, argv: list[str], stdout: int, stderr: int, cwd: str):
+        global preloaded_server
+        if preloaded_server is None or preloaded_server[0].poll() is not None:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             errors = tempfile.TemporaryFile()  # what the server itself says, should it end
-            process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "preloaded.py"),
-                                        str(theirs.fileno())], pass_fds=[theirs.fileno()], cwd=ROOT,
-                                       env=environment(env), stdin=subprocess.DEVNULL, stdout=errors, stderr=errors)
+            server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "preloaded.py"),
+                                       str(theirs.fileno())], pass_fds=[theirs.fileno()], cwd=ROOT, env=environment(),
+                                      stdin=subprocess.DEVNULL, stdout=errors, stderr=errors)
             theirs.close()
-            server = preloaded_servers[key] = (process, ours, errors)
-        self.channel, self.server_output, self.returncode = server[1], server[2], None
-        request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment(env)})
+            preloaded_server = (server, ours, errors)
+        self.channel, self.returncode = preloaded_server[1], None
+        request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment()})
         try:
             with open(os.devnull) as stdin:
                 socket.send_fds(self.channel, [request], [stdin.fileno(), stdout, stderr])
@@ -114,9 +106,9 @@ class PreloadedProcess:
         except (BrokenPipeError, ConnectionResetError):
             answer = b""
         if not answer:
-            self.server_output.seek(0)
-            said = self.server_output.read().decode(errors="replace")
-            raise RuntimeError("tests/preloaded.py ended: " + said[-3000:])
+            output = preloaded_server[2]
+            output.seek(0)
+            raise RuntimeError("tests/preloaded.py ended: " + output.read().decode(errors="replace")[-3000:])
         self.pid = pickle.loads(answer)
 
     def wait(self, timeout: float | None = None) -> int:
