@@ -5,8 +5,9 @@ arithmetic task (toy-math: final accuracy, and KL where the script has a referen
 task (final gold win-rate and KL), a few seeds; the score a quarter of the way too, where the toy tasks still
 learn. At K = 0 decoupled, tis and mask equal none (the tests prove it: the ratio is taken against the same
 log-probs, every weight is 1), so K = 0 runs none, pure_is and m2po (which differ when an update takes several
-optimizer steps), and none's runs stand for the other three. `--extra` adds flags to every run (the runs that
-tell why a correction collapses: `--extra --is_level sequence`, `--extra --num_epochs 1`), named in the output.
+optimizer steps), and none's runs stand for the other three. `--extra` adds flags to every run, named in the
+output (the runs that tell why a correction collapses: `--extra="--is_level sequence"`, `--extra="--num_epochs 1
+--learning_rate 1e-4"`).
 
 Every run is the script's own preset (toy-math) or default (TL;DR) with only --async_steps,
 --off_policy_correction and --seed changed; a finished run (its `done` marker) is not run again, so an
@@ -24,6 +25,7 @@ all three, the corrections when not all six, and the --extra flags: off_policy_c
 
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -52,8 +54,9 @@ class Args:
     """seeds per cell"""
     corrections: tuple[Literal["none", "decoupled", "pure_is", "tis", "mask", "m2po"], ...] = CORRECTIONS
     """the values of --off_policy_correction"""
-    extra: tuple[str, ...] = ()
-    """flags added to every run (e.g. --is_level sequence); the run directories and result files name them"""
+    extra: str = ""
+    """flags added to every run, as on its command line (--extra="--num_epochs 1"); the run directories and
+    result files name them"""
     quick: bool = False
     """smoke test: GRPO on toy-math, K = 2, none and m2po, 1 seed, 4 updates"""
     output_dir: str | None = None
@@ -67,7 +70,8 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
     if not os.path.exists(os.path.join(output_dir, "done")):
         command = [sys.executable, os.path.join(ROOT, f"{algorithm}_vllm.py"),
                    *(["--preset", "toy-math"] if task == "math" else []), "--async_steps", str(k),
-                   "--off_policy_correction", correction, "--seed", str(seed), "--output_dir", output_dir, *args.extra,
+                   "--off_policy_correction", correction, "--seed", str(seed), "--output_dir", output_dir,
+                   *shlex.split(args.extra),
                    *(["--total_episodes", "256", "--eval_every", "4", "--eval_num_prompts", "64"]
                      if args.quick else [])]
         print("$", " ".join(command[1:]), flush=True)
@@ -94,7 +98,7 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
 
 def extra_suffix(args) -> str:
     """What --extra adds to a run's and a result file's name: `_is_level-sequence`."""
-    return "".join(f"_{flag.lstrip('-')}" if flag.startswith("--") else f"-{flag}" for flag in args.extra)
+    return "".join(f"_{word.lstrip('-')}" if word.startswith("--") else f"-{word}" for word in shlex.split(args.extra))
 
 
 def summary(values: list) -> list | None:
@@ -111,9 +115,10 @@ def figure(table: dict, args: Args, path: str):
     import matplotlib.pyplot as plt
 
     cells = [(algorithm, task) for algorithm in args.algorithms for task in args.tasks]
-    against_k = (("early_score", "{score} a quarter of the way"), ("score", "final {score}"),
-                 ("kl", "final eval/kl"), ("mismatch_kl", "async/mismatch_kl, mean over updates"),
-                 ("ess", "async/ess, mean over updates"))
+    against_k = [(metric, label) for metric, label in (
+        ("early_score", "{score} a quarter of the way"), ("score", "final {score}"), ("kl", "final eval/kl"),
+        ("mismatch_kl", "async/mismatch_kl, mean over updates"), ("ess", "async/ess, mean over updates"))
+        if any(cell and cell[metric] for by_k in table.values() for row in by_k.values() for cell in row.values())]
     fig, axes = plt.subplots(len(against_k) + 1, len(cells), figsize=(5 * len(cells), 4 * (len(against_k) + 1)),
                              squeeze=False)
     for column, (algorithm, task) in enumerate(cells):
