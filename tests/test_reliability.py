@@ -87,6 +87,8 @@ def bad_input_cases(script, folder):
         cases.append((["--is_cap", "0"], "--is_cap must be positive (an importance weight's upper bound), got 0.0"))
         cases.append((["--off_policy_correction", "mask", "--is_mask_low", "5"],
                       "--is_mask_low 5.0 must be at least 0 and below --is_cap 5"))
+        cases.append((["--off_policy_correction", "m2po", "--m2_threshold", "0"],
+                      "--m2_threshold must be positive (a mean squared log-ratio), got 0.0"))
         cases.append((["--decoupled_weight_cap", "5"],
                       "--decoupled_weight_cap is now --off_policy_correction pure_is --is_cap 5"))
     if script.startswith(("online_dpo", "bok")):  # no policy ratio, no correction
