@@ -351,6 +351,8 @@ def main(args: Args):
                     new_logprobs, entropy = common.response_logprobs(
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
                         rollout.lengths[rows], args.generation.temperature, args.generation.top_p, entropy=True)
+                    if not args.entropy_coef:  # logged only: its graph, (n, R, vocab), goes before the backward
+                        entropy = entropy.detach()
                     common.reuse_first_step_logprobs(start_logprobs, rows, new_logprobs, epoch, step)
                     terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
                                                          args.corrections, args.corrections.is_level == "sequence")

@@ -165,6 +165,7 @@ def main(args: Args):
                         policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
                         rollout.lengths[rows], args.generation.temperature, args.generation.top_p,
                         entropy=True)  # (n, R) each
+                    entropy = entropy.detach()  # logged only: its graph, (n, R, vocab), goes before the backward
                     terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows],
                                                          rollout.mask[rows], args.corrections, sequence_level=True)
                     # (n,) each completion's log-prob, over the tokens the correction keeps (m2po drops some)
@@ -178,7 +179,7 @@ def main(args: Args):
                     stats["clipfrac"].append(clipfrac.item())
                     stats["approxkl"].append(0.5 * ((new_seq_logps.detach() - old_seq_logps) ** 2).mean().item())
                     stats["off_policy"].append(terms.diagnostics)
-                    stats["entropy"].append(common.masked_mean(entropy.detach(), rollout.mask[rows]))
+                    stats["entropy"].append(common.masked_mean(entropy, rollout.mask[rows]))
                     stats["ratio"].append(ratio.detach())
         t3 = time.time()
 
