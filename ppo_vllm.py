@@ -96,13 +96,15 @@ class PolicyAndValue(torch.nn.Module):
 
 def forward_responses(model, query_ids, query_mask, responses, lengths, temperature, top_p):
     """Log-probs (common.logprobs_from_logits; INVALID_LOGPROB at pads), values (0 at pads) and entropies
-    (at the temperature) of each response token, from the positions that predicted it.  Each (batch, response_len)."""
+    (at the temperature; no gradient) of each response token, from the positions that predicted it.
+    Each (batch, response_len)."""
     inputs, mask = common.response_inputs(query_ids, query_mask, responses, lengths)
     logits, values = model(**inputs)
     start = query_ids.shape[1] - 1
     logprobs = common.logprobs_from_logits(logits[:, start:-1], responses, temperature, top_p)
-    logits = logits[:, start:-1].float() / (temperature + 1e-7)
-    entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    with torch.no_grad():  # logged only: no graph of (batch, response_len, vocab) held through the backward pass
+        logits = logits[:, start:-1].float() / (temperature + 1e-7)
+        entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
     return logprobs.masked_fill(~mask, common.INVALID_LOGPROB), values[:, start:-1] * mask, entropy
 
 
@@ -297,7 +299,7 @@ def main(args: Args):
                     stats["vf_clipfrac"].append(vf_clipfrac.item())
                     stats["approxkl"].append(0.5 * common.masked_mean((new_logprobs - terms.anchor).detach() ** 2,
                                                                       micro_mask))
-                    stats["entropy"].append(common.masked_mean(entropy.detach(), micro_mask))
+                    stats["entropy"].append(common.masked_mean(entropy, micro_mask))
                     stats["ratio"].append(ratio.detach()[micro_mask.bool()])
         t3 = time.time()
 
