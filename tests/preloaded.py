@@ -7,9 +7,10 @@ preloaded: each child imports them as a fresh interpreter would.
 
 tests/scripts.py starts one per pytest worker and sends it one command at a time over a socket pair (the
 file descriptor in argv[1]): a pickled request with the child's stdin, stdout and stderr as passed file
-descriptors; the answers are the child's pid and, once it has ended, its wait status. A request while a
-child runs kills the child's session (the test gave up on it); an empty read (the test process ended) ends
-the server.
+descriptors; the answers are the child's pid and, once it has ended, its wait status. "kill" kills the
+child's session (the test gave up on it); an empty read (the test process ended) ends the server. It forks
+only while it has no other thread (but jemalloc's, fork-safe), and ends otherwise: the tests then run every
+command fresh, as they do with ASYNC_RLHF_TESTS_FRESH=1.
 
 The Python processes a child starts (a vLLM script's generator process, spawned by multiprocessing; the
 processes of the deepspeed launcher and of torchrun) are forked by the server too: in a child,
@@ -36,6 +37,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 
 STAND_IN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preloaded_python.py")
 PYTHON = sys.executable
@@ -70,8 +72,28 @@ def preload():
         batched_count_greater_than(torch.randn(rows, vocabulary), torch.randn(rows, 1))
 
 
+# the threads a fork may leave behind: jemalloc's background thread (pyarrow's allocator), whose fork handlers
+# take and release its locks around the fork
+FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
+
+
+def other_threads() -> list[str]:
+    """The names of this process's threads besides the calling one (which fork copies; a lock another holds
+    would stay held in the child forever)."""
+    names = []
+    for thread in os.listdir("/proc/self/task"):
+        if int(thread) != threading.get_native_id():
+            with open(f"/proc/self/task/{thread}/comm") as f:
+                names.append(f.read().strip())
+    return names
+
+
 def fork_with_fds(fds: list[int], numbers: list[int], closing: list[socket.socket]) -> int:
-    """fork(); in the child, in a session of its own, `closing` closed and `fds` moved to `numbers`."""
+    """fork(); in the child, in a session of its own, `closing` closed and `fds` moved to `numbers`. Only from a
+    process with no thread but FORK_SAFE_THREADS: otherwise the server ends (the tests run fresh)."""
+    unsafe = [name for name in other_threads() if name not in FORK_SAFE_THREADS]
+    if unsafe:
+        sys.exit(f"tests/preloaded.py: will not fork with other threads running: {unsafe}")
     sys.stdout.flush(), sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
@@ -92,8 +114,11 @@ def fork_with_fds(fds: list[int], numbers: list[int], closing: list[socket.socke
 
 
 def kill_session(pid: int):
-    with contextlib.suppress(ProcessLookupError):
+    try:
         os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # forked but not yet the leader of its session: nothing else of it runs yet
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def relay(connection: socket.socket) -> dict:
@@ -140,17 +165,18 @@ def serve(channel: socket.socket, listener: socket.socket, folder: str) -> dict:
                     kill_session(child)
                 shutil.rmtree(folder, ignore_errors=True)
                 os._exit(0)
-            if child:  # the test gave up on its command
-                kill_session(child)
-            elif message == b"kill":  # for a command that ended as the test gave up on it
+            if message == b"kill":  # the test gave up on its command (or it ended as the test gave up on it)
+                if child:
+                    kill_session(child)
                 continue
-            else:
-                child = fork_with_fds(fds, [0, 1, 2], [channel, listener])
-                if child == 0:
-                    return pickle.loads(message)
-                channel.sendall(pickle.dumps(child))
-                exited = os.pidfd_open(child)
-                continue
+            if child:
+                sys.exit("tests/preloaded.py: a second command while one runs (tests/scripts.py sends one at a time)")
+            child = fork_with_fds(fds, [0, 1, 2], [channel, listener])
+            if child == 0:
+                return pickle.loads(message)
+            channel.sendall(pickle.dumps(child))
+            exited = os.pidfd_open(child)
+            continue
         _, status = os.waitpid(child, 0)
         os.close(exited)
         if status:  # a failed or killed run's other processes (its engine, its ranks) go with it

@@ -1,5 +1,6 @@
 """Helpers for tests that run the algorithm scripts as subprocesses on the toy task."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -28,19 +30,8 @@ def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executab
     session of its own; in this environment, and unless `preloaded` is false, as a child of this worker's
     tests/preloaded.py (see preloadable)."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
-    if preloaded and preloadable(launcher, env):
-        with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-            process = PreloadedProcess(python_argv(command), stdout.fileno(), stderr.fileno(), cwd)
-            try:
-                process.wait(timeout)
-            finally:  # timed out, or the test was stopped: the run goes
-                process.kill()
-            outputs = []
-            for file in (stdout, stderr):
-                file.seek(0)
-                outputs.append(file.read().decode(errors="replace"))
-        result = subprocess.CompletedProcess(command, process.returncode, *outputs)
-    else:
+    result = run_preloaded(command, cwd, timeout) if preloaded and preloadable(launcher, env) else None
+    if result is None:
         # a session of its own, as a preloaded run's; the output is complete once every process has ended
         result = subprocess.run(command, cwd=cwd, text=True, capture_output=True, timeout=timeout,
                                 start_new_session=True, env=environment(env))
@@ -54,23 +45,52 @@ def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=
     and every process it started), its output discarded: a subprocess.Popen or a PreloadedProcess."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
     if preloaded and preloadable(launcher, env):
-        with open(os.devnull, "w") as null:
+        with open(os.devnull, "w") as null, contextlib.suppress(PreloadedServerFailed):
             return PreloadedProcess(python_argv(command), null.fileno(), null.fileno(), cwd)
     return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=environment(env))
 
 
+def run_preloaded(command: list[str], cwd, timeout: float) -> subprocess.CompletedProcess | None:
+    """`command` forked by this worker's tests/preloaded.py, its output captured; None if the server failed."""
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        try:
+            process = PreloadedProcess(python_argv(command), stdout.fileno(), stderr.fileno(), cwd)
+        except PreloadedServerFailed:
+            return None
+        try:
+            process.wait(timeout)
+        finally:  # timed out, or the test was stopped: the run goes
+            process.kill()
+        outputs = []
+        for file in (stdout, stderr):
+            file.seek(0)
+            outputs.append(file.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(command, process.returncode, *outputs)
+
+
 # the launchers whose commands tests/preloaded.py can run: Python programs
 PRELOADABLE_LAUNCHERS = ("deepspeed", "torchrun")
+# ASYNC_RLHF_TESTS_FRESH=1: every command in a fresh interpreter, as a shell starts it (no tests/preloaded.py)
+FRESH = os.environ.get("ASYNC_RLHF_TESTS_FRESH") == "1"
+PRELOADED_SERVER = os.path.join(ROOT, "tests", "preloaded.py")
 
 
 def preloadable(launcher: tuple, env: dict | None) -> bool:
-    """Whether a command can run in tests/preloaded.py: `python script`, or a launcher's command, in this
-    environment, on a CPU machine (a GPU node's tests start fresh interpreters: no CUDA or NVML state of a
-    preloaded vLLM is forked). Not where a test signals a launcher's process group (preempt, kill_at): there
-    the ranks and their engines are in the process group of the launcher, not in sessions of their own."""
-    return (launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS) and environment(env) == environment()
+    """Whether a command can run in tests/preloaded.py: `python script`, or a launcher's command, in the
+    environment the server imported its libraries in (settings read at import, such as OMP_NUM_THREADS, are
+    the server's), on a CPU machine (a GPU node's tests start fresh interpreters: no CUDA or NVML state of a
+    preloaded vLLM is forked), unless FRESH or the server could not start. Not where a test signals a
+    launcher's process group (preempt, kill_at): there the ranks and their engines are in the process group of
+    the launcher, not in sessions of their own."""
+    return (not FRESH and not preloaded_server_failed and launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS)
+            and read_at_import(environment(env)) == read_at_import(server_environment())
             and not torch.cuda.is_available())
+
+
+def read_at_import(env: dict) -> dict:
+    """`env` but PYTEST_CURRENT_TEST, which pytest sets for each test (and no library reads at import)."""
+    return {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}
 
 
 def python_argv(command: list[str]) -> list[str]:
@@ -81,22 +101,54 @@ def python_argv(command: list[str]) -> list[str]:
 
 
 preloaded_server = None  # this worker's tests/preloaded.py: its process, our end of the socket pair, its output
+preloaded_server_failed = False  # it could not start or ended: every command from then on runs fresh
+running_preloaded = None  # the PreloadedProcess the server runs now, if any
+
+
+def server_environment() -> dict:
+    """The environment the server runs every command in: the one it started in (or would start in now)."""
+    return preloaded_server[3] if preloaded_server else environment()
+
+
+class PreloadedServerFailed(Exception):
+    pass
+
+
+def server_failure() -> PreloadedServerFailed:
+    """Once tests/preloaded.py could not start or has ended: a warning with what it said last; every later
+    command of this worker runs fresh."""
+    global preloaded_server_failed
+    server, _, output, _ = preloaded_server
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.wait(timeout=60)
+    output.seek(0)
+    said = output.read().decode(errors="replace").strip().splitlines()
+    preloaded_server_failed = True
+    warnings.warn(f"tests/preloaded.py ended (exit {server.returncode}: {said[-1] if said else 'no output'}): "
+                  "this worker runs every command in a fresh interpreter from now on", stacklevel=2)
+    return PreloadedServerFailed()
 
 
 class PreloadedProcess:
-    """`python *argv` in `cwd`, in this environment and a session of its own, forked by this worker's
-    tests/preloaded.py (one at a time): `pid`, `poll()`, `wait()` and `send_signal()` as subprocess.Popen's."""
+    """`python *argv` in `cwd`, in the server's environment and a session of its own, forked by this worker's
+    tests/preloaded.py: `pid`, `poll()`, `wait()` and `send_signal()` as subprocess.Popen's. One at a time: the
+    server runs one command of the test's; a second while the first runs is an error. PreloadedServerFailed
+    (after one warning) where the server cannot start or has ended: run the command fresh."""
 
     def __init__(self, argv: list[str], stdout: int, stderr: int, cwd: str):
-        global preloaded_server
-        if preloaded_server is None or preloaded_server[0].poll() is not None:
+        global preloaded_server, running_preloaded
+        if running_preloaded is not None and running_preloaded.poll() is None:
+            raise RuntimeError(f"tests/preloaded.py runs one command at a time and pid {running_preloaded.pid} "
+                               "still runs: wait for it or kill() it first, or pass preloaded=False")
+        if preloaded_server is None:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             errors = tempfile.TemporaryFile()  # what the server itself says, should it end
-            server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "preloaded.py"),
-                                       str(theirs.fileno())], pass_fds=[theirs.fileno()], cwd=ROOT, env=environment(),
-                                      stdin=subprocess.DEVNULL, stdout=errors, stderr=errors)
+            started_in = environment()
+            server = subprocess.Popen([sys.executable, PRELOADED_SERVER, str(theirs.fileno())],
+                                      pass_fds=[theirs.fileno()], cwd=ROOT, env=started_in, stdin=subprocess.DEVNULL,
+                                      stdout=errors, stderr=errors)
             theirs.close()
-            preloaded_server = (server, ours, errors)
+            preloaded_server = (server, ours, errors, started_in)
         self.channel, self.returncode = preloaded_server[1], None
         request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment()})
         try:
@@ -106,10 +158,9 @@ class PreloadedProcess:
         except (BrokenPipeError, ConnectionResetError):
             answer = b""
         if not answer:
-            output = preloaded_server[2]
-            output.seek(0)
-            raise RuntimeError("tests/preloaded.py ended: " + output.read().decode(errors="replace")[-3000:])
+            raise server_failure()
         self.pid = pickle.loads(answer)
+        running_preloaded = self
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:

@@ -8,15 +8,18 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
-from scripts import run_script, start_script
+import scripts
+from scripts import ROOT, run_script, start_script
 
 PROGRAM = """
 import json, os, signal, sys
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path": sys.path[0], "name": __name__,
-                  "own_session": os.getsid(0) == os.getpid(), "kit_imported": "common" in sys.modules}))
+                  "own_session": os.getsid(0) == os.getpid(), "kit_imported": "common" in sys.modules,
+                  "torch_imported": "torch" in sys.modules}))
 print("on stderr", file=sys.stderr)
 if sys.argv[1] == "raise":
     raise ValueError("uncaught")
@@ -108,7 +111,9 @@ def test_a_preloaded_run_is_what_a_fresh_interpreter_runs(tmp_path):
             for name, env in (("preloaded", None), ("fresh", {"A_VARIABLE_THE_SERVER_LACKS": "1"}))}
     for run in runs.values():
         assert run.returncode == 3 and run.stderr == "on stderr\n"
-    assert json.loads(runs["preloaded"].stdout) == json.loads(runs["fresh"].stdout) == {
+    seen = {name: json.loads(run.stdout) for name, run in runs.items()}
+    assert [seen[name].pop("torch_imported") for name in runs] == [True, False]  # preloaded, and not
+    assert seen["preloaded"] == seen["fresh"] == {
         "argv": ["3"], "cwd": str(tmp_path), "path": str(tmp_path), "name": "__main__", "own_session": True,
         "kit_imported": False}
     raised = run_script("raise", script=str(program), check=False)
@@ -159,3 +164,54 @@ def test_a_spawned_process_ends_with_its_parents_process_group(tmp_path, env):
         while time.time() < deadline:
             os.kill(int(started.read_text()), 0)
             time.sleep(0.01)
+
+
+def preloaded_run(program, tmp_path) -> bool:
+    """Whether tests/scripts.py ran `program` in the fork server (torch imported before the program's start)."""
+    return json.loads(run_script("0", script=str(program), cwd=tmp_path).stdout)["torch_imported"]
+
+
+def test_fresh_mode_and_a_changed_import_time_environment_run_fresh(tmp_path, monkeypatch):
+    program = tmp_path / "program.py"
+    program.write_text(PROGRAM)
+    assert preloaded_run(program, tmp_path)
+    with monkeypatch.context() as changed:  # read at import: the server's imports were made without it
+        changed.setenv("OMP_NUM_THREADS", "3")
+        assert not preloaded_run(program, tmp_path)
+    with monkeypatch.context() as fresh:  # ASYNC_RLHF_TESTS_FRESH=1
+        fresh.setattr(scripts, "FRESH", True)
+        assert not preloaded_run(program, tmp_path)
+    assert preloaded_run(program, tmp_path)
+
+
+def test_a_server_that_cannot_start_warns_once_and_every_command_runs_fresh(tmp_path, monkeypatch):
+    program, broken = tmp_path / "program.py", tmp_path / "server.py"
+    program.write_text(PROGRAM)
+    broken.write_text("raise SystemExit('cannot preload: vllm is broken')\n")
+    for name, value in (("PRELOADED_SERVER", str(broken)), ("preloaded_server", None),
+                        ("preloaded_server_failed", False), ("running_preloaded", None)):
+        monkeypatch.setattr(scripts, name, value)  # this worker's own server is back after the test
+    with pytest.warns(UserWarning) as warned:
+        assert [preloaded_run(program, tmp_path) for _ in range(2)] == [False, False]
+    assert [str(w.message) for w in warned] == [
+        "tests/preloaded.py ended (exit 1: cannot preload: vllm is broken): this worker runs every command in a "
+        "fresh interpreter from now on"]
+
+
+def test_one_command_at_a_time(tmp_path):
+    program, started = tmp_path / "program.py", tmp_path / "started"
+    program.write_text(PROGRAM)
+    process = start_script("sleep", started, script=str(program))
+    with pytest.raises(RuntimeError, match=f"runs one command at a time and pid {process.pid} still runs"):
+        run_script("0", script=str(program))
+    process.kill()
+    assert process.wait() == -signal.SIGKILL and run_script("0", script=str(program)).returncode == 0
+
+
+def test_the_server_does_not_fork_while_another_thread_runs():
+    code = ("import threading, time, preloaded; threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); "
+            "preloaded.fork_with_fds([], [], [])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "tests"), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+        "tests/preloaded.py: will not fork with other threads running: ['python']"), result.stderr[-2000:]
