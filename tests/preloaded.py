@@ -185,10 +185,16 @@ def serve(channel: socket.socket, listener: socket.socket, folder: str) -> dict:
         child = None
 
 
+# what the libraries preloaded here read as they load (OpenMP's and MKL's thread counts): a command whose
+# environment sets them otherwise (a launcher's rank, say) runs in a fresh interpreter
+READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def run_python(request: dict, executable: str):
     """What `python *request["argv"]` does, in the request's folder and environment (and, for a stand-in's,
     with its cores and signal dispositions), with `executable` as sys.executable."""
     os.chdir(request["cwd"])
+    imported_with = [os.environ.get(name) for name in READ_AT_IMPORT]
     os.environ.clear()
     os.environ.update(request["env"])
     if "cores" in request:
@@ -196,6 +202,8 @@ def run_python(request: dict, executable: str):
         for number in request["ignored"]:
             signal.signal(number, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
+    if [os.environ.get(name) for name in READ_AT_IMPORT] != imported_with:
+        os.execv(PYTHON, [PYTHON, *request["argv"]])
     argv = list(request["argv"])
     options = []
     while argv and argv[0] in OPTIONS:

@@ -58,6 +58,10 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def report_imports(queue):
+    queue.put({"threads": os.environ["OMP_NUM_THREADS"], "torch_imported": "torch" in sys.modules})
+
+
 def sleep(pid_file):
     with open(pid_file, "w") as f:
         f.write(str(os.getpid()))
@@ -100,6 +104,10 @@ if __name__ == "__main__":
                               "an argument"], capture_output=True, text=True)
     module = subprocess.run([sys.executable, "-m", "program", "module"], capture_output=True, text=True)
     result["commands"] = [command.returncode, command.stdout, module.returncode, json.loads(module.stdout)]
+    os.environ["OMP_NUM_THREADS"] = "2"  # read as OpenMP loads: a process started now starts fresh
+    process = spawned(report_imports, queue)
+    result["other_threads"] = queue.get()
+    process.join()
     print(json.dumps(result))
 """
 
@@ -132,7 +140,8 @@ def test_what_a_preloaded_run_starts_is_what_a_fresh_interpreter_would_start(tmp
                     "blocked": [signal.SIGUSR2], "parent_alive": True},
         "exitcodes": [7, 5, -signal.SIGKILL],
         "commands": [3, "['-c', 'an argument'] \n", 4,
-                     {"argv": [str(program), "module"], "name": "__main__", "path": str(tmp_path)}]}
+                     {"argv": [str(program), "module"], "name": "__main__", "path": str(tmp_path)}],
+        "other_threads": {"threads": "2", "torch_imported": False}}
 
 
 def test_a_preloaded_run_the_test_gives_up_on_is_killed(tmp_path):
