@@ -353,17 +353,29 @@ def assert_same_weights_and_metrics(whole, resumed, names, after_update=-1):
         assert logged[0] == logged[1] and logged[0], name
 
 
+# GRPO's flags that gather over ranks (the batch's reward statistics, dynamic sampling's rounds): what its
+# two-rank runs add, so that a rank trained on its own share of them would show
+GRPO_ACROSS_RANKS = ["--dynamic_sampling", "--scale_rewards", "batch"]
+
+
 def assert_two_ranks_train_as_one(two, one):
     """A two-rank run and a one-rank run of the same global batches: the same samples (scores within 1e-6),
-    each update's loss within 1e-5 and the final weights within 1e-4 (the order of float sums)."""
+    each update's loss within 1e-5, and final weights that differ by under 0.1% of how far training moved them
+    (L2 over every weight: the order of float sums makes 0.7e-5 to 7e-5 of it; one rank's rows weighted twice in
+    the gradient made 0.37)."""
     import pytest
+    from transformers import AutoModelForCausalLM
 
     two_metrics, one_metrics = ([m for m in read_metrics(run) if "loss/policy_avg" in m] for run in (two, one))
     assert len(two_metrics) == len(one_metrics) > 0
     for name, tolerance in (("objective/scores", 1e-6), ("loss/policy_avg", 1e-5)):
         assert [m[name] for m in two_metrics] == pytest.approx([m[name] for m in one_metrics], abs=tolerance), name
+    with open(os.path.join(one, "args.json")) as f:
+        start = AutoModelForCausalLM.from_pretrained(json.load(f)["args"]["model_name_or_path"]).state_dict()
     two_weights, one_weights = load_policy_weights(two), load_policy_weights(one)
-    assert max((two_weights[name] - one_weights[name]).abs().max().item() for name in one_weights) < 1e-4
+    difference = torch.cat([(two_weights[name] - one_weights[name]).flatten() for name in one_weights]).norm()
+    moved = torch.cat([(one_weights[name] - start[name]).flatten() for name in one_weights]).norm()
+    assert difference < 1e-3 * moved, (difference.item(), moved.item())
 
 
 # What a correct run of the tests' learning configurations gains in gold win-rate on the toy task, measured

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 from scripts import (
+    GRPO_ACROSS_RANKS,
     PREEMPTIONS,
     QUICK,
     SCRIPTS,
@@ -21,24 +22,24 @@ import common
 
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 SYNC_SCRIPTS = tuple(script for script in SCRIPTS if not script.endswith("_vllm.py"))
-# ZeRO-3 with a resume on two ranks, for a synchronous and an asynchronous script of each kind: online DPO's
-# twins, each resumed after a preemption in its first update of its own (one of the two ways: the preemption is
-# common code), and PPO's (a value model too) with a LoRA adapter (ZeRO-3 gathers the adapted layers to
-# generate, to merge them for the engine and to save; the value model has an adapter too), resumed from a copy
-# of the first run at its checkpoint 2. What ZeRO-3 changes (gathering, saving, resuming) is common code.
+# ZeRO-3 with a resume on two ranks: online DPO's twins, each resumed after a preemption in its first update of
+# its own (one of the two ways: the preemption is common code), and asynchronous PPO (a value model too) with a
+# LoRA adapter (ZeRO-3 gathers the adapted layers to generate its evaluations, to merge them for the engine and
+# to save; the value model has an adapter too), resumed from a copy of the first run at its checkpoint 2. What
+# ZeRO-3 changes (gathering, saving, resuming) is common code, the same for ppo.py.
 PREEMPTION_ON_TWO_RANKS = {"online_dpo.py": list(PREEMPTIONS)[0], "online_dpo_vllm.py": list(PREEMPTIONS)[1]}
-LORA_ON_TWO_RANKS = ("ppo.py", "ppo_vllm.py")
+LORA_ON_TWO_RANKS = ("ppo_vllm.py",)
 ZERO_3 = (*PREEMPTION_ON_TWO_RANKS, *LORA_ON_TWO_RANKS)
-# ZeRO-3's two ranks against one rank: a synchronous script training every weight and an asynchronous one
-# training an adapter
-ZERO_3_AGAINST_ONE_RANK = ("online_dpo.py", "ppo_vllm.py")
+# ZeRO-3's two ranks against one rank (DeepSpeed averages the adapter's gradients as the full weights')
+ZERO_3_AGAINST_ONE_RANK = ("online_dpo.py",)
 
 
 def two_rank_args(script: str, zero_stage: int, updates: int) -> list:
     # sampling chunks of 16 rows: each rank's rows, whatever k, are whole chunks (seeded by their place)
     return [*QUICK, "--local_rollout_forward_batch_size", "16", "--total_episodes", 32 * updates, "--eval_every",
             "1", "--save_every", "2", "--zero_stage", zero_stage,
-            *(["--use_peft"] if script in LORA_ON_TWO_RANKS else [])]
+            *(["--use_peft"] if script in LORA_ON_TWO_RANKS else []),
+            *(GRPO_ACROSS_RANKS if script == "grpo.py" else [])]
 
 
 def run_on_two_ranks(script, args, out, updates: int, one_rank_dir=None):

@@ -8,6 +8,7 @@ tested once, in test_online_dpo_vllm.py."""
 import pytest
 import torch
 from scripts import (
+    GRPO_ACROSS_RANKS,
     INTERRUPTIONS,
     QUICK,
     SHORT_INTERRUPTIONS,
@@ -37,6 +38,10 @@ K1_RUN["grpo_vllm.py"].append("--dynamic_sampling")  # the engine's process scor
 # state through the same code, through the kill while checkpoint 4 is written (it resumes from checkpoint 2,
 # with the batch sampled ahead of it)
 K1_INTERRUPTIONS = {"online_dpo_vllm.py": INTERRUPTIONS, **dict.fromkeys(LEARNING_SCRIPTS, SHORT_INTERRUPTIONS)}
+# the K=2 two-rank run (and its one-rank twin): 4 updates of 16 prompts per rank (GRPO's with GRPO_ACROSS_RANKS)
+TWO_RANK_RUN = {script: [*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2",
+                         "--logprob_check_every", "2", *(GRPO_ACROSS_RANKS if script == "grpo_vllm.py" else [])]
+                for script in ("online_dpo_vllm.py", *LEARNING_SCRIPTS)}
 
 
 def run_keeping_weights(script, *args, **options):
@@ -113,9 +118,8 @@ def two_rank_k2_run(request, tmp_path_factory):
     launcher = ("torchrun", "--nproc_per_node", "2", "--master_port", port)
     if request.module.SCRIPT != "online_dpo_vllm.py":
         launcher = ("deepspeed", "--num_gpus", "2", "--master_port", port)
-    run_keeping_weights(request.module.SCRIPT, *QUICK, "--total_episodes", "128", "--eval_every", "100",
-                        "--async_steps", "2", "--logprob_check_every", "2", "--output_dir", out, launcher=launcher,
-                        env={"OMP_NUM_THREADS": "1"})
+    run_keeping_weights(request.module.SCRIPT, *TWO_RANK_RUN[request.module.SCRIPT], "--output_dir", out,
+                        launcher=launcher, env={"OMP_NUM_THREADS": "1"})
     return out
 
 
@@ -150,7 +154,6 @@ def test_two_ranks_train_as_one_on_the_same_global_batch(request, two_rank_k2_ru
     prompts per step in 4 micro-batches: the engine samples the same rows whatever the layout (per-row
     seeds), and every loss weighs each token (pair, sequence) the same whatever micro-batch or rank it
     falls in."""
-    run_script(*QUICK, "--gradient_accumulation_steps", "4", "--total_episodes", "128", "--eval_every", "100",
-               "--async_steps", "2", "--logprob_check_every", "2", "--output_dir", tmp_path / "one",
-               script=request.module.SCRIPT, env={"OMP_NUM_THREADS": "1"})
+    run_script(*TWO_RANK_RUN[request.module.SCRIPT], "--gradient_accumulation_steps", "4", "--output_dir",
+               tmp_path / "one", script=request.module.SCRIPT, env={"OMP_NUM_THREADS": "1"})
     assert_two_ranks_train_as_one(two_rank_k2_run, tmp_path / "one")
