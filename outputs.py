@@ -109,11 +109,11 @@ class OnlineTrainerState:
             torch.cuda.set_rng_state(rng["cuda"])
 
 
-# What a resumed run may change: where it logs, how often it evaluates and checkpoints, and how its
-# numbers are computed in chunks (the rest would mix two configurations into one run)
+# What a resumed run may change: where it logs, how often it evaluates and checkpoints (the rest would mix two
+# configurations into one run; --local_rollout_forward_batch_size too: HF generate seeds each chunk of it)
 RESUME_MAY_CHANGE = ("preset", "config", "output_dir", "resume", "exp_name", "track", "wandb_project_name",
                      "wandb_entity", "eval_every", "eval_temperature", "save_every", "keep_snapshots", "save_merged",
-                     "local_rank", "local_rollout_forward_batch_size")
+                     "local_rank")
 
 
 def prepare_output_dir(run: RunArgs, flags: dict, may_change: tuple[str, ...] = ()):

@@ -183,10 +183,13 @@ def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_w
         return {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
 
     before = files()
-    changed = run_script(*run_args, "--resume", "--learning_rate", "0.001", "--total_episodes", "64", check=False)
+    # the chunks HF generate seeds its samples by are --local_rollout_forward_batch_size's
+    changed = run_script(*run_args, "--resume", "--learning_rate", "0.001", "--total_episodes", "64",
+                         "--local_rollout_forward_batch_size", "16", check=False)
     assert changed.returncode != 0 and changed.stderr.strip().splitlines()[-1] == (
-        f"error: --resume: the run in {str(out)!r} was trained with other settings: --learning_rate 0.0001 -> 0.001; "
-        "--total_episodes 32 -> 64; resume with its own (its args.json) or start a new run")
+        f"error: --resume: the run in {str(out)!r} was trained with other settings: --local_rollout_forward_batch_size "
+        "32 -> 16; --learning_rate 0.0001 -> 0.001; --total_episodes 32 -> 64; resume with its own (its args.json) "
+        "or start a new run")
     two_ranks = run_script(*run_args, "--resume", check=False, env={"OMP_NUM_THREADS": "1"},
                            launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())))
     assert two_ranks.returncode != 0 and "was trained with other settings: ranks 1 -> 2;" in two_ranks.stderr
@@ -197,7 +200,11 @@ def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_w
         "error: --keep_snapshots must be at least 1 (or left out to keep every snapshot), got 0")
     assert files() == before
     assert sorted(p.name for p in (out / "policies").iterdir()) == ["update-1", "update-2"]  # every one by default
+    # accepted (each flag a resume may change, changed, trains the same: test_two_ranks.py), and a finished run
+    # has nothing left to train: its policy stays as it was
+    trained = (out / "policy" / "model.safetensors").read_bytes()
     run_script(*run_args, "--resume", "--eval_every", "1", "--save_every", "2", "--track", "--keep_snapshots", "1")
+    assert (out / "policy" / "model.safetensors").read_bytes() == trained
 
 
 def test_a_checkpoint_or_policy_that_cannot_be_written_stops_the_run_and_the_last_checkpoint_stays_usable(tmp_path):

@@ -73,7 +73,8 @@ def test_two_ranks_resume_at_zero_3(tmp_path, script):
     run resumes on two ranks and ends with the same weights and metrics as the first, bit for bit: after a
     preemption in its first update of its own (a SIGTERM to the whole job, launcher, ranks and engine, as the
     first batch is sampled; or SIGUSR1 to the ranks while the first update trains, then SIGTERM again while its
-    checkpoint is written), or from a copy of the first run at its checkpoint 2."""
+    checkpoint is written), or from a copy of the first run at its checkpoint 2; the last resume with every flag a
+    resume may change changed (changed_on_resume)."""
     out, args = tmp_path / "run", two_rank_args(script, 3, updates=3)
     run_on_two_ranks(script, args, out, updates=3,
                      one_rank_dir=tmp_path / "one" if script in ZERO_3_AGAINST_ONE_RANK else None)
@@ -86,9 +87,31 @@ def test_two_ranks_resume_at_zero_3(tmp_path, script):
         shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("policy", "wandb"))
         assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["update-2"]
         after_update = 2  # what the copy holds is the first run's
-    run_script(*args, "--output_dir", resumed, "--resume", script=script, launcher=launcher, env=env)
-    assert_same_weights_and_metrics(out, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"],
-                                    after_update)
+    run_script(*args, *changed_on_resume(script, tmp_path), "--output_dir", resumed, "--resume", script=script,
+               launcher=launcher, env=env)
+    assert_same_weights_and_metrics(out, resumed, ["loss/policy_avg", "objective/scores"], after_update)
+    # what was changed took effect
+    assert [p.name for p in (resumed / "policies").iterdir()] == ["update-3"]  # one kept, of every update's
+    assert list((resumed / "wandb").glob("offline-run-*"))
+    assert (resumed / "policy_merged").is_dir() == (script in LORA_ON_TWO_RANKS)
+
+
+def changed_on_resume(script: str, folder) -> list:
+    """Every flag a resume may change (outputs.RESUME_MAY_CHANGE, and vllm_generator.RESUME_MAY_CHANGE for a
+    vLLM script) set otherwise, a config file among them: the resumed run must still train as the first.
+    Not --vllm_device, --vllm_engines_per_node and --vllm_cpu_threads, which two ranks on two cores cannot
+    change (test_online_dpo_vllm.py runs two engines as one)."""
+    config = folder / "resume.yaml"
+    config.write_text("eval_temperature: 0.5\n")
+    changes = ["--config", config, "--exp_name", "renamed", "--track", "--wandb_project_name", "other",
+               "--wandb_entity", "someone", "--save_every", "1", "--keep_snapshots", "1"]
+    if script in LORA_ON_TWO_RANKS:
+        changes.append("--save_merged")
+    if script.endswith("_vllm.py"):
+        changes += ["--engine_start_timeout", "900", "--generator_timeout", "900", "--logprob_check_every", "1",
+                    "--logprob_check_rows", "4", "--vllm_cpu_kv_cache_gib", "2", "--vllm_gpu_memory_utilization",
+                    "0.5", "--vllm_enforce_eager"]
+    return changes
 
 
 def test_metrics_and_data_across_two_real_ranks():
