@@ -99,6 +99,32 @@ def test_the_entropy_bonus_is_subtracted_averaged_as_the_loss():
     assert loss_of(entropy=entropy, entropy_coef=0.1, loss_type="bnpo") == pytest.approx(-0.7 / 9 - 0.1, abs=1e-6)
 
 
+def loss_gradients(ref=None, entropy=None, **overrides) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d loss / d new log-probs (the ratio's old log-probs held fixed), and d loss / d entropy."""
+    new = NEW.clone().requires_grad_()
+    entropy = None if entropy is None else entropy.clone().requires_grad_()
+    grpo.policy_loss(new, NEW - LOG_RATIO, ADVANTAGES, MASK, grpo_args(**overrides), 9.0, ref, entropy)[0].backward()
+    return new.grad, None if entropy is None else entropy.grad
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_the_kl_penalty_pulls_each_token_towards_the_reference(estimator):
+    # on top of the policy term's gradient, beta / 9 tokens times d KL / d logp per token, r = ref - logp:
+    # k1 (-r) 1, k2 (r^2 / 2) -r, k3 (e^r - r - 1) 1 - e^r; a token more likely under the policy than the
+    # reference (r < 0) is pushed down, one less likely (r > 0) up (k2, k3)
+    ref = NEW + torch.tensor([[math.log(2), -math.log(2), 0.3], [0.1, 0, 0], [-0.2, 0.5, 0], [0, 0.4, -0.1]])
+    r = ref - NEW
+    by_hand = {"k1": torch.ones_like(r), "k2": -r, "k3": 1 - torch.exp(r)}[estimator]
+    with_kl, _ = loss_gradients(ref=ref, beta=0.1, kl_estimator=estimator, loss_type="bnpo")
+    without, _ = loss_gradients(loss_type="bnpo")
+    assert torch.allclose(with_kl - without, 0.1 * by_hand * MASK / 9, atol=1e-7)
+
+
+def test_the_entropy_bonus_pushes_every_tokens_entropy_up():
+    _, entropy_gradient = loss_gradients(entropy=torch.ones_like(NEW), entropy_coef=0.1, loss_type="bnpo")
+    assert torch.allclose(entropy_gradient, -0.1 * MASK / 9)
+
+
 def test_advantages_by_group_by_batch_and_unscaled(monkeypatch):
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor: None)  # one rank
     monkeypatch.setattr(common, "local_device", lambda: torch.device("cpu"))
