@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 from types import SimpleNamespace
 
@@ -106,7 +107,26 @@ def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
     sizes = {name: sum(p.numel() for p in LlamaForCausalLM(toy.model_config(shape, toy.make_tokenizer())).parameters())
              for name, shape in (("small", toy.SMALL_SHAPE), ("large", toy.LARGE_SHAPE))}
     assert sizes == {"small": 448_128, "large": 3_453_184}  # the small one is the built toy's (summary.json)
-    assert toy.LARGE_SFT_POLICY.startswith(toy.TOY_DIR)  # rebuilt, like the toy, when toy.py changes
+
+
+def test_the_embedded_tasks_are_cached_by_the_hash_of_toy_py(tmp_path):
+    """In ~/.cache/async-rlhf-kit/ (without ASYNC_RLHF_TOY_DIR), each in a folder named by toy.py's source: an
+    edited toy.py builds them again."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from scripts import ROOT, environment
+
+    code = "import toy; print(toy.SFT_POLICY, toy.MATH_POLICY, toy.LARGE_SFT_POLICY, toy.BASE_POLICY)"
+    env = {name: value for name, value in environment({"HOME": str(tmp_path)}).items()
+           if name != "ASYNC_RLHF_TOY_DIR"}
+    paths = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                           check=True).stdout.split()
+    with open(os.path.join(ROOT, "toy.py"), "rb") as f:
+        toy_dir = tmp_path / ".cache" / "async-rlhf-kit" / f"toy-{hashlib.sha256(f.read()).hexdigest()[:10]}"
+    assert paths == [f"{toy_dir}/sft_policy", f"{toy_dir}-math/sft_policy", f"{toy_dir}-large/sft_policy",
+                     f"{toy_dir}-pipeline/base_policy"]
 
 
 def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, monkeypatch):
@@ -235,7 +255,7 @@ def test_reward_model_with_another_tokenizer_sees_the_same_text(tiny_dir):
         score = common.score_responses(reward_model, query_ids, query_mask, responses, lengths, contains_eos,
                                        policy_tokenizer, reward_tokenizer)
         ids = reward_tokenizer("the cat sat on the mat [END]", add_special_tokens=False, return_tensors="pt")
-        expected = common.reward_scores(reward_model, ids["input_ids"], ids["attention_mask"])
+        expected = reward_model(**ids).logits[0, 0]  # transformers' own scoring of the re-encoded text
     assert ids["input_ids"][0, -1].item() == reward_tokenizer.eos_token_id
     assert score.item() == pytest.approx(expected.item(), abs=1e-5)
 

@@ -174,7 +174,7 @@ def test_every_token_was_sampled_by_the_version_it_records(free_run):
 
 def test_free_swaps_learn_and_log_each_tokens_staleness(free_run):
     out, _ = free_run
-    assert_learns(out, min_gain=0.2)
+    assert_learns(out)  # measured +0.42
     train = train_metrics(out)
     assert len(train) == 10 and all(m["async/token_staleness_mean"] <= m["async/token_staleness_max"] for m in train)
     assert any(m["async/multi_version_share"] > 0 for m in train)

@@ -42,4 +42,4 @@ def test_the_other_scripts_learn_arithmetic(tmp_path, script):
     out = tmp_path / "run"
     run_script(*SHORT, "--output_dir", out, script=f"{script}.py")
     accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
-    assert len(accuracy) == 2 and accuracy[1] >= accuracy[0] + 0.2, accuracy
+    assert len(accuracy) == 2 and accuracy[0] < 0.5 and accuracy[1] >= 0.8, accuracy  # measured 0.41 -> 0.92, 1.0

@@ -125,7 +125,7 @@ def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_
                "--logprob_check_every", "1", "--output_dir", out, script="tests/run_with_slow_evaluation.py")
     train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
     assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
-    assert max(m["async/logprob_diff"] for m in train) < 1e-5 and train[0]["time/wait"] < 1.0, train
+    assert max(m["async/logprob_diff"] for m in train) < 1e-6 and train[0]["time/wait"] < 1.0, train
     assert (out / "policy").is_dir()
 
 
@@ -163,7 +163,8 @@ def test_a_dead_engine_stops_the_trainer(tmp_path):
     assert process.wait(timeout=300) != 0
     # the error, then possibly the resource tracker's warning about the killed process's semaphores
     error = [line for line in process.stderr.read().splitlines() if line.startswith("error: ")][-1]
-    assert time.time() - killed < 30, error  # the generator timeout is 60 s: not what stopped it
+    # measured 2.7 s with the trainer's exit (the generator timeout is 60 s: not what stopped it)
+    assert time.time() - killed < 10, error
     assert error.startswith("error: the vLLM engine process died"), error
     assert not (out / "policy").exists()
 
