@@ -76,6 +76,21 @@ def save_policy(folder, config, tokenizer):
     tokenizer.save_pretrained(folder)
 
 
+def long_prompt_task(folder) -> tuple[str, str]:
+    """A small Llama policy of 512 positions and a .jsonl of prompts of three KV blocks (a CPU block is 128
+    tokens) that share a 260-token preamble: four questions ("answer" column), each three times (12 rows, the
+    last 2 held out for evaluation). Returns the policy's folder and the file."""
+    from conftest import word_tokenizer
+    from transformers import LlamaConfig
+
+    tokenizer = word_tokenizer(words=WORDS)
+    save_policy(folder / "policy", LlamaConfig(**{**SIZE, "max_position_embeddings": 512}, num_key_value_heads=2,
+                                               **token_ids(tokenizer)), tokenizer)
+    preamble = " ".join(WORDS[i * 7 % 20] for i in range(260))
+    rows = [{"prompt": f"{preamble} what is {n} plus {n} ?", "answer": n} for n in ("one", "two", "three", "four")]
+    return str(folder / "policy"), write_jsonl(folder / "long.jsonl", rows * 3)
+
+
 def bert_wordpiece_tokenizer():
     """A BERT WordPiece tokenizer ([CLS] ... [SEP], right padding) with no EOS token."""
     from transformers import BertTokenizer

@@ -2,8 +2,10 @@
 transformers, DeepSpeed, vLLM, datasets, peft, matplotlib: 6-8 s in a fresh interpreter, most of a short toy
 run) and runs each `python [-u] script.py|-m module|-c code args` command as a forked child of itself: run
 as __main__ with the same argv, working directory, environment and standard streams, in a session of its
-own, exiting with the code (or dying of the signal) the command would. The kit's own modules are not
-preloaded: each child imports them as a fresh interpreter would.
+own, exiting with the code (or dying of the signal) the command would; a command whose environment differs
+from the server's in what is read as the interpreter starts or the libraries load (READ_AT_IMPORT) execs a
+fresh interpreter instead. The kit's own modules are not preloaded: each child imports them as a fresh
+interpreter would.
 
 tests/scripts.py starts one per pytest worker and sends it one command at a time over a socket pair (the
 file descriptor in argv[1]): a pickled request with the child's stdin, stdout and stderr as passed file
@@ -185,16 +187,18 @@ def serve(channel: socket.socket, listener: socket.socket, folder: str) -> dict:
         child = None
 
 
-# what the libraries preloaded here read as they load (OpenMP's and MKL's thread counts): a command whose
-# environment sets them otherwise (a launcher's rank, say) runs in a fresh interpreter
-READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# what the interpreter reads as it starts and the libraries preloaded here as they load (OpenMP's and MKL's
+# thread counts): a command whose environment sets them otherwise runs in a fresh interpreter. The rest of a
+# command's environment (a launcher's RANK, the engine's VLLM_* settings, which vLLM reads as it uses them) is
+# its own, set before the script starts.
+READ_AT_IMPORT = ("PYTHONPATH", "PYTHONHASHSEED", "LD_PRELOAD", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def run_python(request: dict, executable: str):
+def run_python(request: dict, executable: str, started_with: dict):
     """What `python *request["argv"]` does, in the request's folder and environment (and, for a stand-in's,
-    with its cores and signal dispositions), with `executable` as sys.executable."""
+    with its cores and signal dispositions), with `executable` as sys.executable; in a fresh interpreter if the
+    request's READ_AT_IMPORT differ from those the server `started_with`."""
     os.chdir(request["cwd"])
-    imported_with = [os.environ.get(name) for name in READ_AT_IMPORT]
     os.environ.clear()
     os.environ.update(request["env"])
     if "cores" in request:
@@ -202,7 +206,7 @@ def run_python(request: dict, executable: str):
         for number in request["ignored"]:
             signal.signal(number, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
-    if [os.environ.get(name) for name in READ_AT_IMPORT] != imported_with:
+    if {name: os.environ.get(name) for name in READ_AT_IMPORT} != started_with:
         os.execv(PYTHON, [PYTHON, *request["argv"]])
     argv = list(request["argv"])
     options = []
@@ -237,7 +241,8 @@ if __name__ == "__main__":
     with open(executable, "w") as f:
         f.write(f"#!/bin/sh\nexec '{PYTHON}' -S '{STAND_IN}' {address} \"$@\"\n")
     os.chmod(executable, 0o755)
+    started_with = {name: os.environ.get(name) for name in READ_AT_IMPORT}  # before the imports set their own
     preload()
     # what is preloaded stays: the children's collections (and a finalizing interpreter's, 2 s at exit) skip it
     gc.freeze()
-    run_python(serve(socket.socket(fileno=int(sys.argv[1])), listener, folder), executable)
+    run_python(serve(socket.socket(fileno=int(sys.argv[1])), listener, folder), executable, started_with)

@@ -30,7 +30,7 @@ def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executab
     session of its own; in this environment, and unless `preloaded` is false, as a child of this worker's
     tests/preloaded.py (see preloadable)."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
-    result = run_preloaded(command, cwd, timeout) if preloaded and preloadable(launcher, env) else None
+    result = run_preloaded(command, cwd, timeout, env) if preloaded and preloadable(launcher, env) else None
     if result is None:
         # a session of its own, as a preloaded run's; the output is complete once every process has ended
         result = subprocess.run(command, cwd=cwd, text=True, capture_output=True, timeout=timeout,
@@ -46,16 +46,16 @@ def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
     if preloaded and preloadable(launcher, env):
         with open(os.devnull, "w") as null, contextlib.suppress(PreloadedServerFailed):
-            return PreloadedProcess(python_argv(command), null.fileno(), null.fileno(), cwd)
+            return PreloadedProcess(python_argv(command), null.fileno(), null.fileno(), cwd, env)
     return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=environment(env))
 
 
-def run_preloaded(command: list[str], cwd, timeout: float) -> subprocess.CompletedProcess | None:
+def run_preloaded(command: list[str], cwd, timeout: float, env: dict | None) -> subprocess.CompletedProcess | None:
     """`command` forked by this worker's tests/preloaded.py, its output captured; None if the server failed."""
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
         try:
-            process = PreloadedProcess(python_argv(command), stdout.fileno(), stderr.fileno(), cwd)
+            process = PreloadedProcess(python_argv(command), stdout.fileno(), stderr.fileno(), cwd, env)
         except PreloadedServerFailed:
             return None
         try:
@@ -77,20 +77,14 @@ PRELOADED_SERVER = os.path.join(ROOT, "tests", "preloaded.py")
 
 
 def preloadable(launcher: tuple, env: dict | None) -> bool:
-    """Whether a command can run in tests/preloaded.py: `python script`, or a launcher's command, in the
-    environment the server imported its libraries in (settings read at import, such as OMP_NUM_THREADS, are
-    the server's), on a CPU machine (a GPU node's tests start fresh interpreters: no CUDA or NVML state of a
-    preloaded vLLM is forked), unless FRESH or the server could not start. Not where a test signals a
-    launcher's process group (preempt, kill_at): there the ranks and their engines are in the process group of
-    the launcher, not in sessions of their own."""
+    """Whether a command can run in tests/preloaded.py: `python script`, or a launcher's command, on a CPU
+    machine (a GPU node's tests start fresh interpreters: no CUDA or NVML state of a preloaded vLLM is forked),
+    unless FRESH or the server could not start (a command whose environment differs from the server's in what
+    its libraries read as they load, the server runs fresh itself: preloaded.READ_AT_IMPORT). Not where a test
+    signals a launcher's process group (preempt, kill_at): there the ranks and their engines are in the
+    process group of the launcher, not in sessions of their own."""
     return (not FRESH and not preloaded_server_failed and launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS)
-            and read_at_import(environment(env)) == read_at_import(server_environment())
             and not torch.cuda.is_available())
-
-
-def read_at_import(env: dict) -> dict:
-    """`env` but PYTEST_CURRENT_TEST, which pytest sets for each test (and no library reads at import)."""
-    return {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}
 
 
 def python_argv(command: list[str]) -> list[str]:
@@ -105,11 +99,6 @@ preloaded_server_failed = False  # it could not start or ended: every command fr
 running_preloaded = None  # the PreloadedProcess the server runs now, if any
 
 
-def server_environment() -> dict:
-    """The environment the server runs every command in: the one it started in (or would start in now)."""
-    return preloaded_server[3] if preloaded_server else environment()
-
-
 class PreloadedServerFailed(Exception):
     pass
 
@@ -118,7 +107,7 @@ def server_failure() -> PreloadedServerFailed:
     """Once tests/preloaded.py could not start or has ended: a warning with what it said last; every later
     command of this worker runs fresh."""
     global preloaded_server_failed
-    server, _, output, _ = preloaded_server
+    server, _, output = preloaded_server
     with contextlib.suppress(subprocess.TimeoutExpired):
         server.wait(timeout=60)
     output.seek(0)
@@ -130,12 +119,12 @@ def server_failure() -> PreloadedServerFailed:
 
 
 class PreloadedProcess:
-    """`python *argv` in `cwd`, in the server's environment and a session of its own, forked by this worker's
+    """`python *argv` in `cwd`, in this environment (with `env`) and a session of its own, forked by this worker's
     tests/preloaded.py: `pid`, `poll()`, `wait()` and `send_signal()` as subprocess.Popen's. One at a time: the
     server runs one command of the test's; a second while the first runs is an error. PreloadedServerFailed
     (after one warning) where the server cannot start or has ended: run the command fresh."""
 
-    def __init__(self, argv: list[str], stdout: int, stderr: int, cwd: str):
+    def __init__(self, argv: list[str], stdout: int, stderr: int, cwd: str, env: dict | None = None):
         global preloaded_server, running_preloaded
         if running_preloaded is not None and running_preloaded.poll() is None:
             raise RuntimeError(f"tests/preloaded.py runs one command at a time and pid {running_preloaded.pid} "
@@ -143,14 +132,13 @@ class PreloadedProcess:
         if preloaded_server is None:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             errors = tempfile.TemporaryFile()  # what the server itself says, should it end
-            started_in = environment()
             server = subprocess.Popen([sys.executable, PRELOADED_SERVER, str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], cwd=ROOT, env=started_in, stdin=subprocess.DEVNULL,
+                                      pass_fds=[theirs.fileno()], cwd=ROOT, env=environment(), stdin=subprocess.DEVNULL,
                                       stdout=errors, stderr=errors)
             theirs.close()
-            preloaded_server = (server, ours, errors, started_in)
+            preloaded_server = (server, ours, errors)
         self.channel, self.returncode = preloaded_server[1], None
-        request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment()})
+        request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment(env)})
         try:
             with open(os.devnull) as stdin:
                 socket.send_fds(self.channel, [request], [stdin.fileno(), stdout, stderr])

@@ -40,19 +40,13 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync(artefacts, policy):
 def test_long_repeated_prompts_are_sampled_with_the_loaded_weights(tmp_path):
     """Prompts of three KV blocks (a CPU block is 128 tokens) sharing a 260-token preamble, each drawn again
     and again (duplicated rows, several epochs), at K=1: vLLM's prefix cache would continue them from KV
-    computed with older weights. async/logprob_diff on every row of every batch stays at the fp32 level."""
-    from conftest import word_tokenizer
-    from own_inputs import SIZE, WORDS, save_policy, token_ids, write_jsonl
+    computed with older weights. async/logprob_diff on every row of every batch stays at the fp32 level. (In
+    flight: test_inflight.py.)"""
+    from own_inputs import long_prompt_task
     from scripts import read_metrics
-    from transformers import LlamaConfig
 
-    tokenizer = word_tokenizer(words=WORDS)
-    save_policy(tmp_path / "policy", LlamaConfig(**{**SIZE, "max_position_embeddings": 512}, num_key_value_heads=2,
-                                                 **token_ids(tokenizer)), tokenizer)
-    preamble = " ".join(WORDS[i * 7 % 20] for i in range(260))
-    rows = [{"prompt": f"{preamble} what is {n} plus {n} ?", "answer": n} for n in ("one", "two", "three", "four")]
-    dataset = write_jsonl(tmp_path / "long.jsonl", rows * 3)  # 12 rows: the last 2 are held out for evaluation
-    run_script("--model_name_or_path", tmp_path / "policy", "--dataset_name", dataset, "--prompt_column", "prompt",
+    policy, dataset = long_prompt_task(tmp_path)
+    run_script("--model_name_or_path", policy, "--dataset_name", dataset, "--prompt_column", "prompt",
                "--reward_fn", "tests/reward_fns.py:says_the_answer", "--max_prompt_length", "300",
                "--response_length", "8", "--learning_rate", "1e-3", "--per_device_train_batch_size", "4",
                "--gradient_accumulation_steps", "1",

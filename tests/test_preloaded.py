@@ -115,8 +115,8 @@ if __name__ == "__main__":
 def test_a_preloaded_run_is_what_a_fresh_interpreter_runs(tmp_path):
     program = tmp_path / "program.py"
     program.write_text(PROGRAM)
-    runs = {name: run_script("3", script=str(program), check=False, cwd=tmp_path, env=env)
-            for name, env in (("preloaded", None), ("fresh", {"A_VARIABLE_THE_SERVER_LACKS": "1"}))}
+    runs = {name: run_script("3", script=str(program), check=False, cwd=tmp_path, preloaded=preloaded)
+            for name, preloaded in (("preloaded", True), ("fresh", False))}
     for run in runs.values():
         assert run.returncode == 3 and run.stderr == "on stderr\n"
     seen = {name: json.loads(run.stdout) for name, run in runs.items()}
@@ -132,8 +132,8 @@ def test_a_preloaded_run_is_what_a_fresh_interpreter_runs(tmp_path):
 def test_what_a_preloaded_run_starts_is_what_a_fresh_interpreter_would_start(tmp_path):
     program = tmp_path / "program.py"
     program.write_text(STARTING)
-    runs = {name: json.loads(run_script("start", script=str(program), cwd=tmp_path, env=env).stdout)
-            for name, env in (("preloaded", None), ("fresh", {"A_VARIABLE_THE_SERVER_LACKS": "1"}))}
+    runs = {name: json.loads(run_script("start", script=str(program), cwd=tmp_path, preloaded=preloaded).stdout)
+            for name, preloaded in (("preloaded", True), ("fresh", False))}
     assert runs["preloaded"] == runs["fresh"] == {
         "spawned": {"name": "__mp_main__", "argv": [str(program), "start"], "cwd": str(tmp_path),  # the parent's argv
                     "variable": "set before the spawn", "cores": [0], "usr1_ignored": True,
@@ -163,11 +163,12 @@ def test_a_preloaded_run_the_test_gives_up_on_is_killed(tmp_path):
     assert run_script("0", script=str(program)).returncode == 0  # the server carries on
 
 
-@pytest.mark.parametrize("env", [None, {"A_VARIABLE_THE_SERVER_LACKS": "1"}], ids=["preloaded", "fresh"])
-def test_a_spawned_process_ends_with_its_parents_process_group(tmp_path, env):
+@pytest.mark.parametrize("preloaded", [True, False], ids=["preloaded", "fresh"])
+def test_a_spawned_process_ends_with_its_parents_process_group(tmp_path, preloaded):
     program, started = tmp_path / "program.py", tmp_path / "started"
     program.write_text(STARTING)
-    assert run_script("orphan", started, script=str(program), check=False, env=env).returncode == -signal.SIGKILL
+    run = run_script("orphan", started, script=str(program), check=False, preloaded=preloaded)
+    assert run.returncode == -signal.SIGKILL
     deadline = time.time() + 30
     with pytest.raises(ProcessLookupError):
         while time.time() < deadline:
@@ -184,9 +185,12 @@ def test_fresh_mode_and_a_changed_import_time_environment_run_fresh(tmp_path, mo
     program = tmp_path / "program.py"
     program.write_text(PROGRAM)
     assert preloaded_run(program, tmp_path)
-    with monkeypatch.context() as changed:  # read at import: the server's imports were made without it
+    with monkeypatch.context() as changed:  # read as OpenMP loads: the server's was loaded without it
         changed.setenv("OMP_NUM_THREADS", "3")
         assert not preloaded_run(program, tmp_path)
+    with monkeypatch.context() as changed:  # read later (by the run, or by vLLM as it uses it): preloaded
+        changed.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+        assert preloaded_run(program, tmp_path)
     with monkeypatch.context() as fresh:  # ASYNC_RLHF_TESTS_FRESH=1
         fresh.setattr(scripts, "FRESH", True)
         assert not preloaded_run(program, tmp_path)
