@@ -76,10 +76,11 @@ def save_policy(folder, config, tokenizer):
     tokenizer.save_pretrained(folder)
 
 
-def long_prompt_task(folder) -> tuple[str, str]:
+def long_prompt_task(folder) -> tuple[str, list]:
     """A small Llama policy of 512 positions and a .jsonl of prompts of three KV blocks (a CPU block is 128
     tokens) that share a 260-token preamble: four questions ("answer" column), each three times (12 rows, the
-    last 2 held out for evaluation). Returns the policy's folder and the file."""
+    last 2 held out for evaluation). Returns the policy's folder and online DPO's flags for it: K=1, 4 prompts
+    an update, rewarded for saying the answer, no evaluation but the final one's 2 prompts."""
     from conftest import word_tokenizer
     from transformers import LlamaConfig
 
@@ -88,7 +89,12 @@ def long_prompt_task(folder) -> tuple[str, str]:
                                                **token_ids(tokenizer)), tokenizer)
     preamble = " ".join(WORDS[i * 7 % 20] for i in range(260))
     rows = [{"prompt": f"{preamble} what is {n} plus {n} ?", "answer": n} for n in ("one", "two", "three", "four")]
-    return str(folder / "policy"), write_jsonl(folder / "long.jsonl", rows * 3)
+    policy = str(folder / "policy")
+    return policy, ["--model_name_or_path", policy, "--dataset_name", write_jsonl(folder / "long.jsonl", rows * 3),
+                    "--prompt_column", "prompt", "--reward_fn", "tests/reward_fns.py:says_the_answer",
+                    "--max_prompt_length", "300", "--learning_rate", "1e-3", "--per_device_train_batch_size", "4",
+                    "--gradient_accumulation_steps", "1", "--eval_num_prompts", "2", "--eval_every", "0",
+                    "--async_steps", "1"]
 
 
 def bert_wordpiece_tokenizer():

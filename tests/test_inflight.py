@@ -179,15 +179,11 @@ def test_long_repeated_prompts_in_flight_are_sampled_by_the_versions_they_record
     2.4e-6, 30 completions spanning a swap; 9e-4 with every version's prompts salted alike)."""
     from own_inputs import long_prompt_task
 
-    policy, dataset = long_prompt_task(tmp_path)
+    policy, long_prompts = long_prompt_task(tmp_path)
     out = tmp_path / "run"
-    run_script(SCRIPT.removesuffix(".py"), "--model_name_or_path", policy, "--dataset_name", dataset,
-               "--prompt_column", "prompt", "--reward_fn", "tests/reward_fns.py:says_the_answer",
-               "--max_prompt_length", "300", "--response_length", "16", "--learning_rate", "1e-3",
-               "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--total_episodes", "40",
-               "--eval_num_prompts", "2", "--eval_every", "0", "--async_steps", "1", "--inflight_updates",
-               "--output_dir", out, script="tests/run_with_kept_weights.py")
-    worst, spanning = check_token_versions(out, range(1, 11), start=policy)
+    run_script(SCRIPT.removesuffix(".py"), *long_prompts, "--response_length", "16", "--total_episodes", "40",
+               "--inflight_updates", "--output_dir", out, script="tests/run_with_kept_weights.py")
+    worst, spanning = check_token_versions(out, range(1, 11), start=policy)  # 10 updates of 4 prompts
     assert worst < 1e-4 and spanning > 0, (worst, spanning)
 
 

@@ -45,13 +45,8 @@ def test_long_repeated_prompts_are_sampled_with_the_loaded_weights(tmp_path):
     from own_inputs import long_prompt_task
     from scripts import read_metrics
 
-    policy, dataset = long_prompt_task(tmp_path)
-    run_script("--model_name_or_path", policy, "--dataset_name", dataset, "--prompt_column", "prompt",
-               "--reward_fn", "tests/reward_fns.py:says_the_answer", "--max_prompt_length", "300",
-               "--response_length", "8", "--learning_rate", "1e-3", "--per_device_train_batch_size", "4",
-               "--gradient_accumulation_steps", "1",
-               "--total_episodes", "20", "--eval_num_prompts", "2", "--eval_every", "0", "--async_steps", "1",
-               "--logprob_check_every", "1", "--logprob_check_rows", "8", "--output_dir", tmp_path / "run",
-               script="online_dpo_vllm.py")
+    _, long_prompts = long_prompt_task(tmp_path)
+    run_script(*long_prompts, "--response_length", "8", "--total_episodes", "20", "--logprob_check_every", "1",
+               "--logprob_check_rows", "8", "--output_dir", tmp_path / "run", script="online_dpo_vllm.py")
     diffs = [m["async/logprob_diff"] for m in read_metrics(tmp_path / "run") if "async/logprob_diff" in m]
     assert len(diffs) == 5 and max(diffs) < 1e-6, diffs  # 1e-7 measured; 1e-5 with the old KV
