@@ -75,7 +75,8 @@ def presets(args_class) -> dict[str, str]:
 # what a flag or a config file names as toy:<name>: an artefact of the embedded tasks (toy.py, built on first use)
 TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_MODEL", "DATASET", "MATH_POLICY",
                                                           "MATH_DATASET", "LARGE_SFT_POLICY", "BASE_POLICY",
-                                                          "SFT_DATASET", "PREFERENCE_DATASET")}
+                                                          "SFT_DATASET", "PREFERENCE_DATASET", "GUESS_POLICY",
+                                                          "GUESS_DATASET")}
 
 
 # flags that were renamed: the one-line pointer to what replaces them (given the old value)
@@ -106,7 +107,7 @@ def parse(args_class, run_fields: tuple[str, ...] = ()):
     configs/<script>/NAME.yaml), then `--config FILE`, then every flag given, each overriding the one before
     (config_flags turns a file into flags). `run_fields` (eval_checkpoints.py): with `--run_dir RUN`, these
     fields start from RUN's args.json, under the other layers. A value `toy:<name>` names an artefact of the
-    embedded toy tasks (TOY_ARTEFACTS)."""
+    embedded toy tasks (TOY_ARTEFACTS; --env's toy:NAME is an embedded environment)."""
     import argparse
     import io
 
@@ -145,7 +146,7 @@ def parse(args_class, run_fields: tuple[str, ...] = ()):
         common.fail(" ".join(re.sub(r"[╭╮╰╯│─]+", " ", errors.getvalue()).split()))  # tyro's boxed message, on one line
     for holder in groups(args):
         for name, value in vars(holder).items():
-            if isinstance(value, str) and value.startswith("toy:"):
+            if isinstance(value, str) and value.startswith("toy:") and name != "env":  # --env toy:NAME: environments.py
                 if value not in TOY_ARTEFACTS:
                     common.fail(f"--{name} {value!r} names no toy artefact; they are {', '.join(TOY_ARTEFACTS)}")
                 setattr(holder, name, getattr(toy, TOY_ARTEFACTS[value]))

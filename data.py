@@ -21,30 +21,37 @@ import toy
 
 
 @dataclass
-class DataArgs(common.FlagGroup):
-    """Model and data: the policy to start from, and the prompts"""
+class DatasetArgs(common.FlagGroup):
+    """Model and data: the policy to start from, and the dataset"""
 
     model_name_or_path: str = toy.SFT_POLICY
     """the policy to start from (a local directory or hub id): in the RL scripts the SFT policy, also the frozen
     reference policy; sft.py's a pretrained causal LM (a tokenizer without a pad token pads with its stop
     token, and the saved policy keeps that); reward_model.py's the backbone of the reward model"""
     dataset_name: str = toy.DATASET
-    """the prompts (sft.py: with completions; reward_model.py: preference pairs): a hub id (owner/name, or
-    owner/name:configuration), a `save_to_disk` directory, a data directory, or a .json/.jsonl/.parquet file"""
+    """the prompts (sft.py: with completions; reward_model.py: preference pairs; grpo_multiturn.py: the rows
+    episodes start from): a hub id (owner/name, or owner/name:configuration), a `save_to_disk` directory, a data
+    directory, or a .json/.jsonl/.parquet file"""
     train_split: str = "train"
     """split to train on"""
     eval_split: str = "validation"
     """split to evaluate on; if the dataset has none, the last --eval_num_prompts train prompts (sft.py and
     reward_model.py: --eval_num_examples examples; at most a fifth of them) are held out of training for
     evaluation (with --eval_every 0 too)"""
+    chat_template: bool = False
+    """wrap each prompt (grpo_multiturn.py: each message of the environment) as a user message in the tokenizer's
+    chat template (a policy trained so by sft.py is then trained so by the RL scripts too)"""
+
+
+@dataclass
+class DataArgs(DatasetArgs):
+    """Model and data: the policy to start from, and the prompts"""
+
     prompt_column: str = "query"
     """column holding the prompt text"""
     prompt_template: str | None = None
     """a format string over the dataset's columns that makes the prompt, e.g. "Problem: {question} Solution:"
     (default: the --prompt_column text as it is)"""
-    chat_template: bool = False
-    """wrap each prompt as a user message in the tokenizer's chat template (a policy trained so by sft.py is
-    then trained so by the RL scripts too)"""
     max_prompt_length: int = 64
     """prompts longer than this many tokens are dropped (the count is printed)"""
 
@@ -117,33 +124,33 @@ def load_reward_model(path: str, dtype):
     return model
 
 
-def load_reward_function(spec: str):
-    """The function named by --reward_fn, `path/to/file.py:name` or `module:name`; fails (one line)
+def load_python_object(spec: str, flag: str, kind: str):
+    """The `kind` ("function", "class") a flag names, `path/to/file.py:name` or `module:name`; fails (one line)
     when it does not resolve."""
     import importlib
     import importlib.util
 
     location, _, name = spec.rpartition(":")
     if not location or not name:
-        common.fail(f"--reward_fn {spec!r} must be path/to/file.py:function or module:function")
+        common.fail(f"{flag} {spec!r} must be path/to/file.py:{kind} or module:{kind}")
     if location.endswith(".py"):
         if not os.path.isfile(location):
-            common.fail(f"--reward_fn {spec!r}: no file {location!r}")
+            common.fail(f"{flag} {spec!r}: no file {location!r}")
         module_spec = importlib.util.spec_from_file_location(os.path.basename(location)[:-3], location)
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)
         except Exception as error:
-            common.fail(f"--reward_fn {spec!r}: importing {location!r} raised {type(error).__name__}: {error}")
+            common.fail(f"{flag} {spec!r}: importing {location!r} raised {type(error).__name__}: {error}")
     else:
         try:
             module = importlib.import_module(location)
         except ImportError as error:
-            common.fail(f"--reward_fn {spec!r}: cannot import module {location!r} ({error})")
-    function = getattr(module, name, None)
-    if not callable(function):
-        common.fail(f"--reward_fn {spec!r}: {location!r} has no function {name!r}")
-    return function
+            common.fail(f"{flag} {spec!r}: cannot import module {location!r} ({error})")
+    found = getattr(module, name, None)
+    if not (isinstance(found, type) if kind == "class" else callable(found)):
+        common.fail(f"{flag} {spec!r}: {location!r} has no {kind} {name!r}")
+    return found
 
 
 def value_model_path(value_model: str | None, policy: str, reward: RewardArgs) -> str:
@@ -370,7 +377,7 @@ def load_task(data: DataArgs, reward: RewardArgs, evaluation_args: evaluation.Ev
         lora.check_targets(lora_args, data.model_name_or_path)
     reward_fn = reward_tokenizer = None
     if reward.reward_fn:
-        reward_fn = load_reward_function(reward.reward_fn)
+        reward_fn = load_python_object(reward.reward_fn, "--reward_fn", "function")
     else:
         check_reward_model(reward.reward_model_path)
         reward_tokenizer = load_tokenizer(reward.reward_model_path, policy=False)

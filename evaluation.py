@@ -14,13 +14,22 @@ import math_reward
 
 
 @dataclass
-class EvalArgs(common.FlagGroup):
-    """Evaluation: held-out prompts, their near-greedy completions, and how they are scored"""
+class SamplingEvalArgs(common.FlagGroup):
+    """Evaluation: held-out prompts and their near-greedy completions"""
 
     eval_num_prompts: int = 256
-    """validation prompts used by each evaluation"""
+    """validation prompts used by each evaluation (grpo_multiturn.py: rows, one near-greedy episode each)"""
     eval_temperature: float = 0.01
     """near-greedy temperature of evaluation completions (the paper's protocol)"""
+
+    def check(self):
+        common.check_signs(self, ("eval_num_prompts",))
+
+
+@dataclass
+class EvalArgs(SamplingEvalArgs):
+    """Evaluation: held-out prompts, their near-greedy completions, and how they are scored"""
+
     gold_model_path: str | None = None
     """gold reward model for evaluation, or "toy" (the embedded task's programmatic scorer); default: toy
     on the toy task's data, else none (evaluation then reports the proxy reward and KL)"""
@@ -30,9 +39,6 @@ class EvalArgs(common.FlagGroup):
     reference_column: str = "reference_response"
     """column of reference completions: with a gold scorer, evaluation reports the gold win-rate against
     them (no win-rate when the column is absent)"""
-
-    def check(self):
-        common.check_signs(self, ("eval_num_prompts",))
 
 
 @contextlib.contextmanager

@@ -365,7 +365,7 @@ class MetricsLogger:
         self.log(update, {**metrics, "episode": episode})
         if self.enabled:
             shown = {"gold win-rate": "eval/gold_win_rate", "gold score": "eval/gold_score",
-                     "proxy reward": "eval/proxy_score", "KL": "eval/kl"}
+                     "proxy reward": "eval/proxy_score", "return": "eval/return_mean", "KL": "eval/kl"}
             self.progress.write(f"update {update}: " + ", ".join(f"{label} {metrics[name]:.3f}"
                                                                   for label, name in shown.items() if name in metrics))
             self.curves_behind = True
@@ -387,19 +387,21 @@ class MetricsLogger:
 
 def plot_curves(output_dir: str):
     """curves.png from the run's metrics.jsonl: gold win-rate (or gold score, or proxy reward, whichever
-    the evaluation has) and proxy reward against episodes and wall-clock time, KL, and the headline
-    against KL (the paper's frontier), so no dashboard is needed."""
+    the evaluation has; a multi-turn run's return) and proxy reward (multi-turn: turns) against episodes and
+    wall-clock time, KL, and the headline against KL (the paper's frontier), so no dashboard is needed."""
     from matplotlib.figure import Figure  # no pyplot: a figure of its own, drawn by Agg, nothing global
 
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        evals = [m for m in map(json.loads, f) if "eval/proxy_score" in m]
-    # the headline: gold win-rate, else gold score, else (no gold scorer) the proxy reward
-    headline = next(name for name in ("eval/gold_win_rate", "eval/gold_score", "eval/proxy_score") if name in evals[0])
+        evals = [m for m in map(json.loads, f) if any(name.startswith("eval/") for name in m)]
+    # the headline: gold win-rate, else gold score, else (no gold scorer) the proxy reward, or the return
+    headline = next(name for name in ("eval/gold_win_rate", "eval/gold_score", "eval/proxy_score", "eval/return_mean")
+                    if name in evals[0])
+    second = "eval/proxy_score" if "eval/proxy_score" in evals[0] else "eval/turns_mean"
     kl = ["eval/kl"] if "eval/kl" in evals[0] else []  # none without a reference policy (GRPO's beta 0)
-    column = {name: [m[name] for m in evals] for name in ("episode", headline, "eval/proxy_score", *kl)}
+    column = {name: [m[name] for m in evals] for name in ("episode", headline, second, *kl)}
     column["minutes"] = [(m["time"] - evals[0]["time"]) / 60 for m in evals]
-    panels = [("episode", headline), ("episode", "eval/proxy_score"), *(("episode", name) for name in kl),
-              ("minutes", headline), ("minutes", "eval/proxy_score"), *((name, headline) for name in kl)]
+    panels = [("episode", headline), ("episode", second), *(("episode", name) for name in kl),
+              ("minutes", headline), ("minutes", second), *((name, headline) for name in kl)]
     figure = Figure(figsize=(13, 7))
     # fixed margins: a layout engine would cost more than drawing the curves
     axes = figure.subplots(2, 3, gridspec_kw=dict(left=0.06, right=0.98, bottom=0.08, top=0.92, wspace=0.28,

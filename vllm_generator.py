@@ -280,7 +280,7 @@ def group_scorer(job: GeneratorJob, device):
     rows, as the trainer computes them (the script's score function), with the run's reward model (a copy on
     `device`) or --reward_fn."""
     dynamic, reward = job.dynamic_sampling, job.dynamic_sampling.reward
-    reward_fn = data.load_reward_function(reward.reward_fn) if reward.reward_fn else None
+    reward_fn = data.load_python_object(reward.reward_fn, "--reward_fn", "function") if reward.reward_fn else None
     task = dataclasses.replace(dynamic.task, reward_fn=reward_fn)
     reward_model = None
     if not reward.reward_fn:

@@ -355,8 +355,8 @@ def test_a_failing_reward_function_stops_naming_the_update(name, message):
     import datasets
 
     spec = f"tests/reward_fns.py:{name}"
-    task = SimpleNamespace(tokenizer=word_tokenizer(), reward_fn=data.load_reward_function(spec), reward_fn_name=spec,
-                           prompt_column="prompt")
+    reward_fn = data.load_python_object(spec, "--reward_fn", "function")
+    task = SimpleNamespace(tokenizer=word_tokenizer(), reward_fn=reward_fn, reward_fn_name=spec, prompt_column="prompt")
     rollout = common.Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
                              torch.tensor([[5], [6]]), torch.tensor([1, 1]), torch.tensor([False, False]))
     rows = datasets.Dataset.from_dict({"prompt": ["p", "q"], "input_ids": [[1], [1]]})[[0, 1]]
@@ -366,14 +366,15 @@ def test_a_failing_reward_function_stops_naming_the_update(name, message):
 
 
 def test_reward_function_specs_resolve_or_fail_on_one_line():
-    assert data.load_reward_function("tests/reward_fns.py:says_the_answer")([], [], answer=[]) == []
-    assert data.load_reward_function("math:sqrt")(4.0) == 2.0  # module:name
+    says_the_answer = data.load_python_object("tests/reward_fns.py:says_the_answer", "--reward_fn", "function")
+    assert says_the_answer([], [], answer=[]) == []
+    assert data.load_python_object("math:sqrt", "--reward_fn", "function")(4.0) == 2.0  # module:name
     for spec, message in [("tests/missing.py:f", "no file 'tests/missing.py'"),
                           ("no_such_module:f", "cannot import module 'no_such_module'"),
                           ("tests/reward_fns.py:nothing", "has no function 'nothing'"),
                           ("says_the_answer", "must be path/to/file.py:function or module:function")]:
         with pytest.raises(SystemExit) as stop:
-            data.load_reward_function(spec)
+            data.load_python_object(spec, "--reward_fn", "function")
         assert message in str(stop.value.code) and "\n" not in str(stop.value.code), spec
 
 

@@ -1,0 +1,359 @@
+"""Multi-turn environments (grpo_multiturn.py): the contract, --env's loading, an episode's tokens, and the calls
+into an environment.
+
+The contract (README, "Multi-turn environments"): a class built with no arguments, one object per episode,
+
+    reset(row: dict, seed: int) -> str                            the first user message
+    step(action: str) -> tuple[str | None, float, bool]          the next message, a reward, done
+
+Token in, token out: the ids the policy sampled are the ids it is trained on; each message the environment
+sends, and the chat template's tokens around it, are appended as tokens, and the history is never
+re-tokenized. The environment's tokens are masked out of everything the policy is trained or judged on
+(Episodes.mask). Resets and steps of different episodes run concurrently, each in a thread of its own, under
+--env_timeout; an environment that raises, hangs or answers with the wrong types stops the run with one line
+naming it, the episode and what was wrong.
+"""
+
+import math
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import common
+import data
+import toy
+
+
+@dataclass
+class EnvArgs(common.FlagGroup):
+    """The environment: which one, and how long its episodes may run"""
+
+    env: str = "toy:guess_number"
+    """the environment class: path/to/file.py:Class, module:Class, or toy:NAME for an embedded one (toy:guess_number;
+    toy:guess_number_slow, whose steps take 50 ms); one object per episode, built with no arguments"""
+    max_turns: int = toy.GUESS_TURNS
+    """the policy's turns an episode may take; one that is not done after them is truncated
+    (rollout/truncated_episodes)"""
+    max_episode_tokens: int = 32
+    """the context limit: the tokens after the first message, the policy's and the environment's; an episode that
+    would outgrow it is truncated (rollout/truncated_episodes). Also dr_grpo's constant denominator"""
+    env_timeout: float = 60.0
+    """seconds a reset or a step may take before the run stops with an error naming the episode"""
+
+    def check(self):
+        common.check_signs(self, ("max_turns", "max_episode_tokens", "env_timeout"))
+
+
+def load_env_class(spec: str):
+    """The class --env names, `path/to/file.py:Class`, `module:Class` or `toy:NAME`; one built here with no
+    arguments must have reset and step (one line otherwise, before the run writes anything)."""
+    if spec.startswith("toy:"):
+        if spec[4:] not in toy.ENVIRONMENTS:
+            common.fail(f"--env {spec!r}: no embedded environment {spec[4:]!r}; there are "
+                        f"{', '.join('toy:' + name for name in toy.ENVIRONMENTS)}")
+        return toy.ENVIRONMENTS[spec[4:]]
+    env_class = data.load_python_object(spec, "--env", "class")
+    try:
+        env = env_class()
+    except Exception as error:
+        common.fail(f"--env {spec!r}: building one with no arguments raised {type(error).__name__}: {error}")
+    missing = [name for name in ("reset", "step") if not callable(getattr(env, name, None))]
+    if missing:
+        common.fail(f"--env {spec!r}: an environment needs reset(row, seed) and step(action); it has no "
+                    f"{' and no '.join(missing)}")
+    return env_class
+
+
+@dataclass
+class EnvTask:
+    """What a multi-turn run loads (load_env_task): the policy's tokenizer and stop tokens, the environment, the
+    dataset rows episodes start from, and the tokens the chat template puts around a message."""
+
+    tokenizer: object
+    eos_ids: list[int]
+    env_class: type
+    env_name: str  # --env as given, for errors
+    train_rows: object  # datasets.Dataset: each row, all its columns, starts k episodes
+    eval_rows: object | None  # None: evaluation is off
+    chat_template: bool
+    end_of_turn_id: int  # the stop token appended to a turn that ran out of tokens before its own
+    before_message: list[int]  # the template's tokens between the policy's stop token and a message
+    after_message: list[int]  # and between the message and the policy's next turn
+
+    def first_message_ids(self, text: str) -> list[int]:
+        """The first message as tokens: through the chat template as a user message with --chat_template."""
+        if self.chat_template:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def message_ids(self, text: str) -> list[int]:
+        """A later message as the tokens appended after the policy's turn (its stop token included)."""
+        return self.before_message + self.tokenizer(text, add_special_tokens=False)["input_ids"] + self.after_message
+
+
+def template_around_message(tokenizer, eos_ids: list[int], model: str) -> tuple[int, list[int], list[int]]:
+    """(the stop token that ends an assistant turn, the template's tokens from there to a user message's text, and
+    from its text to the next assistant turn), read off the template's rendering of a short conversation."""
+    marker = "\x00MESSAGE\x00"
+    probe = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\x00ACTION\x00"}]
+    before = tokenizer.apply_chat_template(probe, tokenize=False)
+    after = tokenizer.apply_chat_template(probe + [{"role": "user", "content": marker}], tokenize=False,
+                                          add_generation_prompt=True)
+    if not after.startswith(before) or marker not in after:
+        common.fail(f"the chat template of {model!r} renders a conversation differently once a message is added; "
+                    "the turns of an episode must be appended, so it cannot be used with --chat_template")
+    end_of_action = before[before.index("\x00ACTION\x00") + len("\x00ACTION\x00"):]
+    stop_id = eos_ids[0]
+    for eos in eos_ids:  # the template's own end of an assistant turn, when it is a stop token
+        if end_of_action.startswith(tokenizer.decode([eos])):
+            stop_id, end_of_action = eos, end_of_action[len(tokenizer.decode([eos])):]
+            break
+    prefix, suffix = after[len(before):].split(marker)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
+    return stop_id, encode(end_of_action + prefix), encode(suffix)
+
+
+def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows: int, lora_args, rank: int,
+                  evaluate: bool) -> EnvTask:
+    """The task of a multi-turn run; the embedded environment's policy and rows are built first when asked for.
+    Evaluation rows come from --eval_split, or are the last `eval_num_rows` train rows (at most a fifth), held
+    out of training."""
+    if toy.GUESS_DIR in map(os.path.dirname, [data_args.model_name_or_path, data_args.dataset_name]):
+        toy.build_guess()
+    tokenizer = data.load_tokenizer(data_args.model_name_or_path)
+    eos_ids = data.eos_token_ids(data_args.model_name_or_path, tokenizer)
+    if lora_args is not None:
+        import lora
+
+        lora.check_targets(lora_args, data_args.model_name_or_path)
+    env_class = load_env_class(env_args.env)
+    if data_args.chat_template and tokenizer.chat_template is None:
+        common.fail(f"--chat_template was given but the tokenizer of {data_args.model_name_or_path!r} has no chat "
+                    "template")
+    end_of_turn, before, after = (template_around_message(tokenizer, eos_ids, data_args.model_name_or_path)
+                                  if data_args.chat_template else (eos_ids[0], [], []))
+    train_rows = data.load_split(data_args.dataset_name, data_args.train_split)
+    eval_rows = None
+    if data_args.eval_split not in data.split_names(data_args.dataset_name):  # held out even without evaluation
+        train_rows, eval_rows = data.held_out_for_evaluation(data_args, train_rows, eval_num_rows, rank, "rows")
+    elif evaluate:
+        eval_rows = data.load_split(data_args.dataset_name, data_args.eval_split)
+    eval_rows = eval_rows.select(range(min(eval_num_rows, len(eval_rows)))) if evaluate else None
+    for name, rows in (("train", train_rows), ("evaluation", eval_rows)):
+        if rows is not None and len(rows) == 0:
+            common.fail(f"dataset {data_args.dataset_name!r} has no {name} rows")
+    return EnvTask(tokenizer=tokenizer, eos_ids=eos_ids, env_class=env_class, env_name=env_args.env,
+                   train_rows=train_rows, eval_rows=eval_rows, chat_template=data_args.chat_template,
+                   end_of_turn_id=end_of_turn, before_message=before, after_message=after)
+
+
+# ----------------------------------------------------------------------------------------------
+# Calls into the environment: concurrent, timed, checked
+# ----------------------------------------------------------------------------------------------
+def call_concurrently(calls: list, timeout: float, describe) -> list:
+    """Each of `calls` (no-argument functions) in a daemon thread of its own, all at once; their results in order.
+    One that raises, or runs past `timeout` seconds, stops the run: describe(i) names the i-th call. Daemon
+    threads: a call that hangs does not keep the process from exiting."""
+    results, errors = [None] * len(calls), {}
+
+    def run(i: int):
+        try:
+            results[i] = calls[i]()
+        except BaseException as error:  # the environment's code: every error is reported
+            errors[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.start()
+    for i, thread in enumerate(threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            common.fail(f"{describe(i)} did not return within --env_timeout {timeout:g} s")
+    if errors:
+        i = min(errors)
+        common.fail(f"{describe(i)} raised {type(errors[i]).__name__}: {errors[i]}")
+    return results
+
+
+def check_step(result, where: str) -> tuple[str | None, float, bool]:
+    """The (message, reward, done) of a step, or one line saying how `result` breaks the contract."""
+    if not isinstance(result, tuple) or len(result) != 3:
+        common.fail(f"{where} returned {type(result).__name__} {result!r:.80}; step returns a tuple "
+                    "(next message: str or None, reward: float, done: bool)")
+    message, reward, done = result
+    if not isinstance(done, bool | np.bool_):
+        common.fail(f"{where} returned done={done!r} ({type(done).__name__}); done must be a bool")
+    if isinstance(reward, bool) or not isinstance(reward, int | float | np.integer | np.floating) \
+            or not math.isfinite(reward):
+        common.fail(f"{where} returned reward={reward!r}; the reward must be a finite number")
+    if not (isinstance(message, str) or (message is None and done)):
+        common.fail(f"{where} returned message={message!r:.80} with done={bool(done)}; the next message must be a str "
+                    "(None only when done)")
+    return message, float(reward), bool(done)
+
+
+# ----------------------------------------------------------------------------------------------
+# An episode's tokens
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Episode:
+    """One episode as tokens: the first message (`prompt_ids`), then every later token (`ids`), the policy's
+    (`is_action` True) and the environment's, in the order they came."""
+
+    env: object
+    where: str  # "--env NAME, episode I (row R, seed S)", for errors
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    is_action: list[bool] = field(default_factory=list)
+    episode_return: float = 0.0
+    turns: int = 0
+    ended: bool = False
+    truncated: bool = False  # ended by --max_turns or --max_episode_tokens, not by the environment
+    missed_stop: bool = False  # a turn ran out of tokens before its stop token
+
+    def budget(self, max_new_tokens: int, max_episode_tokens: int) -> int:
+        """Tokens the next turn may sample: a turn's, or what is left of the context."""
+        return min(max_new_tokens, max_episode_tokens - len(self.ids))
+
+    def add_turn(self, action: list[int], stopped: bool, reply: tuple[str | None, float, bool], task: EnvTask,
+                 max_turns: int, max_episode_tokens: int):
+        """The policy's `action` (the ids it sampled, up to its stop token), then the environment's `reply`: its
+        reward counts; unless the episode ends, the message is appended as tokens (after the stop token the turn
+        ran out of tokens before, if it did)."""
+        message, reward, done = reply
+        self.ids += action
+        self.is_action += [True] * len(action)
+        self.episode_return += reward
+        self.turns += 1
+        self.missed_stop |= not stopped
+        if done:
+            self.ended = True
+            return
+        message_ids = ([] if stopped else [task.end_of_turn_id]) + task.message_ids(message)
+        if self.turns == max_turns or len(self.ids) + len(message_ids) >= max_episode_tokens:
+            self.ended = self.truncated = True  # the last message would teach nothing: it is not appended
+            return
+        self.ids += message_ids
+        self.is_action += [False] * len(message_ids)
+
+
+def start_episodes(task: EnvTask, rows: dict, seeds: list[int], k: int, timeout: float,
+                   first_episode: int = 0) -> list[Episode]:
+    """k episodes of each row ({column: values}) with its reset seed, each prompt's k adjacent: one environment
+    each, built and reset concurrently. `first_episode`: the first one's number in the global batch (errors)."""
+    columns = list(rows)
+    starts = [({name: rows[name][i] for name in columns}, seed) for i, seed in enumerate(seeds) for _ in range(k)]
+    where = [f"--env {task.env_name}, episode {first_episode + i} (seed {seed})" for i, (_, seed) in enumerate(starts)]
+
+    def start(i: int):
+        env = task.env_class()
+        return env, env.reset(*starts[i])
+
+    started = call_concurrently([lambda i=i: start(i) for i in range(len(starts))], timeout,
+                                lambda i: f"{where[i]}: reset")
+    episodes = []
+    for i, (env, message) in enumerate(started):
+        if not isinstance(message, str):
+            common.fail(f"{where[i]}: reset returned {type(message).__name__} {message!r:.80}; it returns the first "
+                        "message, a str")
+        episodes.append(Episode(env=env, where=where[i], prompt_ids=task.first_message_ids(message)))
+    return episodes
+
+
+def step_episodes(episodes: list[Episode], actions: list[str], timeout: float) -> list[tuple[str | None, float, bool]]:
+    """Each episode's environment steps on its action (text), concurrently; the checked replies."""
+    replies = call_concurrently([lambda e=e, a=a: e.env.step(a) for e, a in zip(episodes, actions)], timeout,
+                                lambda i: f"{episodes[i].where}: step")
+    return [check_step(reply, f"{episode.where}: step") for episode, reply in zip(episodes, replies)]
+
+
+def reset_seed(seed: int, position: int, index: int) -> int:
+    """The reset seed of the `index`-th row of batch `position`: a group's k episodes share it, and it depends on
+    neither the ranks nor the chunking (a resumed run replays the same episodes)."""
+    return random.Random(f"{seed}/reset/{position}/{index}").getrandbits(31)
+
+
+@torch.no_grad()
+def sample_actions(model, episodes: list[Episode], task: EnvTask, max_new_tokens: int, max_episode_tokens: int,
+                   temperature: float, top_p: float, chunk_size: int, seed_key: str, first_row: int):
+    """One turn of every episode still playing, with HF generate: (action ids, whether it stopped) per episode
+    (None for those that ended). Chunks of `chunk_size` episodes keep their members (ended ones sample too, and
+    are discarded) and are seeded by (`seed_key`, the chunk's first row in the global batch, `first_row` + i):
+    the actions depend on neither the ranks nor what else ended, as long as the chunk size divides each rank's
+    episodes. A turn samples at most its episode's budget (Episode.budget)."""
+    pad, device = task.tokenizer.pad_token_id, common.local_device()
+    actions = [None] * len(episodes)
+    for start in range(0, len(episodes), chunk_size):
+        chunk = episodes[start:start + chunk_size]
+        if all(episode.ended for episode in chunk):
+            continue
+        query_ids, query_mask = common.left_pad([e.prompt_ids + e.ids for e in chunk], pad, device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(random.Random(f"{seed_key}/{first_row + start}").getrandbits(63))
+            responses = common.generate(model, query_ids, query_mask, max_new_tokens, temperature, task.eos_ids, pad,
+                                        top_p)  # (chunk, max_new_tokens)
+        for i, (episode, response) in enumerate(zip(chunk, responses.tolist())):
+            if episode.ended:
+                continue
+            budget = episode.budget(max_new_tokens, max_episode_tokens)
+            stop = next((t for t, token in enumerate(response[:budget]) if token in task.eos_ids), None)
+            actions[start + i] = (response[:budget] if stop is None else response[:stop + 1], stop is not None)
+    return actions
+
+
+def action_text(task: EnvTask, action: list[int]) -> str:
+    """What the environment reads of an action: its text, special tokens (the stop token) left out."""
+    return task.tokenizer.decode(action, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# A batch of episodes
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Episodes(common.Rollout):
+    """A batch of episodes as a Rollout: the first messages as the queries (N, P), every later token as the
+    responses (N, R); `mask`, what the loss, the ratios, the KL and every diagnostic are taken over, is the
+    policy's tokens only. contains_eos: whether every turn of the episode ended at its stop token."""
+
+    action_mask: torch.Tensor = None  # (N, R) the policy's tokens
+    returns: torch.Tensor = None  # (N,) the sum of each episode's rewards
+    turns: torch.Tensor = None  # (N,)
+    truncated: torch.Tensor = None  # (N,) ended by --max_turns or the context limit
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.action_mask
+
+
+def collate(episodes: list[Episode], pad_token_id: int) -> Episodes:
+    """The episodes as one Episodes batch (right-padded responses), on this rank's device."""
+    device = common.local_device()
+    query_ids, query_mask = common.left_pad([e.prompt_ids for e in episodes], pad_token_id, device)
+    width = max(1, max(len(e.ids) for e in episodes))
+    responses = torch.tensor([e.ids + [pad_token_id] * (width - len(e.ids)) for e in episodes], device=device)
+    action_mask = torch.tensor([e.is_action + [False] * (width - len(e.ids)) for e in episodes], device=device)
+    number = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+    return Episodes(query_ids=query_ids, query_mask=query_mask, responses=responses,
+                    lengths=number([len(e.ids) for e in episodes], torch.long),
+                    contains_eos=number([not e.missed_stop for e in episodes], torch.bool), action_mask=action_mask,
+                    returns=number([e.episode_return for e in episodes]),
+                    turns=number([e.turns for e in episodes]), truncated=number([e.truncated for e in episodes]))
+
+
+def episode_metrics(episodes: Episodes, prefix: str) -> dict[str, float]:
+    """`prefix`/return_mean, turns_mean, truncated_episodes (their share) and, for rollouts, env_tokens_frac (the
+    share of the tokens after the first message that the environment wrote)."""
+    real = common.response_mask(episodes.lengths, episodes.responses.shape[1])
+    metrics = {f"{prefix}/return_mean": episodes.returns.mean().item(),
+               f"{prefix}/turns_mean": episodes.turns.mean().item(),
+               f"{prefix}/truncated_episodes": episodes.truncated.mean().item()}
+    if prefix == "rollout":
+        metrics["rollout/env_tokens_frac"] = ((real & ~episodes.action_mask).sum() / real.sum().clamp(min=1)).item()
+    return metrics
