@@ -26,6 +26,7 @@ import torch
 
 import common
 import data
+import lora
 import toy
 
 
@@ -129,8 +130,6 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
     tokenizer = data.load_tokenizer(data_args.model_name_or_path)
     eos_ids = data.eos_token_ids(data_args.model_name_or_path, tokenizer)
     if lora_args is not None:
-        import lora
-
         lora.check_targets(lora_args, data_args.model_name_or_path)
     env_class = load_env_class(env_args.env)
     if data_args.chat_template and tokenizer.chat_template is None:

@@ -48,7 +48,7 @@ def test_the_readmes_map_of_imports_is_the_code():
         assert set(re.findall(r"`(\w+)`", imports)) == kit_imports(module), module
         assert kit_imports(module) <= set(listed[:position]), module
     scripts = {"online_dpo", "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm",
-               "sft", "reward_model", "eval_checkpoints"}
+               "grpo_multiturn", "sft", "reward_model", "eval_checkpoints"}
     assert {module for module, _ in rows} == set(KIT_MODULES) - scripts
 
 

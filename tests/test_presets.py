@@ -17,6 +17,7 @@ import cli
 import common
 import eval_checkpoints
 import grpo
+import grpo_multiturn
 import grpo_vllm
 import online_dpo
 import online_dpo_vllm
@@ -240,7 +241,7 @@ def test_pipeline_presets_divide_and_name_the_artefacts(script, name):
     assert args.prompt_column == "query" and args.learning_rate == 3e-6 and args.num_epochs == 1
 
 
-@pytest.mark.parametrize("module", [*SCRIPTS.values(), *PIPELINE_SCRIPTS.values(), eval_checkpoints],
+@pytest.mark.parametrize("module", [*SCRIPTS.values(), grpo_multiturn, *PIPELINE_SCRIPTS.values(), eval_checkpoints],
                          ids=lambda module: module.__name__)
 def test_every_script_takes_a_config_file(tmp_path, module):
     config = tmp_path / "run.yaml"

@@ -1,0 +1,99 @@
+"""Environments of the multi-turn tests: a researcher's own (a file of their own, for a chat model), one that
+records its initial states, and each way an environment can break the contract."""
+
+import time
+
+import toy
+
+
+class SaysCat:
+    """A researcher's environment for the own-inputs chat model: the row's prompt first; reward 1 each turn the
+    answer holds "cat", the episode done after two turns."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        self.turn = 0
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        self.turn += 1
+        reward = float("cat" in action)
+        return (None, reward, True) if self.turn == 2 else ("what is one plus two ?", reward, False)
+
+
+class RecordsResets(toy.GuessTheNumber):
+    """Guess-the-number that records each reset's (secret, seed), in order."""
+
+    resets = []
+
+    def reset(self, row: dict, seed: int) -> str:
+        RecordsResets.resets.append((row["secret"], seed))
+        return super().reset(row, seed)
+
+
+class RaisesInReset(toy.GuessTheNumber):
+    def reset(self, row, seed):
+        raise ValueError("no such level")
+
+
+class RaisesInStep(toy.GuessTheNumber):
+    def step(self, action):
+        raise RuntimeError("the tool crashed")
+
+
+class HangsInStep(toy.GuessTheNumber):
+    def step(self, action):
+        time.sleep(3600)
+
+
+class HangsLater(toy.GuessTheNumber):
+    """Guess-the-number whose steps hang from the 1000th of the process on (in the third update of the default
+    run's 128 episodes of up to 4 turns: 420-470 steps an update)."""
+
+    steps = 0
+
+    def step(self, action):
+        HangsLater.steps += 1
+        if HangsLater.steps >= 1000:
+            time.sleep(3600)
+        return super().step(action)
+
+
+class ResetReturnsNumber(toy.GuessTheNumber):
+    def reset(self, row, seed):
+        super().reset(row, seed)
+        return 7
+
+
+class StepReturnsText(toy.GuessTheNumber):
+    def step(self, action):
+        return "higher"
+
+
+class RewardIsText(toy.GuessTheNumber):
+    def step(self, action):
+        return "higher :", "1", False
+
+
+class RewardIsNan(toy.GuessTheNumber):
+    def step(self, action):
+        return "higher :", float("nan"), False
+
+
+class DoneIsText(toy.GuessTheNumber):
+    def step(self, action):
+        return "higher :", 0.0, "no"
+
+
+class NoMessageNotDone(toy.GuessTheNumber):
+    def step(self, action):
+        return None, 0.0, False
+
+
+class NeedsArguments(toy.GuessTheNumber):
+    def __init__(self, size):
+        self.size = size
+
+
+class NoStep:
+    def reset(self, row, seed):
+        return "hello"

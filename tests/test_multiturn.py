@@ -1,0 +1,312 @@
+"""grpo_multiturn.py and environments.py: the environment's tokens never reach the loss, the ids trained are the
+ids sampled, a group shares its initial state, every way an environment breaks the contract stops the run on one
+line, the default run learns guess-the-number, resume is exact, and a researcher's environment trains a chat
+model."""
+
+import dataclasses
+import json
+import os
+import re
+import time
+
+import pytest
+import torch
+from own_inputs import byte_level_bpe_tokenizer
+from scripts import (
+    assert_same_weights_and_metrics,
+    assert_trained_policy_saved,
+    read_metrics,
+    run_script,
+    uninterrupted_and_resumed_runs,
+)
+
+import common
+import environments
+import grpo_multiturn
+import toy
+
+
+@pytest.fixture(scope="module")
+def guess_task():
+    """The guess-the-number task as the script loads it, and its SFT policy."""
+    from transformers import AutoModelForCausalLM
+
+    toy.build_guess()
+    args = grpo_multiturn.Args()
+    task = environments.load_env_task(args.data, args.env, 64, None, 0, evaluate=True)
+    return task, AutoModelForCausalLM.from_pretrained(toy.GUESS_POLICY).eval()
+
+
+def played(task, policy, rows: int, k: int, one_rank_group, **flags):
+    """The default run's first batch: `rows` rows, k episodes each, as sample_round plays them."""
+    import data
+
+    args = grpo_multiturn.Args(num_samples=k)
+    for name, value in flags.items():
+        setattr(args.env, name, value)
+    sampler = data.PromptSampler(len(task.train_rows), rows, 0, 1, args.run.seed)
+    return grpo_multiturn.sample_round(policy, task, sampler, args), args
+
+
+def test_the_environments_tokens_never_reach_the_loss(guess_task, one_rank_group):
+    """Whatever log-probs the environment's tokens get, every loss type's loss and gradient are the same, and the
+    gradient there is 0; the mask is exactly the policy's tokens: each turn's guess and its stop token."""
+    task, policy = guess_task
+    episodes, args = played(task, policy, 4, 4, one_rank_group)
+    real = common.response_mask(episodes.lengths, episodes.responses.shape[1])
+    environment_tokens = real & ~episodes.mask
+    assert environment_tokens.any() and episodes.mask.any()
+    # the policy's tokens are its guesses and stop tokens; the environment's its messages
+    eos, words = task.tokenizer.eos_token_id, task.tokenizer.convert_ids_to_tokens
+    for row in range(len(episodes.responses)):
+        policy_words = words(episodes.responses[row][episodes.mask[row]].tolist())
+        assert all(w.isdigit() or w == toy.EOS for w in policy_words), policy_words
+        assert words(episodes.responses[row][environment_tokens[row]].tolist()) == \
+            [w for w in words(episodes.responses[row][:episodes.lengths[row]].tolist())
+             if w in ("higher", "lower", "invalid", ":")]
+    stops = ((episodes.responses == eos) & episodes.mask).sum(dim=1)
+    assert torch.equal(stops[episodes.contains_eos], episodes.turns[episodes.contains_eos].long())  # one per turn
+    logprobs = common.rollout_logprobs(policy, episodes, args.generation, args.generation.top_p)  # (N, R)
+    advantages = torch.linspace(-1, 1, len(logprobs))
+    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo"):
+        args.loss_type, args.epsilon_high = loss_type, 5.0 if loss_type == "cispo" else None
+        results = []
+        for shift in (0.0, 3.0):
+            new = (logprobs + shift * environment_tokens).requires_grad_()  # the environment's tokens moved
+            old = logprobs - 0.1 * episodes.mask  # ratios of 1.1 on the policy's tokens
+            loss, clipfrac, _ = grpo_multiturn.policy_loss(new, old, advantages, episodes.mask.float(), args, 50.0)
+            loss.backward()
+            results.append((loss.item(), clipfrac, new.grad))
+        (loss_a, clip_a, grad_a), (loss_b, clip_b, grad_b) = results
+        assert loss_a == loss_b and clip_a == clip_b and torch.equal(grad_a, grad_b), loss_type
+        assert (grad_a[environment_tokens] == 0).all() and (grad_a[episodes.mask] != 0).any(), loss_type
+
+
+def test_trained_ids_are_the_sampled_ids_even_where_the_text_would_tokenize_otherwise():
+    """Token in, token out: a turn whose sampled ids are not how the tokenizer would write its text (byte-level BPE:
+    " c" "at" rather than " cat") is kept as sampled, and each message is appended as the chat template's tokens
+    around it."""
+    from own_inputs import CHAT_TEMPLATE
+
+    tokenizer = byte_level_bpe_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    stop, before, after = environments.template_around_message(tokenizer, [tokenizer.eos_token_id], "bpe")
+    assert stop == tokenizer.eos_token_id
+    assert tokenizer.decode(before) == " user : " and tokenizer.decode(after) == " assistant : "
+    task = environments.EnvTask(tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], env_class=None, env_name="e",
+                                train_rows=None, eval_rows=None, chat_template=True, end_of_turn_id=stop,
+                                before_message=before, after_message=after)
+    canonical = tokenizer(" the cat sat", add_special_tokens=False)["input_ids"]
+    spelled = [token for word in (" the", " c", "at", " sat") for token in tokenizer(word)["input_ids"]]
+    assert tokenizer.decode(spelled) == " the cat sat" and spelled != canonical  # the text would re-tokenize
+    episode = environments.Episode(env=None, where="e", prompt_ids=task.first_message_ids("hello"))
+    episode.add_turn(spelled + [stop], True, ("dog ?", 0.5, False), task, 3, 100)
+    episode.add_turn(spelled[:2], False, ("mat", 0.25, False), task, 3, 100)  # ran out of tokens: a stop is added
+    message = tokenizer(" dog ?", add_special_tokens=False)["input_ids"]
+    assert episode.ids == [*spelled, stop, *before, *tokenizer("dog ?")["input_ids"], *after,
+                           *spelled[:2], stop, *before, *tokenizer("mat")["input_ids"], *after]
+    assert message  # (a message is tokenized on its own, between the template's tokens)
+    batch = environments.collate([episode], tokenizer.pad_token_id)
+    assert batch.responses[0, :len(episode.ids)].tolist() == episode.ids
+    assert batch.mask[0].tolist()[:len(episode.ids)] == episode.is_action
+    assert sum(episode.is_action) == len(spelled) + 1 + 2  # the added stop token is the environment's
+    assert episode.missed_stop and episode.episode_return == 0.75 and episode.turns == 2
+
+
+def test_an_episode_ends_at_done_max_turns_or_the_context_limit():
+    tokenizer = toy.make_tokenizer(toy.GUESS_WORDS)
+    task = environments.EnvTask(tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], env_class=None, env_name="e",
+                                train_rows=None, eval_rows=None, chat_template=False,
+                                end_of_turn_id=tokenizer.eos_token_id, before_message=[], after_message=[])
+    guess = tokenizer("7 <eos>")["input_ids"]
+
+    def episode_after(replies, max_turns=4, max_tokens=32):
+        episode = environments.Episode(env=None, where="e", prompt_ids=[1])
+        for reply in replies:
+            episode.add_turn(guess, True, reply, task, max_turns, max_tokens)
+        return episode
+
+    done = episode_after([("higher :", 0.0, False), (None, 1.0, True)])
+    assert done.ended and not done.truncated and len(done.ids) == 6 and done.episode_return == 1.0
+    out_of_turns = episode_after([("higher :", 0.0, False)] * 2, max_turns=2)
+    assert out_of_turns.ended and out_of_turns.truncated and len(out_of_turns.ids) == 6  # no last message
+    # 2 + 2 tokens, then a message that would fill the context up: truncated, the message not appended
+    out_of_context = episode_after([("higher :", 0.0, False)] * 2, max_tokens=8)
+    assert out_of_context.ended and out_of_context.truncated and len(out_of_context.ids) == 6
+    assert episode_after([("higher :", 0.0, False)], max_tokens=8).budget(4, 8) == 4
+    assert out_of_context.turns == 2
+
+
+def test_a_group_is_k_episodes_from_one_initial_state(guess_task, one_rank_group):
+    """k adjacent episodes share a row and a reset seed, the groups' seeds differ, and they depend on the run's seed
+    and the batch only: a resumed run replays the same episodes."""
+    import envs
+
+    task, policy = guess_task
+    task = dataclasses.replace(task, env_class=envs.RecordsResets)
+    batches = []
+    for _ in range(2):
+        envs.RecordsResets.resets.clear()
+        episodes, _ = played(task, policy, 4, 3, one_rank_group)
+        batches.append((list(envs.RecordsResets.resets), episodes))
+    (resets, episodes), (replayed, replayed_episodes) = batches
+    groups = [resets[i:i + 3] for i in range(0, 12, 3)]
+    assert all(len(set(group)) == 1 for group in groups)  # one row, one seed
+    assert len({seed for (_, seed), *_ in groups}) == 4
+    assert resets == replayed and torch.equal(episodes.responses, replayed_episodes.responses)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ("RaisesInReset", "episode 0 (seed {seed}): reset raised ValueError: no such level"),
+    ("RaisesInStep", "episode 0 (seed {seed}): step raised RuntimeError: the tool crashed"),
+    ("HangsInStep", "episode 0 (seed {seed}): step did not return within --env_timeout 0.5 s"),
+    ("ResetReturnsNumber", "episode 0 (seed {seed}): reset returned int 7; it returns the first message, a str"),
+    ("StepReturnsText", "episode 0 (seed {seed}): step returned str 'higher'; step returns a tuple (next message: "
+                        "str or None, reward: float, done: bool)"),
+    ("RewardIsText", "episode 0 (seed {seed}): step returned reward='1'; the reward must be a finite number"),
+    ("RewardIsNan", "episode 0 (seed {seed}): step returned reward=nan; the reward must be a finite number"),
+    ("DoneIsText", "episode 0 (seed {seed}): step returned done='no' (str); done must be a bool"),
+    ("NoMessageNotDone", "episode 0 (seed {seed}): step returned message=None with done=False; the next message "
+                         "must be a str (None only when done)"),
+])
+def test_an_environment_that_breaks_the_contract_stops_the_run_on_one_line(guess_task, one_rank_group, env,
+                                                                         message):
+    """Raising, hanging past --env_timeout, or answering with the wrong types: one line that names the environment,
+    the episode and what was wrong."""
+    task, policy = guess_task
+    env_class = environments.load_env_class(f"tests/envs.py:{env}")
+    task = dataclasses.replace(task, env_class=env_class, env_name=f"tests/envs.py:{env}")
+    seed = environments.reset_seed(1, 1, 0)
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as stop:
+        played(task, policy, 2, 2, one_rank_group, env_timeout=0.5)
+    assert str(stop.value.code) == f"error: --env tests/envs.py:{env}, {message.format(seed=seed)}"
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tests/envs.py:NeedsArguments", "--env 'tests/envs.py:NeedsArguments': building one with no arguments raised "
+                                     "TypeError"),
+    ("tests/envs.py:NoStep", "--env 'tests/envs.py:NoStep': an environment needs reset(row, seed) and step(action); "
+                             "it has no step"),
+    ("tests/envs.py:Missing", "--env 'tests/envs.py:Missing': 'tests/envs.py' has no class 'Missing'"),
+    ("toy:chess", "--env 'toy:chess': no embedded environment 'chess'; there are toy:guess_number, "
+                  "toy:guess_number_slow"),
+])
+def test_an_environment_that_cannot_be_built_stops_before_the_run_starts(spec, message):
+    with pytest.raises(SystemExit) as stop:
+        environments.load_env_class(spec)
+    assert str(stop.value.code).startswith(f"error: {message}") and "\n" not in str(stop.value.code)
+
+
+def test_the_default_run_learns_guess_the_number(tmp_path):
+    """The default run (40 updates of 32 rows x 4 episodes at 1e-4; evaluated on 64 rows here): greedy episodes go
+    from the SFT policy's linear search (0.24) to at least +0.3 (measured: 0.88; binary search wins all); the
+    rollout metrics say what the episodes were."""
+    run_script("--output_dir", tmp_path / "run", "--eval_every", "20", "--eval_num_prompts", "64",
+               script="grpo_multiturn.py")
+    metrics = read_metrics(tmp_path / "run")
+    evals = [m["eval/return_mean"] for m in metrics if "eval/return_mean" in m]
+    assert len(evals) == 3 and evals[-1] >= evals[0] + 0.3, evals
+    train = [m for m in metrics if "rollout/return_mean" in m]
+    assert len(train) == 40
+    assert all(1 <= m["rollout/turns_mean"] <= toy.GUESS_TURNS and 0 < m["rollout/env_tokens_frac"] < 0.5
+               and 0 <= m["rollout/truncated_episodes"] <= 1 for m in train)
+    assert train[-1]["rollout/return_mean"] > train[0]["rollout/return_mean"] + 0.2
+    assert train[-1]["rollout/turns_mean"] < train[0]["rollout/turns_mean"]  # binary search wins sooner
+    assert_trained_policy_saved(tmp_path / "run", toy.GUESS_POLICY)
+
+
+def test_resume_is_exact_through_kills_mid_episode(tmp_path):
+    """Killed while an update's episodes are played (before any checkpoint) and while checkpoint 4 is written:
+    the resumed run replays the same episodes and ends with the same weights, bit for bit."""
+    args = ["--total_episodes", "192", "--save_every", "2", "--eval_every", "0"]
+    whole, resumed = uninterrupted_and_resumed_runs(
+        tmp_path, "grpo_multiturn.py", args,
+        ("SIGKILL during update 1, before any checkpoint", "SIGKILL while checkpoint 4 is being written"))
+    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "rollout/return_mean", "rollout/turns_mean"],
+                                    after_update=2)
+
+
+def test_a_hanging_environment_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    """An environment that hangs in the third update: the run stops within --env_timeout with one line, and the
+    checkpoint of update 2 is whole (the run resumes from it)."""
+    result = run_script("--env", "tests/envs.py:HangsLater", "--env_timeout", "3", "--save_every", "1",
+                        "--eval_every", "0", "--output_dir", tmp_path / "run", script="grpo_multiturn.py", check=False,
+                        timeout=300)
+    last_line = (result.stdout + result.stderr).strip().splitlines()[-1]
+    assert result.returncode == 1 and last_line.startswith("error: --env tests/envs.py:HangsLater, episode "), last_line
+    assert last_line.endswith("step did not return within --env_timeout 3 s"), last_line
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["update-2"]
+    assert not (tmp_path / "run" / "policy").exists()
+
+
+def test_a_researchers_environment_trains_a_chat_model(tmp_path):
+    """tests/envs.py:SaysCat on a byte-level BPE Qwen2 model with its chat template and a prompt-only .jsonl: the
+    episodes are two turns of chat messages, the run trains and saves the policy."""
+    import own_inputs
+
+    config, tokenizer = own_inputs.policies()["qwen2"]
+    paths = {"qwen2": str(tmp_path / "qwen2"), "prompts_jsonl": own_inputs.write_jsonl(
+        tmp_path / "prompts.jsonl", [{"prompt": question} for question, _ in own_inputs.questions()])}
+    own_inputs.save_policy(paths["qwen2"], config, tokenizer)
+    run_script("--env", "tests/envs.py:SaysCat", "--model_name_or_path", paths["qwen2"], "--chat_template",
+               "--dataset_name", paths["prompts_jsonl"], "--response_length", "6", "--max_episode_tokens", "40",
+               "--max_turns", "3", "--total_episodes", "64", "--per_device_train_batch_size", "4",
+               "--gradient_accumulation_steps", "2", "--eval_every", "4", "--eval_num_prompts", "8",
+               "--output_dir", tmp_path / "run", script="grpo_multiturn.py")
+    metrics = read_metrics(tmp_path / "run")
+    train = [m for m in metrics if "rollout/turns_mean" in m]
+    assert len(train) == 8 and all(1 <= m["rollout/turns_mean"] <= 2 for m in train)
+    assert all(0 < m["rollout/env_tokens_frac"] < 1 for m in train)
+    with open(tmp_path / "run" / "args.json") as f:
+        assert json.load(f)["args"]["env"] == "tests/envs.py:SaysCat"
+    assert_trained_policy_saved(tmp_path / "run", paths["qwen2"])
+
+
+def test_the_readmes_example_environment_keeps_the_contract(tmp_path, guess_task, one_rank_group):
+    """The README's complete example environment, as a researcher would save it: it loads with --env and plays
+    episodes to their end on the toy policy (its rows made here)."""
+    import datasets
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Multi-turn environments"):readme.index("## Your own model and data")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "my_env.py").write_text(code)
+    task, policy = guess_task
+    env_class = environments.load_env_class(f"{tmp_path}/my_env.py:Countdown")
+    rows = datasets.Dataset.from_dict({"target": [3, 5, 8, 12] * 4})
+    task = dataclasses.replace(task, env_class=env_class, env_name="my_env.py:Countdown", train_rows=rows)
+    episodes, _ = played(task, policy, 4, 2, one_rank_group)
+    assert episodes.turns.min() >= 1 and episodes.returns.min() >= -0.1 * toy.GUESS_TURNS
+
+
+def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
+    import datasets
+
+    toy.build_guess()
+    validation = datasets.load_from_disk(toy.GUESS_DATASET)["validation"]
+    datasets.DatasetDict({"train": validation.select([]), "validation": validation}).save_to_disk(tmp_path / "empty")
+    cases = [
+        (["--env", "toy:chess"], "--env 'toy:chess': no embedded environment 'chess'"),
+        (["--env", "tests/envs.py:NoStep"], "an environment needs reset(row, seed) and step(action); it has no step"),
+        (["--env", "tests/envs.py"], "--env 'tests/envs.py' must be path/to/file.py:class or module:class"),
+        (["--max_turns", "0"], "--max_turns must be positive, got 0"),
+        (["--max_episode_tokens", "0"], "--max_episode_tokens must be positive, got 0"),
+        (["--env_timeout", "0"], "--env_timeout must be positive, got 0.0"),
+        (["--model_name_or_path", "/nonexistent/model"], "'/nonexistent/model' does not exist"),
+        (["--dataset_name", tmp_path / "empty"], "split 'train' is empty"),
+        (["--chat_template"], "--chat_template was given but the tokenizer of"),
+        (["--total_episodes", "100"], "--total_episodes 100 is not a multiple of the batch size 32"),
+        (["--num_samples", "1"], "--num_samples must be at least 2"),
+        (["--loss_type", "cispo"], "--loss_type cispo caps the ratio itself at --epsilon_high, which must be above 1"),
+        (["--use_peft", "--lora_target_modules", "q_proj", "qkv"], "--lora_target_modules 'qkv' names no layer of"),
+        (["--eval_every", "-1"], "--eval_every must be 0 (no evaluation) or positive, got -1"),
+    ]
+    argvs = [[*map(str, flags), "--output_dir", str(tmp_path / f"case{i}")] for i, (flags, _) in enumerate(cases)]
+    result = run_script("grpo_multiturn", json.dumps(argvs), script="tests/run_in_one_process.py", timeout=600)
+    messages = json.loads(result.stdout.split("RESULTS ")[-1])
+    for i, ((flags, expected), message) in enumerate(zip(cases, messages, strict=True)):
+        assert message.startswith("error: ") and "\n" not in message and expected in message, (flags, message)
+        assert not (tmp_path / f"case{i}").exists(), f"{flags} left output behind"
