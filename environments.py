@@ -40,9 +40,10 @@ class EnvArgs(common.FlagGroup):
     max_turns: int = toy.GUESS_TURNS
     """the policy's turns an episode may take; one that is not done after them is truncated
     (rollout/truncated_episodes)"""
-    max_episode_tokens: int = 32
-    """the context limit: the tokens after the first message, the policy's and the environment's; an episode that
-    would outgrow it is truncated (rollout/truncated_episodes). Also dr_grpo's constant denominator"""
+    max_episode_tokens: int = 48
+    """the context limit: every token of an episode, the first message's, the policy's and the environment's; an
+    episode that would outgrow it is truncated (rollout/truncated_episodes), a first message that leaves no room
+    for a turn stops the run. Also dr_grpo's constant denominator, and the vLLM engine's context length"""
     env_timeout: float = 60.0
     """seconds a reset or a step may take before the run stops with an error naming the episode"""
 
@@ -219,7 +220,7 @@ class Episode:
 
     def budget(self, max_new_tokens: int, max_episode_tokens: int) -> int:
         """Tokens the next turn may sample: a turn's, or what is left of the context."""
-        return min(max_new_tokens, max_episode_tokens - len(self.ids))
+        return min(max_new_tokens, max_episode_tokens - len(self.prompt_ids) - len(self.ids))
 
     def add_turn(self, action: list[int], stopped: bool, reply: tuple[str | None, float, bool], task: EnvTask,
                  max_turns: int, max_episode_tokens: int):
@@ -236,14 +237,14 @@ class Episode:
             self.ended = True
             return
         message_ids = ([] if stopped else [task.end_of_turn_id]) + task.message_ids(message)
-        if self.turns == max_turns or len(self.ids) + len(message_ids) >= max_episode_tokens:
+        if self.turns == max_turns or len(self.prompt_ids) + len(self.ids) + len(message_ids) >= max_episode_tokens:
             self.ended = self.truncated = True  # the last message would teach nothing: it is not appended
             return
         self.ids += message_ids
         self.is_action += [False] * len(message_ids)
 
 
-def start_episodes(task: EnvTask, rows: dict, seeds: list[int], k: int, timeout: float,
+def start_episodes(task: EnvTask, rows: dict, seeds: list[int], k: int, env_args: EnvArgs,
                    first_episode: int = 0) -> list[Episode]:
     """k episodes of each row ({column: values}) with its reset seed, each prompt's k adjacent: one environment
     each, built and reset concurrently. `first_episode`: the first one's number in the global batch (errors)."""
@@ -255,14 +256,18 @@ def start_episodes(task: EnvTask, rows: dict, seeds: list[int], k: int, timeout:
         env = task.env_class()
         return env, env.reset(*starts[i])
 
-    started = call_concurrently([lambda i=i: start(i) for i in range(len(starts))], timeout,
+    started = call_concurrently([lambda i=i: start(i) for i in range(len(starts))], env_args.env_timeout,
                                 lambda i: f"{where[i]}: reset")
     episodes = []
     for i, (env, message) in enumerate(started):
         if not isinstance(message, str):
             common.fail(f"{where[i]}: reset returned {type(message).__name__} {message!r:.80}; it returns the first "
                         "message, a str")
-        episodes.append(Episode(env=env, where=where[i], prompt_ids=task.first_message_ids(message)))
+        prompt_ids = task.first_message_ids(message)
+        if len(prompt_ids) >= env_args.max_episode_tokens:
+            common.fail(f"{where[i]}: the first message is {len(prompt_ids)} tokens, which leaves no room for a turn "
+                        f"in --max_episode_tokens {env_args.max_episode_tokens}")
+        episodes.append(Episode(env=env, where=where[i], prompt_ids=prompt_ids))
     return episodes
 
 

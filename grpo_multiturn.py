@@ -139,7 +139,7 @@ def play_episodes(model, task: environments.EnvTask, rows: dict, seeds: list[int
     and each action and reply is appended as tokens. `seed_key`, `first_row`: the sampling's seeds
     (environments.sample_actions)."""
     env, generation = args.env, args.generation
-    episodes = environments.start_episodes(task, rows, seeds, k, env.env_timeout, first_row)
+    episodes = environments.start_episodes(task, rows, seeds, k, env, first_row)
     for turn in range(env.max_turns):
         actions = environments.sample_actions(model, episodes, task, generation.response_length, env.max_episode_tokens,
                                               temperature, generation.top_p,
@@ -257,7 +257,7 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
 
 # Shapes: B rows (initial states) per update on this rank (local_batch_size), k episodes per row, N = B*k
 # episodes (each row's k adjacent), P tokens of the first message (left-padded), R tokens after it, the policy's
-# and the environment's (the batch's longest episode, at most --max_episode_tokens).
+# and the environment's (the batch's longest; P + R is at most --max_episode_tokens).
 def main(args: Args):
     rank, world_size = common.init_distributed()
     local_batch_size, num_updates = check_args(args, world_size)

@@ -120,7 +120,7 @@ def test_an_episode_ends_at_done_max_turns_or_the_context_limit():
                                 end_of_turn_id=tokenizer.eos_token_id, before_message=[], after_message=[])
     guess = tokenizer("7 <eos>")["input_ids"]
 
-    def episode_after(replies, max_turns=4, max_tokens=32):
+    def episode_after(replies, max_turns=4, max_tokens=33):  # a first message of 1 token
         episode = environments.Episode(env=None, where="e", prompt_ids=[1])
         for reply in replies:
             episode.add_turn(guess, True, reply, task, max_turns, max_tokens)
@@ -131,9 +131,10 @@ def test_an_episode_ends_at_done_max_turns_or_the_context_limit():
     out_of_turns = episode_after([("higher :", 0.0, False)] * 2, max_turns=2)
     assert out_of_turns.ended and out_of_turns.truncated and len(out_of_turns.ids) == 6  # no last message
     # 2 + 2 tokens, then a message that would fill the context up: truncated, the message not appended
-    out_of_context = episode_after([("higher :", 0.0, False)] * 2, max_tokens=8)
+    out_of_context = episode_after([("higher :", 0.0, False)] * 2, max_tokens=9)
     assert out_of_context.ended and out_of_context.truncated and len(out_of_context.ids) == 6
-    assert episode_after([("higher :", 0.0, False)], max_tokens=8).budget(4, 8) == 4
+    assert episode_after([("higher :", 0.0, False)], max_tokens=9).budget(4, 9) == 4
+    assert episode_after([("higher :", 0.0, False)], max_tokens=9).budget(4, 7) == 2  # what is left of the context
     assert out_of_context.turns == 2
 
 
@@ -303,10 +304,13 @@ def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
         (["--loss_type", "cispo"], "--loss_type cispo caps the ratio itself at --epsilon_high, which must be above 1"),
         (["--use_peft", "--lora_target_modules", "q_proj", "qkv"], "--lora_target_modules 'qkv' names no layer of"),
         (["--eval_every", "-1"], "--eval_every must be 0 (no evaluation) or positive, got -1"),
+        # known only once an environment has sent it: the run stops at its first reset, its checkpoints untouched
+        (["--max_episode_tokens", "7"], "episode 0 (seed 1471889417): the first message is 8 tokens, which leaves "
+                                        "no room for a turn in --max_episode_tokens 7"),
     ]
     argvs = [[*map(str, flags), "--output_dir", str(tmp_path / f"case{i}")] for i, (flags, _) in enumerate(cases)]
     result = run_script("grpo_multiturn", json.dumps(argvs), script="tests/run_in_one_process.py", timeout=600)
     messages = json.loads(result.stdout.split("RESULTS ")[-1])
     for i, ((flags, expected), message) in enumerate(zip(cases, messages, strict=True)):
         assert message.startswith("error: ") and "\n" not in message and expected in message, (flags, message)
-        assert not (tmp_path / f"case{i}").exists(), f"{flags} left output behind"
+        assert not (tmp_path / f"case{i}").exists() or "first message" in expected, f"{flags} left output behind"
