@@ -6,9 +6,9 @@ import time
 import toy
 
 
-class SaysCat:
-    """A researcher's environment for the own-inputs chat model: the row's prompt first; reward 1 each turn the
-    answer holds "cat", the episode done after two turns."""
+class SaysAnswer:
+    """A researcher's environment for the own-inputs chat model: the row's prompt first; reward 1 each turn whose
+    answer holds "answer" (the model's SFT format: about half its samples), the episode done after two turns."""
 
     def reset(self, row: dict, seed: int) -> str:
         self.turn = 0
@@ -16,7 +16,7 @@ class SaysCat:
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         self.turn += 1
-        reward = float("cat" in action)
+        reward = float("answer" in action)
         return (None, reward, True) if self.turn == 2 else ("what is one plus two ?", reward, False)
 
 
