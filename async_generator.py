@@ -37,6 +37,10 @@ def check_flags(asynchronous: AsyncArgs, engine_args: EngineArgs, world_size: in
     vllm_placement.check_placement(engine_args, world_size)
 
 
+# a batch's arrays of one entry per row, which each rank takes its share of; those that cross processes as numpy
+ROW_ARRAYS = ("responses", "logprobs", "scores", "token_versions",
+              "lengths", "contains_eos", "action_mask", "returns", "turns", "truncated")  # grpo_multiturn_vllm.py's
+
 ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
                "--resume continues from it")
 
@@ -57,10 +61,12 @@ class AsyncGenerator:
     def __init__(self, asynchronous: AsyncArgs, engine_args: EngineArgs, generation: common.GenerationArgs,
                  policy: data.DataArgs, run: outputs.RLRunArgs, bf16: bool, task: common.Task,
                  sampler: data.PromptSampler, state: outputs.OnlineTrainerState, num_updates: int, num_samples: int,
-                 process, dynamic_sampling: vllm_generator.DynamicSampling | None = None):
+                 process, dynamic_sampling: vllm_generator.DynamicSampling | None = None, episodes=None):
         """`process`: what the generator process runs, vllm_generator.generate_ahead or
         inflight.generate_inflight (looked up by the script at the call, so that tests can put a faulty one in
-        its place); `dynamic_sampling`: with --dynamic_sampling, how the process scores each round."""
+        its place); `dynamic_sampling`: with --dynamic_sampling, how the process scores each round; `episodes`:
+        grpo_multiturn_vllm.py's EpisodeJob (its `task` an environments.EnvTask, whose rows the process plays
+        episodes from, in contexts of --max_episode_tokens)."""
         self.asynchronous = asynchronous
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.num_updates, self.num_samples, self.save_every = num_updates, num_samples, run.save_every
@@ -101,8 +107,10 @@ class AsyncGenerator:
             job = vllm_generator.GeneratorJob(
                 asynchronous=asynchronous, engine_args=engine_args, generation=generation,
                 policy_path=policy.model_name_or_path, bf16=bf16, seed=run.seed,
-                max_model_len=policy.max_prompt_length + generation.response_length, save_every=run.save_every,
-                placement=self.placement, share=self.share, prompts=task.train_prompts["input_ids"],
+                max_model_len=(episodes.env.max_episode_tokens if episodes else
+                               policy.max_prompt_length + generation.response_length), save_every=run.save_every,
+                placement=self.placement, share=self.share,
+                prompts=[] if episodes else task.train_prompts["input_ids"], episodes=episodes,
                 sampler=sampler, updates=range(first_update, num_updates + 1), first_version=state.update,
                 num_samples=num_samples, eos_ids=task.eos_ids, pad_token_id=task.tokenizer.pad_token_id,
                 channels=self.channels, snapshot=state.engine_snapshot, dynamic_sampling=dynamic_sampling and
@@ -153,8 +161,7 @@ class AsyncGenerator:
         if "snapshot" in item:
             self.snapshots[item["snapshot"]] = item
             return None
-        return {**item, **{name: torch.from_numpy(item[name])
-                           for name in ("responses", "logprobs", "scores", "token_versions") if name in item}}
+        return {**item, **{name: torch.from_numpy(item[name]) for name in ROW_ARRAYS if name in item}}
 
     def wait_for_engine(self):
         """Wait until the engine has started (it loads the model and warms up while the trainer sets up and
@@ -180,8 +187,7 @@ class AsyncGenerator:
             prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
             shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
                        **{name: batch[name][r * rows:(r + 1) * rows]
-                          for name in ("queries", "responses", "logprobs", "scores", "token_versions")
-                          if name in batch}}
+                          for name in ("queries", *ROW_ARRAYS) if name in batch}}
                       for r in range(torch.distributed.get_world_size(self.engine_group))]
         received = [None]
         torch.distributed.scatter_object_list(received, shares, group=self.engine_group, group_src=0)

@@ -212,6 +212,7 @@ class Episode:
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
     is_action: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the vLLM engine's, of the policy's tokens
     episode_return: float = 0.0
     turns: int = 0
     ended: bool = False
@@ -223,13 +224,14 @@ class Episode:
         return min(max_new_tokens, max_episode_tokens - len(self.prompt_ids) - len(self.ids))
 
     def add_turn(self, action: list[int], stopped: bool, reply: tuple[str | None, float, bool], task: EnvTask,
-                 max_turns: int, max_episode_tokens: int):
-        """The policy's `action` (the ids it sampled, up to its stop token), then the environment's `reply`: its
-        reward counts; unless the episode ends, the message is appended as tokens (after the stop token the turn
-        ran out of tokens before, if it did)."""
+                 max_turns: int, max_episode_tokens: int, logprobs: list[float] | None = None):
+        """The policy's `action` (the ids it sampled, up to its stop token; the engine's `logprobs` of them), then
+        the environment's `reply`: its reward counts; unless the episode ends, the message is appended as tokens
+        (after the stop token the turn ran out of tokens before, if it did)."""
         message, reward, done = reply
         self.ids += action
         self.is_action += [True] * len(action)
+        self.logprobs += logprobs or []
         self.episode_return += reward
         self.turns += 1
         self.missed_stop |= not stopped
@@ -242,6 +244,8 @@ class Episode:
             return
         self.ids += message_ids
         self.is_action += [False] * len(message_ids)
+        if logprobs is not None:
+            self.logprobs += [common.INVALID_LOGPROB] * len(message_ids)
 
 
 def start_episodes(task: EnvTask, rows: dict, seeds: list[int], k: int, env_args: EnvArgs,
@@ -330,21 +334,41 @@ class Episodes(common.Rollout):
     returns: torch.Tensor = None  # (N,) the sum of each episode's rewards
     turns: torch.Tensor = None  # (N,)
     truncated: torch.Tensor = None  # (N,) ended by --max_turns or the context limit
+    engine_logprobs: torch.Tensor | None = None  # (N, R) the vLLM engine's (INVALID_LOGPROB but at the policy's tokens)
 
     @property
     def mask(self) -> torch.Tensor:
         return self.action_mask
 
+    def as_arrays(self) -> dict:
+        """The batch as a generator process sends it: the first messages as token lists ("queries"), the rest
+        as numpy arrays (they cross processes by value)."""
+        queries = [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
+        return {"queries": queries, "logprobs": self.engine_logprobs.cpu().numpy(),
+                **{name: getattr(self, name).cpu().numpy() for name in ARRAYS}}
 
-def collate(episodes: list[Episode], pad_token_id: int) -> Episodes:
-    """The episodes as one Episodes batch (right-padded responses), on this rank's device."""
-    device = common.local_device()
+    @classmethod
+    def from_arrays(cls, batch: dict, pad_token_id: int, device) -> "Episodes":
+        """A batch as_arrays made, on `device` (its arrays as tensors already: AsyncGenerator.batch_for)."""
+        query_ids, query_mask = common.left_pad(batch["queries"], pad_token_id, device)
+        return cls(query_ids=query_ids, query_mask=query_mask, engine_logprobs=batch["logprobs"].to(device),
+                   **{name: batch[name].to(device) for name in ARRAYS})
+
+
+ARRAYS = ("responses", "lengths", "contains_eos", "action_mask", "returns", "turns", "truncated")  # Episodes' own
+
+
+def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
+    """The episodes as one Episodes batch (right-padded responses) on `device`."""
     query_ids, query_mask = common.left_pad([e.prompt_ids for e in episodes], pad_token_id, device)
     width = max(1, max(len(e.ids) for e in episodes))
     responses = torch.tensor([e.ids + [pad_token_id] * (width - len(e.ids)) for e in episodes], device=device)
     action_mask = torch.tensor([e.is_action + [False] * (width - len(e.ids)) for e in episodes], device=device)
     number = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
-    return Episodes(query_ids=query_ids, query_mask=query_mask, responses=responses,
+    engine_logprobs = None
+    if any(e.logprobs for e in episodes):
+        engine_logprobs = number([e.logprobs + [common.INVALID_LOGPROB] * (width - len(e.logprobs)) for e in episodes])
+    return Episodes(engine_logprobs=engine_logprobs, query_ids=query_ids, query_mask=query_mask, responses=responses,
                     lengths=number([len(e.ids) for e in episodes], torch.long),
                     contains_eos=number([not e.missed_stop for e in episodes], torch.bool), action_mask=action_mask,
                     returns=number([e.episode_return for e in episodes]),

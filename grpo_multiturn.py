@@ -153,7 +153,7 @@ def play_episodes(model, task: environments.EnvTask, rows: dict, seeds: list[int
                                              env.env_timeout)
         for i, reply in zip(playing, replies):  # token in, token out: the sampled ids, then the reply's tokens
             episodes[i].add_turn(*actions[i], reply, task, env.max_turns, env.max_episode_tokens)
-    return environments.collate(episodes, task.tokenizer.pad_token_id)
+    return environments.collate(episodes, task.tokenizer.pad_token_id, common.local_device())
 
 
 def sample_round(policy, task: environments.EnvTask, sampler, args) -> environments.Episodes:

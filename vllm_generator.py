@@ -166,6 +166,7 @@ class GeneratorJob:
     channels: Channels
     dynamic_sampling: DynamicSampling | None = None
     snapshot: dict | None = None  # --inflight_updates: the engine state a resumed run continues from
+    episodes: object | None = None  # grpo_multiturn_vllm.py: what its episodes need (its EpisodeJob)
 
 
 def sampling_params(generation: common.GenerationArgs, eos_ids, seed: int, max_tokens: int, delta: bool = False):
@@ -179,6 +180,19 @@ def sampling_params(generation: common.GenerationArgs, eos_ids, seed: int, max_t
                           output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE)
 
 
+def vllm_sample(llm, prompts: list[list[int]], seeds: list[int], generation: common.GenerationArgs, eos_ids,
+                max_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
+    """One completion of each prompt, of at most its `max_tokens`, with a per-row seed (reproducible however vLLM
+    batches): its token ids (the stop token included, where it stopped) and the engine's log-probs of them at the
+    sampling temperature and top_p."""
+    from vllm.inputs import TokensPrompt
+
+    params = [sampling_params(generation, eos_ids, seed, most) for seed, most in zip(seeds, max_tokens)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    # one log-prob per token (logprobs=0)
+    return [(list(output.outputs[0].token_ids), list(output.outputs[0].logprobs.logprobs)) for output in outputs]
+
+
 def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], generation: common.GenerationArgs, eos_ids,
                   pad_token_id):
     """Sample one completion per prompt with a per-row seed (reproducible however vLLM batches).
@@ -186,18 +200,13 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], generation: c
     Returns responses (rows, response_len) right-padded, and the engine's log-probs of the sampled
     tokens at the sampling temperature and top_p (common.INVALID_LOGPROB at pads).
     """
-    from vllm.inputs import TokensPrompt
-
     length = generation.response_length
-    params = [sampling_params(generation, eos_ids, seed, length) for seed in seeds]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     responses = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
     logprobs = torch.full((len(prompts), length), common.INVALID_LOGPROB)
-    for row, output in enumerate(outputs):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
+    for row, (tokens, token_logprobs) in enumerate(vllm_sample(llm, prompts, seeds, generation, eos_ids,
+                                                               [length] * len(prompts))):
         responses[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logprobs[row, :len(tokens)] = torch.tensor(completion.logprobs.logprobs)  # one per token (logprobs=0)
+        logprobs[row, :len(tokens)] = torch.tensor(token_logprobs)
     return responses, logprobs
 
 
@@ -370,10 +379,20 @@ def start_engine(job: GeneratorJob):
     return llm, sampling_policy, checked, receiver
 
 
-def generate_ahead(job: GeneratorJob):
+def sample_prompts(llm, sampling_policy, indices: list[int], update: int, job: GeneratorJob) -> dict:
+    """generate_ahead's batch of `update` by default: k completions of each of the train split's prompts `indices`
+    (this engine's share of the global batch), seeded by their rows in it (sample_batch)."""
+    queries = [job.prompts[i] for i in indices for _ in range(job.num_samples)]
+    rows = range(job.share[0] * len(queries), (job.share[0] + 1) * len(queries))  # in the global batch
+    batch = sample_batch(llm, sampling_policy, queries, row_seeds(job.seed, update, rows), update, job)
+    return {**batch, "prompt_indices": indices}
+
+
+def generate_ahead(job: GeneratorJob, sample=sample_prompts):
     """The generator process of engine `job.share` = (index, engines), beside the first of its ranks, which
     holds the vLLM engine: for update t it samples its ranks' share of the global batch, with exactly the
-    weights sampling_version(t) names.
+    weights sampling_version(t) names: sample(llm, sampling_policy, prompt indices, t, job) -> the batch
+    (sample_prompts; grpo_multiturn_vllm.py's plays episodes).
 
     The trainer announces each weight version on the queue `published`, written to a shared buffer (handed
     back on `released` once loaded) or sent over NCCL (weight_transport.WeightReceiver); ENGINE_STARTED, then
@@ -410,12 +429,9 @@ def generate_ahead(job: GeneratorJob):
                 llm.wake_up(tags=["kv_cache"])
             weight_load = time.time() - t0
             indices = engine_share(job.sampler.next_indices(), job.share)  # of the global batch's prompts
-            queries = [job.prompts[i] for i in indices for _ in range(job.num_samples)]
-            rows = range(job.share[0] * len(queries), (job.share[0] + 1) * len(queries))  # in the global batch
-            batch = sample_batch(llm, sampling_policy, queries, row_seeds(job.seed, update, rows), update, job)
+            batch = sample(llm, sampling_policy, indices, update, job)
             if version != loaded and "async/logprob_diff" in batch["metrics"]:  # and the layers it cannot see
                 check_engine_took_weights(batch["metrics"]["async/logprob_diff"], version, job)
-            batch["prompt_indices"] = indices
             if score is not None:
                 batch = fill_with_signal(job, llm, batch, update, score)
             loaded = version
@@ -425,7 +441,14 @@ def generate_ahead(job: GeneratorJob):
             channels.batches.put({**batch, "engine": job.share, "version": version,
                                   "data_position": job.sampler.position})  # the global batches drawn so far
     except BaseException as error:  # any failure must reach the trainer, which stops with it
-        channels.batches.put(f"{type(error).__name__}: {error}")
+        channels.batches.put(failure_text(error))
+
+
+def failure_text(error: BaseException) -> str:
+    """What the trainer says a generator process stopped with: common.fail's line as it is, else the exception."""
+    if isinstance(error, SystemExit):
+        return str(error.code).removeprefix("error: ")
+    return f"{type(error).__name__}: {error}"
 
 
 def sleep_until(update: int, llm, loaded: int, async_steps: int, first_version: int):

@@ -106,7 +106,7 @@ def test_trained_ids_are_the_sampled_ids_even_where_the_text_would_tokenize_othe
     assert episode.ids == [*spelled, stop, *before, *tokenizer("dog ?")["input_ids"], *after,
                            *spelled[:2], stop, *before, *tokenizer("mat")["input_ids"], *after]
     assert message  # (a message is tokenized on its own, between the template's tokens)
-    batch = environments.collate([episode], tokenizer.pad_token_id)
+    batch = environments.collate([episode], tokenizer.pad_token_id, "cpu")
     assert batch.responses[0, :len(episode.ids)].tolist() == episode.ids
     assert batch.mask[0].tolist()[:len(episode.ids)] == episode.is_action
     assert sum(episode.is_action) == len(spelled) + 1 + 2  # the added stop token is the environment's

@@ -1,0 +1,488 @@
+"""Asynchronous multi-turn GRPO: a vLLM engine plays the episodes of batch t+1 while the trainer learns on batch t.
+grpo_multiturn.py is its synchronous twin (`diff grpo_multiturn.py grpo_multiturn_vllm.py` shows the asynchronous
+part); ALGORITHMS.md has every formula, README "Multi-turn environments" the environment contract.
+
+Batch t is played with exactly the weights after update t-1-K (`--async_steps K`; 0 is synchronous): the
+generator process beside the engine runs `sample_episodes`, this script's episode loop, turn by turn in the
+engine. The ratios are taken against the engine's log-probs of the policy's tokens, which async/logprob_diff
+checks against the trainer's model under the same weights.
+
+    python grpo_multiturn_vllm.py                              # guess-the-number: trainer on a core, vLLM on the other
+    python grpo_multiturn_vllm.py --env toy:guess_number_slow  # steps of 50 ms, as a tool call
+    deepspeed --num_gpus 3 grpo_multiturn_vllm.py --bf16 ...   # GPU node: 3 training GPUs, vLLM on cuda:3
+"""
+
+import dataclasses
+import functools
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+import async_generator
+import cli
+import common
+import corrections
+import data
+import environments
+import evaluation
+import lora
+import outputs
+import toy
+import vllm_generator
+from cli import ConfigFiles
+from common import DistributedArgs, GenerationArgs, RLOptimizerArgs
+from corrections import TokenCorrectionArgs
+from data import DatasetArgs
+from environments import EnvArgs
+from evaluation import SamplingEvalArgs
+from lora import LoraArgs
+from outputs import RLRunArgs
+from vllm_generator import AsyncArgs
+from vllm_placement import EngineArgs
+
+
+@dataclass
+class Args:
+    """Asynchronous multi-turn GRPO's own flags; the groups below hold the flags every RL script shares, each declared
+    in the module that reads it"""
+
+    num_samples: int = 4
+    """k: episodes per initial state (row and reset seed), the group whose returns make each one's advantage"""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"] = "dapo"
+    """how the per-token losses are averaged (TRL's names): grpo, per sequence then over sequences; dr_grpo,
+    summed and divided by rows x --max_episode_tokens; dapo, over every completion token of the optimizer step,
+    all ranks; bnpo, over the tokens of each micro-batch; cispo, dapo's average of the REINFORCE loss
+    -sg(min(ratio, --epsilon_high)) A logp (the ratio clipped, not the update)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """advantage = reward - its group's mean, divided by the group's std (group), the whole batch's (batch),
+    or nothing (none: Dr. GRPO); each std plus 1e-4"""
+    epsilon: float = 0.2
+    """the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
+    epsilon_high: float | None = None
+    """upper clip of the ratio, 1 + epsilon_high (default: --epsilon; DAPO's clip-higher: 0.28); with cispo
+    the cap of the ratio itself (e.g. 5.0)"""
+    delta: float | None = None
+    """two-sided clipping: the unclipped ratio is also capped at delta (> 1 + epsilon_high), bounding the loss
+    of negative advantages"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: a ratio per token; sequence (GSPO): one per episode, exp of the mean log-ratio of the policy's tokens"""
+    mask_truncated_completions: bool = False
+    """truncated episodes (by --max_turns or --max_episode_tokens) leave the loss (their returns still count in
+    their group's baseline)"""
+    beta: float = 0.0
+    """weight of a per-token KL penalty to the reference policy in the loss; 0 loads no reference policy at
+    all (then no KL is logged, in training or evaluation)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator of --beta, r = ref_logp - logp: k1 -r, k2 r^2 / 2, k3 exp(r) - r - 1"""
+    entropy_coef: float = 0.0
+    """weight of an entropy bonus: the loss minus entropy_coef times the policy's mean token entropy"""
+
+    # the flags every RL script shares, by kind (flat names on the command line: --learning_rate)
+    env: EnvArgs = cli.group(EnvArgs())
+    data: DatasetArgs = cli.group(DatasetArgs(model_name_or_path=toy.GUESS_POLICY, dataset_name=toy.GUESS_DATASET))
+    generation: GenerationArgs = cli.group(GenerationArgs(response_length=4))  # a turn's tokens
+    optimizer: RLOptimizerArgs = cli.group(RLOptimizerArgs(per_device_train_batch_size=8, learning_rate=1e-4,
+                                                           total_episodes=1280))
+    evaluation: SamplingEvalArgs = cli.group(SamplingEvalArgs())
+    run: RLRunArgs = cli.group(RLRunArgs())
+    corrections: TokenCorrectionArgs = cli.group(TokenCorrectionArgs())
+    lora: LoraArgs = cli.group(LoraArgs())
+    asynchronous: AsyncArgs = cli.group(AsyncArgs())
+    vllm: EngineArgs = cli.group(EngineArgs())
+    distributed: DistributedArgs = cli.group(DistributedArgs())
+    config_files: ConfigFiles = cli.group(ConfigFiles())
+
+
+def check_args(args: Args, world_size: int) -> tuple[int, int]:
+    if args.num_samples < 2:
+        common.fail(f"--num_samples must be at least 2: a group's advantages need another sample, "
+                    f"got {args.num_samples}")
+    async_generator.check_flags(args.asynchronous, args.vllm, world_size)
+    if args.asynchronous.inflight_updates:
+        common.fail("--inflight_updates is not supported by grpo_multiturn_vllm.py yet: the engine plays whole batches "
+                    "of episodes, K updates ahead")
+    if not 0 < args.epsilon < 1:
+        common.fail(f"--epsilon must be in (0, 1): the ratio is clipped below at 1 - epsilon, "
+                    f"got {args.epsilon}")
+    common.check_signs(args, (), ("beta", "entropy_coef"))
+    if args.loss_type == "cispo" and (args.epsilon_high is None or args.epsilon_high <= 1):
+        common.fail(f"--loss_type cispo caps the ratio itself at --epsilon_high, which must be above 1 (e.g. 5.0), "
+                    f"got {args.epsilon_high}")
+    if args.epsilon_high is not None and args.epsilon_high <= 0:
+        common.fail(f"--epsilon_high must be positive (the ratio's upper clip is 1 + epsilon_high), "
+                    f"got {args.epsilon_high}")
+    if args.delta is not None and args.delta <= 1 + upper_clip(args):
+        common.fail(f"--delta caps the unclipped ratio above its clip, so it must exceed 1 + epsilon_high = "
+                    f"{1 + upper_clip(args):g}, got {args.delta}")
+    return common.batch_sizes(args.optimizer, world_size)
+
+
+def upper_clip(args) -> float:
+    """--epsilon_high, or --epsilon when it is not given."""
+    return args.epsilon if args.epsilon_high is None else args.epsilon_high
+
+
+def group_advantages(rewards: torch.Tensor, k: int, scale_rewards: str) -> torch.Tensor:
+    """A_i = r_i - mean of its group's k rewards, divided by the group's std (group), by the std of every
+    reward of the global batch, all ranks (batch), or not at all (none); each std (n - 1) plus 1e-4.
+    rewards: (prompts * k,) -> (prompts * k,)"""
+    per_prompt = rewards.view(-1, k)  # (prompts, k)
+    advantages = per_prompt - per_prompt.mean(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        advantages = advantages / (per_prompt.std(dim=1, keepdim=True) + 1e-4)
+    elif scale_rewards == "batch":
+        # in fp64 and in two passes (the mean, then the squares about it): large rewards with a small spread
+        # would lose the spread in a sum of squares
+        batch_rewards = rewards.to(common.local_device(), torch.float64)
+        count_and_total = torch.stack([torch.ones_like(batch_rewards).sum(), batch_rewards.sum()])
+        torch.distributed.all_reduce(count_and_total)
+        count, total = count_and_total.tolist()
+        squares = ((batch_rewards - total / count) ** 2).sum()
+        torch.distributed.all_reduce(squares)
+        advantages = advantages / (math.sqrt(squares.item() / (count - 1)) + 1e-4)
+    return advantages.flatten()
+
+
+def play_episodes(episodes: list[environments.Episode], sample_turn, task: environments.EnvTask,
+                  env: environments.EnvArgs) -> list[environments.Episode]:
+    """`episodes` played to their end: done, --max_turns, or the context limit. Every turn, the episodes still
+    playing sample an action each, sample_turn(episodes, turn) -> per episode (ids, stopped, the engine's log-probs
+    or None), None for one that has ended; the environments step on them concurrently, and each action and reply is
+    appended as tokens."""
+    for turn in range(env.max_turns):
+        actions = sample_turn(episodes, turn)
+        playing = [i for i, action in enumerate(actions) if action is not None]
+        if not playing:
+            break
+        replies = environments.step_episodes([episodes[i] for i in playing],
+                                             [environments.action_text(task, actions[i][0]) for i in playing],
+                                             env.env_timeout)
+        for i, reply in zip(playing, replies):  # token in, token out: the sampled ids, then the reply's tokens
+            ids, stopped, logprobs = actions[i]
+            episodes[i].add_turn(ids, stopped, reply, task, env.max_turns, env.max_episode_tokens, logprobs)
+    return episodes
+
+
+@dataclasses.dataclass
+class EpisodeJob:
+    """What the generator process needs to play episodes (vllm_generator.GeneratorJob.episodes): the task without
+    its environment class, which sample_episodes loads again from --env there, and the environment's flags."""
+
+    task: environments.EnvTask
+    env: environments.EnvArgs
+
+
+def sample_episodes(llm, sampling_policy, indices: list[int], update: int, job) -> dict:
+    """In the generator process (vllm_generator.generate_ahead calls it once the weights that sampling_version(update)
+    names are loaded): k episodes of each of this engine's rows `indices` of the global batch, from the rows' reset
+    seeds, played in the engine, every episode's turn seeded by (seed, update, its row in the global batch, turn).
+    Returns the batch as Episodes.as_arrays makes it, with its "prompt_indices" and "metrics": time/generate, and on
+    checked batches (vllm_generator.logprob_checked) async/logprob_diff over the policy's tokens of the first
+    --logprob_check_rows episodes, against `sampling_policy`, an HF model that holds the engine's weights."""
+    task = dataclasses.replace(job.episodes.task, env_class=environments.load_env_class(job.episodes.env.env))
+    env, generation, k = job.episodes.env, job.generation, job.num_samples
+    first_prompt = job.share[0] * len(indices)  # this engine's rows in the global batch
+    seeds = [environments.reset_seed(job.seed, job.sampler.position, first_prompt + i) for i in range(len(indices))]
+    t0 = time.time()
+    episodes = environments.start_episodes(task, task.train_rows[indices], seeds, k, env, first_prompt * k)
+
+    def engine_turn(episodes: list[environments.Episode], turn: int) -> list:
+        playing = [i for i, episode in enumerate(episodes) if not episode.ended]
+        turn_seeds = [random.Random(f"{job.seed}/{update}/{first_prompt * k + i}/{turn}").getrandbits(63)
+                      for i in playing]
+        sampled = vllm_generator.vllm_sample(
+            llm, [episodes[i].prompt_ids + episodes[i].ids for i in playing], turn_seeds, generation, job.eos_ids,
+            [episodes[i].budget(generation.response_length, env.max_episode_tokens) for i in playing])
+        actions = [None] * len(episodes)
+        for i, (ids, logprobs) in zip(playing, sampled):
+            actions[i] = (ids, bool(ids) and ids[-1] in job.eos_ids, logprobs)
+        return actions
+
+    batch = environments.collate(play_episodes(episodes, engine_turn, task, env), job.pad_token_id, "cpu")
+    t1 = time.time()
+    metrics = {"time/generate": t1 - t0}
+    if vllm_generator.logprob_checked(update, job.asynchronous):
+        rows = slice(0, job.asynchronous.logprob_check_rows)
+        device = sampling_policy.device
+        trainer_logprobs = common.response_logprobs(
+            sampling_policy, batch.query_ids[rows].to(device), batch.query_mask[rows].to(device),
+            batch.responses[rows].to(device), batch.lengths[rows].to(device), generation.temperature, generation.top_p)
+        difference = (batch.engine_logprobs[rows].to(device) - trainer_logprobs).abs()
+        metrics.update({"async/logprob_diff": common.masked_mean(difference, batch.action_mask[rows].to(device)),
+                        "time/logprob_check": time.time() - t1})
+    return {"update": update, "prompt_indices": indices, **batch.as_arrays(), "metrics": metrics}
+
+
+def final_scores(episodes: environments.Episodes, args) -> torch.Tensor:
+    """(N,) the rewards that make the advantages: each episode's return, or --penalty_reward_value for an episode
+    with a turn that ran out of tokens before its stop token (with --missing_eos_penalty)."""
+    if args.generation.missing_eos_penalty:
+        return torch.where(episodes.contains_eos, episodes.returns, args.generation.penalty_reward_value)
+    return episodes.returns
+
+
+@torch.no_grad()
+def evaluate(policy, task: environments.EnvTask, args, update: int) -> dict[str, float]:
+    """One near-greedy episode (--eval_temperature) of each evaluation row, from a reset seed of its own that is the
+    same in every evaluation: eval/return_mean, eval/turns_mean, eval/truncated_episodes (their share). Each rank
+    plays its share; the numbers are over all of them."""
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    indices = list(range(rank, len(task.eval_rows), world_size))
+    seeds = [environments.reset_seed(args.run.seed, -1, i) for i in indices]
+    generation, env = args.generation, args.env
+    episodes = environments.start_episodes(task, task.eval_rows[indices], seeds, 1, env, rank)
+    with evaluation.eval_mode(policy), common.full_parameters(policy) as model:
+
+        def sample_turn(episodes: list[environments.Episode], turn: int) -> list:
+            return [action and (*action, None) for action in environments.sample_actions(
+                model, episodes, task, generation.response_length, env.max_episode_tokens,
+                args.evaluation.eval_temperature, generation.top_p, generation.local_rollout_forward_batch_size,
+                f"{args.run.seed}/eval/{update}/{turn}", rank)]
+
+        episodes = environments.collate(play_episodes(episodes, sample_turn, task, env), task.tokenizer.pad_token_id,
+                                        policy.device)
+    totals = torch.tensor([float(len(indices)), episodes.returns.sum().item(), episodes.turns.sum().item(),
+                           episodes.truncated.sum().item()], dtype=torch.float64, device=common.local_device())
+    torch.distributed.all_reduce(totals)
+    count, returns, turns, truncated = totals.tolist()
+    return {"eval/return_mean": returns / count, "eval/turns_mean": turns / count,
+            "eval/truncated_episodes": truncated / count}
+
+
+def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate of the policy from the reference, r = ref_logp - logp: k1 -r, k2 r^2 / 2, k3
+    exp(r) - r - 1 (unbiased and never negative; Schulman, 2020)."""
+    r = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -r
+    if estimator == "k2":
+        return 0.5 * r ** 2
+    return torch.exp(r) - r - 1
+
+
+def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, max_episode_tokens: int,
+                  step_tokens: float) -> torch.Tensor:
+    """The average that --loss_type names, of per-token `values` (n, R) over `mask`ed tokens of n rows:
+    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x
+    max_episode_tokens; dapo and cispo, the sum over `step_tokens` (this rank's share of the completion tokens
+    of the whole optimizer step, all micro-batches and ranks: see main)."""
+    total = (values * mask).sum()
+    if loss_type == "grpo":
+        return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    if loss_type == "bnpo":
+        return total / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        return total / (values.shape[0] * max_episode_tokens)
+    return total / max(step_tokens, 1e-9)
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, ref_logprobs=None,
+                entropy=None, weights=1.0, clip: bool = True):
+    """The GRPO-family loss of n episodes, over the policy's tokens (`mask`): new_logprobs (the training
+    forward), old_logprobs (those the ratio is taken against), ref_logprobs (with --beta), entropy (with
+    --entropy_coef) and mask, all (n, R); advantages (n,); weights, each policy term's importance weight (1, or
+    those of --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes
+    the ratio unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+    log_ratio = new_logprobs - old_logprobs  # (n, R)
+    if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
+        log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)
+    a = advantages[:, None]
+    if args.loss_type == "cispo":  # REINFORCE weighted by the clipped ratio, no gradient through it
+        bound = upper_clip(args) if clip else math.inf
+        per_token = -torch.clamp(ratio, max=bound).detach() * a * new_logprobs
+        clipped = (ratio > bound) & (a > 0)
+    elif not clip:  # m2po: its trust region is the tokens it keeps
+        per_token, clipped = -ratio * a, torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        clipped_ratio = torch.clamp(ratio, 1 - args.epsilon, 1 + upper_clip(args))
+        capped = ratio if args.delta is None else torch.clamp(ratio, max=args.delta)
+        per_token = -torch.min(capped * a, clipped_ratio * a)
+        clipped = capped * a > clipped_ratio * a
+    per_token = weights * per_token  # the KL and entropy terms are not reweighted (as TRL's, slime's)
+    if args.beta:
+        per_token = per_token + args.beta * token_kl(new_logprobs, ref_logprobs, args.kl_estimator)
+    loss = token_average(per_token, mask, args.loss_type, args.env.max_episode_tokens, step_tokens)
+    if args.entropy_coef:
+        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, args.env.max_episode_tokens,
+                                                        step_tokens)
+    clipfrac = common.masked_mean(clipped.expand_as(mask).float(), mask.bool())
+    return loss, clipfrac, ratio
+
+
+# Shapes: B rows (initial states) per update on this rank (local_batch_size), k episodes per row, N = B*k
+# episodes (each row's k adjacent), P tokens of the first message (left-padded), R tokens after it, the policy's
+# and the environment's (the batch's longest; P + R is at most --max_episode_tokens).
+def main(args: Args):
+    rank, world_size = common.init_distributed(vllm_generator.process_group_timeout(args.asynchronous))
+    local_batch_size, num_updates = check_args(args, world_size)
+    batch_size = local_batch_size * world_size
+    outputs.resolve_output_dir(args.run)
+    common.seed_everything(args.run.seed + rank, args.run.torch_deterministic)
+    dtype = torch.bfloat16 if args.distributed.bf16 else torch.float32
+    task = environments.load_env_task(args.data, args.env, args.evaluation.eval_num_prompts, args.lora, rank,
+                                      evaluate=args.run.eval_every > 0)
+    # the engine plays whole global batches; each rank trains on its share of one
+    sampler = data.PromptSampler(len(task.train_rows), batch_size, 0, 1, args.run.seed)
+    if rank == 0:  # only now, so that bad input leaves no output directory behind
+        outputs.prepare_output_dir(args.run, cli.flag_values(args), vllm_generator.RESUME_MAY_CHANGE)
+    torch.distributed.barrier()
+
+    from transformers import get_scheduler
+
+    # no reference policy at all with --beta 0 (but the free one of LoRA, the adapter off, for evaluation)
+    policy, ref_policy = lora.load_policy(args.data.model_name_or_path, args.lora, dtype, reference=args.beta > 0)
+    parameter_counts = lora.trainable_parameters(policy)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.optimizer.learning_rate)
+    num_optimizer_steps = num_updates * args.optimizer.num_epochs * args.optimizer.num_mini_batches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    policy = common.prepare_deepspeed(policy, args.distributed, args.optimizer, optimizer, scheduler)
+    if args.beta > 0 or args.lora.use_peft:
+        ref_policy = lora.reference_policy(args.distributed, ref_policy, policy)
+
+    state = outputs.OnlineTrainerState()
+    if args.run.resume:
+        state = outputs.load_checkpoint(args.run.output_dir, policy)
+    logger = outputs.MetricsLogger(args.run, cli.flag_values(args), num_updates, state.update,
+                                  ("loss/policy_avg", "rollout/return_mean", "async/staleness", "eval/return_mean"))
+    logger.log(state.update, parameter_counts)
+    # The generator process beside rank 0 holds the engine and plays each batch's episodes there (sample_episodes);
+    # it starts while the trainer evaluates. A resumed run first trains on the batches its checkpoint had played
+    # ahead (with older weights), and plays from the checkpoint's weights after them.
+    episode_job = EpisodeJob(dataclasses.replace(task, env_class=None, eval_rows=None), args.env)  # what crosses
+    generator = async_generator.AsyncGenerator(
+        args.asynchronous, args.vllm, args.generation, args.data, args.run, args.distributed.bf16, task, sampler, state,
+        num_updates, args.num_samples, functools.partial(vllm_generator.generate_ahead, sample=sample_episodes),
+        episodes=episode_job)
+    if state.update == 0 and args.run.eval_every:
+        logger.log_evaluation(0, 0, evaluate(policy, task, args, 0))
+    generator.wait_for_engine()
+    if state.update > 0:  # the engine plays from the checkpoint's weights
+        generator.publish_weights(policy, state.update)
+    k, pad = args.num_samples, task.tokenizer.pad_token_id
+    micro_batch_size = args.optimizer.per_device_train_batch_size
+    mini_batch_size = micro_batch_size * args.optimizer.gradient_accumulation_steps  # prompts per optimizer step
+    start_time, start_episode = time.time(), state.episode
+    for update in range(state.update + 1, num_updates + 1):
+        # Rollout: this rank's share of the episodes the engine played for this update, K updates ago with
+        # older weights (sample_episodes); then the details as in the synchronous twin.
+        t0 = time.time()
+        batch = generator.batch_for(update)
+        rollout = environments.Episodes.from_arrays(batch, pad, policy.device)  # rollout.mask: the policy's tokens
+        t1 = time.time()
+        scores = final_scores(rollout, args)  # (N,)
+        ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation) if args.beta else None  # (N, R)
+        # (N, R) the old policy's: the engine's log-probs of the policy's tokens under the weights that played the
+        # batch, which the trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
+        logprobs = rollout.engine_logprobs
+        orders = [torch.randperm(local_batch_size) for _ in range(args.optimizer.num_epochs)]  # (B,) prompts each
+        # (N, R) the trainer's log-probs at the start of the update, which decoupled, tis, mask and m2po take the
+        # ratio against: the first optimizer step's forward computes them for its rows; one forward here for
+        # every other row (none and pure_is never read them: a copy stands in)
+        first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
+        start_logprobs = (common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
+                          if args.corrections.reads_start_logprobs else logprobs.clone())
+
+        # Advantages: each return against its group's; the tokens that count in the loss (the policy's).
+        advantages = group_advantages(scores, k, args.scale_rewards)  # (N,)
+        mask = rollout.mask.float()  # (N, R)
+        if args.mask_truncated_completions:
+            mask = mask * (1 - rollout.truncated[:, None])
+        t2 = time.time()
+
+        # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
+        # trains on data i-1 steps stale), each accumulated over gradient_accumulation_steps
+        # micro-batches of per_device_train_batch_size prompts with all their k samples.
+        stats = {name: [] for name in ("loss", "clipfrac", "entropy", "ratio", "off_policy")}
+        for epoch, order in enumerate(orders):
+            for step, mini_batch in enumerate(order.split(mini_batch_size)):
+                # dapo and cispo average over every completion token of the step (all micro-batches, all ranks)
+                step_rows = (mini_batch[:, None] * k + torch.arange(k)).flatten()
+                step_tokens = common.loss_denominator(mask[step_rows], args.optimizer.gradient_accumulation_steps)
+                for prompt_ids in mini_batch.split(micro_batch_size):
+                    rows = (prompt_ids[:, None] * k + torch.arange(k)).flatten()  # each prompt's k samples
+                    # (n, R) each: the entropy is logged, and in the loss with --entropy_coef
+                    new_logprobs, entropy = common.response_logprobs(
+                        policy, rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows],
+                        rollout.lengths[rows], args.generation.temperature, args.generation.top_p, entropy=True)
+                    if not args.entropy_coef:  # logged only: its graph, (n, R, vocab), goes before the backward
+                        entropy = entropy.detach()
+                    common.reuse_first_step_logprobs(start_logprobs, rows, new_logprobs, epoch, step)
+                    terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
+                                                         args.corrections, args.corrections.is_level == "sequence")
+                    loss, clipfrac, ratio = policy_loss(
+                        new_logprobs, terms.anchor, advantages[rows], mask[rows], args, step_tokens,
+                        ref_logprobs[rows] if args.beta else None, entropy, terms.token_weights, terms.clip)
+                    stats["off_policy"].append(terms.diagnostics)
+                    policy.backward(loss)
+                    policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
+                    stats["loss"].append(loss.item())
+                    stats["clipfrac"].append(clipfrac)
+                    stats["entropy"].append(common.masked_mean(entropy.detach(), mask[rows]))
+                    stats["ratio"].append(ratio.detach().expand_as(mask[rows])[mask[rows].bool()])
+        t3 = time.time()
+
+        # Weight sync: the new weights to the engine, in memory, announced by version number.
+        generator.publish_weights(policy, update)
+        t4 = time.time()
+
+        # Log: averages over every micro-batch of every epoch; rollout statistics over the batch.
+        ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
+        stats = {name: sum(values) / len(values) for name, values in stats.items()}
+        # the generator has drawn ahead; the rows drawn up to this batch
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, batch["data_position"]
+        rollout_stats = common.rollout_metrics(rollout, logprobs, None, scores)
+        if args.beta:
+            rollout_stats["objective/kl"] = common.masked_sum(logprobs - ref_logprobs, rollout.mask).mean().item()
+        metrics = common.all_reduce_mean({
+            "loss/policy_avg": stats["loss"],
+            "policy/clipfrac_avg": stats["clipfrac"],
+            "policy/entropy_avg": stats["entropy"],
+            "val/ratio": ratios.mean().item(),
+            "val/ratio_var": ratios.var().item(),
+            **off_policy,
+            # groups whose k rewards are all equal: their advantages are 0, they teach nothing
+            "objective/zero_std_groups": (scores.view(-1, k).std(dim=1) == 0).float().mean().item(),
+            **rollout_stats,
+            **environments.episode_metrics(rollout, "rollout"),
+            "time/wait": t1 - t0,
+            "time/score": t2 - t1,
+            "time/train": t3 - t2,
+            "time/weight_send": t4 - t3,  # the trainer waits for it
+            "time/weight_sync": t4 - t3 + batch["metrics"]["time/weight_load"],
+            # its engine's, averaged over the engines: time/generate (the episodes: sampling and the environment's
+            # steps), time/weight_load (before the batch), and on checked batches async/logprob_diff and its cost
+            **batch["metrics"],
+        })
+        metrics.update({
+            # updates between the sampling weights and the trained ones
+            "async/staleness": vllm_generator.staleness(update, batch["version"]),
+            "lr": policy.get_lr()[0], "episode": state.episode,
+            "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        logger.log(update, metrics)
+        if args.run.eval_every and (update % args.run.eval_every == 0 or update == num_updates):
+            logger.log_evaluation(update, state.episode, evaluate(policy, task, args, update))
+        # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
+        preempted = common.preemption_requested()
+        if args.run.save_every and update % args.run.save_every == 0:
+            outputs.save_snapshot(args.run, policy, task.tokenizer, state)
+        if preempted or (args.run.save_every and update % args.run.save_every == 0):
+            # the batches already played for the next K updates, with weights this checkpoint no longer has, are
+            # saved with it: a resumed run trains on exactly the same episodes
+            state.pending_batches, _ = generator.checkpoint_state(update)
+            outputs.save_checkpoint(args.run.output_dir, policy, state)
+        if preempted:
+            common.exit_preempted(update, logger)
+
+    outputs.save_policy(args.run.output_dir, policy, task.tokenizer, state, merged=args.lora.save_merged)
+    generator.stop()
+    logger.close()
+
+
+if __name__ == "__main__":
+    main(cli.parse(Args))
