@@ -32,7 +32,8 @@ if __name__ == "__main__":
         batch = batch_for(generator, update)
         if leader:
             kept["batches"][update] = {name: batch[name] for name in ("queries", "responses", "logprobs", "version",
-                                                                      "token_versions") if name in batch}
+                                                                      "token_versions", "lengths", "action_mask")
+                                       if name in batch}  # the last two: grpo_multiturn_vllm.py's episodes
             with open(os.path.join(args.run.output_dir, "trained_prompts.jsonl"), "a") as file:
                 file.write(json.dumps({"update": update, "prompt_indices": list(batch["prompt_indices"])}) + "\n")
         return batch

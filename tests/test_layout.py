@@ -48,7 +48,7 @@ def test_the_readmes_map_of_imports_is_the_code():
         assert set(re.findall(r"`(\w+)`", imports)) == kit_imports(module), module
         assert kit_imports(module) <= set(listed[:position]), module
     scripts = {"online_dpo", "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm",
-               "grpo_multiturn", "sft", "reward_model", "eval_checkpoints"}
+               "grpo_multiturn", "grpo_multiturn_vllm", "sft", "reward_model", "eval_checkpoints"}
     assert {module for module, _ in rows} == set(KIT_MODULES) - scripts
 
 
@@ -61,7 +61,7 @@ def modules_after_import(*names: str) -> set[str]:
 
 
 def test_the_synchronous_scripts_import_no_vllm_code():
-    loaded = modules_after_import("online_dpo", "ppo", "rloo", "bok", "grpo", "sft", "reward_model",
+    loaded = modules_after_import("online_dpo", "ppo", "rloo", "bok", "grpo", "grpo_multiturn", "sft", "reward_model",
                                   "eval_checkpoints")
     assert {"common", "data"} <= loaded
     vllm_modules = {"async_generator", "vllm_generator", "vllm_placement", "weight_transport", "inflight"}
