@@ -15,7 +15,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_math.py", "test_two_ranks.py", "test_grpo_vllm.py",
                  "test_rloo_vllm.py", "test_inflight.py", "test_ppo_vllm.py", "test_bench.py", "test_pipeline.py",
                  "test_own_inputs_vllm.py", "test_reliability.py", "test_online_dpo.py", "test_rloo_bok.py",
-                 "test_ppo.py", "test_multiturn_vllm.py", "test_multiturn.py", "test_lora.py", "test_grpo.py", "test_own_inputs.py"]
+                 "test_ppo.py", "test_multiturn_vllm.py", "test_multiturn.py", "test_lora.py", "test_grpo.py",
+                 "test_own_inputs.py"]
 
 
 def pytest_sessionstart(session):

@@ -1,6 +1,7 @@
 """Environments of the multi-turn tests: a researcher's own (a file of their own, for a chat model), one that
 records its initial states, and each way an environment can break the contract."""
 
+import threading
 import time
 
 import toy
@@ -97,3 +98,19 @@ class NeedsArguments(toy.GuessTheNumber):
 class NoStep:
     def reset(self, row, seed):
         return "hello"
+
+
+class CountsConcurrentSteps(toy.GuessTheNumber):
+    """Guess-the-number whose steps take 0.2 s each, counting how many run at once (the most, in `most`)."""
+
+    running = most = 0
+    lock = threading.Lock()
+
+    def step(self, action):
+        with CountsConcurrentSteps.lock:
+            CountsConcurrentSteps.running += 1
+            CountsConcurrentSteps.most = max(CountsConcurrentSteps.most, CountsConcurrentSteps.running)
+        time.sleep(0.2)
+        with CountsConcurrentSteps.lock:
+            CountsConcurrentSteps.running -= 1
+        return super().step(action)

@@ -157,6 +157,17 @@ def test_a_group_is_k_episodes_from_one_initial_state(guess_task, one_rank_group
     assert resets == replayed and torch.equal(episodes.responses, replayed_episodes.responses)
 
 
+def test_the_steps_of_different_episodes_run_at_once(guess_task, one_rank_group):
+    """A slow environment (0.2 s a step) does not make a turn of 16 episodes take 16 steps' time: every episode still
+    playing steps at once."""
+    import envs
+
+    task, policy = guess_task
+    envs.CountsConcurrentSteps.most = 0
+    episodes, _ = played(dataclasses.replace(task, env_class=envs.CountsConcurrentSteps), policy, 4, 4, one_rank_group)
+    assert envs.CountsConcurrentSteps.most == 16  # the first turn: none has ended yet
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ("RaisesInReset", "episode 0 (seed {seed}): reset raised ValueError: no such level"),
     ("RaisesInStep", "episode 0 (seed {seed}): step raised RuntimeError: the tool crashed"),
