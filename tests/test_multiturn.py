@@ -15,6 +15,7 @@ from own_inputs import byte_level_bpe_tokenizer
 from scripts import (
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
+    assert_two_ranks_train_as_one,
     read_metrics,
     run_script,
     uninterrupted_and_resumed_runs,
@@ -238,6 +239,20 @@ def test_resume_is_exact_through_kills_mid_episode(tmp_path):
         ("SIGKILL during update 1, before any checkpoint", "SIGKILL while checkpoint 4 is being written"))
     assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "rollout/return_mean", "rollout/turns_mean"],
                                     after_update=2)
+
+
+def test_two_ranks_train_as_one(tmp_path):
+    """Two ranks of 16 rows each (the batch's reward statistics over both: --scale_rewards batch) against one rank
+    of 32 in two micro-batch rounds: the same episodes (reset and sampling seeds by the row's place in the global
+    batch), the same losses, the same weights."""
+    args = ["--total_episodes", "128", "--eval_every", "0", "--scale_rewards", "batch"]
+    script = "grpo_multiturn.py"
+    run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script=script,
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
+               env={"OMP_NUM_THREADS": "1"})
+    run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script=script,
+               env={"OMP_NUM_THREADS": "1"})
+    assert_two_ranks_train_as_one(tmp_path / "two", tmp_path / "one")
 
 
 def test_a_hanging_environment_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):

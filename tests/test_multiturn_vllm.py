@@ -9,6 +9,7 @@ import torch
 from scripts import (
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
+    assert_two_ranks_train_as_one,
     read_metrics,
     run_script,
     uninterrupted_and_resumed_runs,
@@ -101,3 +102,15 @@ def test_lora_and_an_off_policy_correction_at_k2(tmp_path):
     assert all(m["async/is_ratio_mean"] > 0 and m["async/ess"] <= 1 for m in train)
     assert any(m["async/mismatch_kl"] > 0 for m in train[2:])  # stale tokens: the trainer's weights moved on
     assert_trained_policy_saved(tmp_path / "run", toy.GUESS_POLICY)
+
+
+def test_two_ranks_and_one_engine_train_as_one_rank(tmp_path):
+    """Two ranks of 16 rows each taking their shares of the engine's batches (K=2), against one rank of 32: the same
+    episodes (seeded by their rows in the global batch), losses and weights."""
+    args = ["--total_episodes", "128", "--eval_every", "0", "--scale_rewards", "batch", "--async_steps", "2"]
+    run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script=SCRIPT,
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
+               env={"OMP_NUM_THREADS": "1"})
+    run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script=SCRIPT,
+               env={"OMP_NUM_THREADS": "1"})
+    assert_two_ranks_train_as_one(tmp_path / "two", tmp_path / "one")
