@@ -1,6 +1,7 @@
 """Environments of the multi-turn tests: a researcher's own (a file of their own, for a chat model), one that
 records its initial states, and each way an environment can break the contract."""
 
+import random
 import threading
 import time
 
@@ -114,3 +115,10 @@ class CountsConcurrentSteps(toy.GuessTheNumber):
         with CountsConcurrentSteps.lock:
             CountsConcurrentSteps.running -= 1
         return super().step(action)
+
+
+class SecretFromSeed(toy.GuessTheNumber):
+    """Guess-the-number whose secret comes from the reset seed, not the row: episodes differ where seeds do."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        return super().reset({"secret": random.Random(seed).randint(1, toy.GUESS_RANGE)}, seed)

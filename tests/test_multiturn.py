@@ -244,8 +244,9 @@ def test_resume_is_exact_through_kills_mid_episode(tmp_path):
 def test_two_ranks_train_as_one(tmp_path):
     """Two ranks of 16 rows each (the batch's reward statistics over both: --scale_rewards batch) against one rank
     of 32 in two micro-batch rounds: the same episodes (reset and sampling seeds by the row's place in the global
-    batch), the same losses, the same weights."""
-    args = ["--total_episodes", "128", "--eval_every", "0", "--scale_rewards", "batch"]
+    batch; the environment's secret comes from its reset seed), the same losses, the same weights."""
+    args = ["--total_episodes", "128", "--eval_every", "0", "--scale_rewards", "batch", "--env",
+            "tests/envs.py:SecretFromSeed"]
     script = "grpo_multiturn.py"
     run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script=script,
                launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),

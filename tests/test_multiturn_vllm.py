@@ -107,7 +107,8 @@ def test_lora_and_an_off_policy_correction_at_k2(tmp_path):
 def test_two_ranks_and_one_engine_train_as_one_rank(tmp_path):
     """Two ranks of 16 rows each taking their shares of the engine's batches (K=2), against one rank of 32: the same
     episodes (seeded by their rows in the global batch), losses and weights."""
-    args = ["--total_episodes", "128", "--eval_every", "0", "--scale_rewards", "batch", "--async_steps", "2"]
+    args = ["--total_episodes", "128", "--eval_every", "0", "--scale_rewards", "batch", "--async_steps", "2",
+            "--env", "tests/envs.py:SecretFromSeed"]
     run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script=SCRIPT,
                launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
                env={"OMP_NUM_THREADS": "1"})
