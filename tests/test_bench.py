@@ -2,6 +2,7 @@
 the number its run logged."""
 
 import json
+import statistics
 import time
 
 import pytest
@@ -71,6 +72,21 @@ def test_math_sync_vs_async_quick(tmp_path):
         assert evals[0] < 0.5 and evals[-1] >= 0.8, (run, evals)  # both scripts learn: measured 0.41 -> 1.0
     assert_plot(tmp_path / "accuracy_vs_time.png", 600, 450)  # one algorithm's panel
     assert "online_dpo async vs sync: total time" in result.stdout
+
+
+def test_multiturn_sync_vs_async_quick(tmp_path):
+    """Both multi-turn scripts on the slow guess-the-number, 10 updates: each row is its runs' numbers."""
+    result = run_script("--quick", "--output_dir", tmp_path, script="bench/multiturn_sync_vs_async.py")
+    table = json.loads((tmp_path / "results.json").read_text())["table"]
+    assert sorted(table) == ["async", "sync"]
+    for arm, row in table.items():
+        metrics = read_metrics(tmp_path / f"{arm}-seed1")
+        evals = [m["eval/return_mean"] for m in metrics if "eval/return_mean" in m]
+        assert row["final_returns"] == [evals[-1]] and len(evals) == 2, (arm, row)
+        updates = [m for m in metrics if "loss/policy_avg" in m]
+        assert len(updates) == 10 and row["phases"]["time/train"] == statistics.median(
+            m["time/train"] for m in updates), (arm, row)
+    assert "async vs sync, total minutes" in result.stdout
 
 
 def test_off_policy_corrections_quick(tmp_path):
