@@ -51,6 +51,9 @@ class EnvArgs(common.FlagGroup):
         common.check_signs(self, ("max_turns", "max_episode_tokens", "env_timeout"))
 
 
+RESUME_MAY_CHANGE = ("env_timeout",)  # what a resumed run may change besides outputs.RESUME_MAY_CHANGE
+
+
 def load_env_class(spec: str):
     """The class --env names, `path/to/file.py:Class`, `module:Class` or `toy:NAME`; one built here with no
     arguments must have reset and step (one line otherwise, before the run writes anything)."""

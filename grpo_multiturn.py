@@ -269,7 +269,7 @@ def main(args: Args):
                                       evaluate=args.run.eval_every > 0)
     sampler = data.PromptSampler(len(task.train_rows), local_batch_size, rank, world_size, args.run.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        outputs.prepare_output_dir(args.run, cli.flag_values(args))
+        outputs.prepare_output_dir(args.run, cli.flag_values(args), environments.RESUME_MAY_CHANGE)
     torch.distributed.barrier()
 
     from transformers import get_scheduler

@@ -329,7 +329,8 @@ def main(args: Args):
     # the engine plays whole global batches; each rank trains on its share of one
     sampler = data.PromptSampler(len(task.train_rows), batch_size, 0, 1, args.run.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
-        outputs.prepare_output_dir(args.run, cli.flag_values(args), vllm_generator.RESUME_MAY_CHANGE)
+        outputs.prepare_output_dir(args.run, cli.flag_values(args),
+                                   (*vllm_generator.RESUME_MAY_CHANGE, *environments.RESUME_MAY_CHANGE))
     torch.distributed.barrier()
 
     from transformers import get_scheduler
