@@ -15,9 +15,10 @@ Elsewhere (README, "Map of the code"): outputs.py is what a run writes (its dire
 checkpoints and resume, the trained policy, metrics.jsonl, wandb, curves.png); cli.py parses the command line
 (flags, --config files, the presets in configs/); data.py loads models, rewards and prompts; lora.py puts a
 LoRA adapter on the policy; evaluation.py is the paper's evaluation; corrections.py the off-policy
-corrections; the asynchronous scripts' vLLM engine is async_generator.py (the trainer's side),
-vllm_generator.py (the generator process), vllm_placement.py, weight_transport.py and inflight.py (the
-synchronous scripts import none of them); math_reward.py is the GSM8k reward.
+corrections; environments.py the multi-turn scripts' environments; the asynchronous scripts' vLLM engine is
+async_generator.py (the trainer's side), vllm_generator.py (the generator process), vllm_placement.py,
+weight_transport.py and inflight.py (the synchronous scripts import none of them); math_reward.py is the GSM8k
+reward.
 """
 
 import atexit

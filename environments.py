@@ -1,5 +1,5 @@
-"""Multi-turn environments (grpo_multiturn.py): the contract, --env's loading, an episode's tokens, and the calls
-into an environment.
+"""Multi-turn environments (grpo_multiturn.py, grpo_multiturn_vllm.py): the contract, --env's loading, an
+episode's tokens, and the calls into an environment.
 
 The contract (README, "Multi-turn environments"): a class built with no arguments, one object per episode,
 

@@ -11,6 +11,9 @@ Hugging Face formats; the training scripts load it with `from_pretrained` / `loa
 Usage: `python toy.py` builds (if needed) and prints the summary; `python toy.py large` does the same for
 a 7.7x larger SFT policy of the same world (LARGE_SFT_POLICY; same dataset and reward model), built on
 demand, for questions about scale.
+
+Beside it, built on first use each: the arithmetic task (build_math) and the guess-the-number environment of the
+multi-turn scripts (build_guess; GuessTheNumber, the environment contract's example).
 """
 
 import fcntl
