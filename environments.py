@@ -16,6 +16,7 @@ naming it, the episode and what was wrong.
 
 import math
 import os
+import queue
 import random
 import threading
 import time
@@ -283,6 +284,48 @@ def step_episodes(episodes: list[Episode], actions: list[str], timeout: float) -
     replies = call_concurrently([lambda e=e, a=a: e.env.step(a) for e, a in zip(episodes, actions)], timeout,
                                 lambda i: f"{episodes[i].where}: step")
     return [check_step(reply, f"{episode.where}: step") for episode, reply in zip(episodes, replies)]
+
+
+class StepsInFlight:
+    """Environment steps running in daemon threads of their own, each under --env_timeout, collected as they
+    finish: an episode's next turn need not wait for the other episodes' steps (grpo_multiturn_vllm.py's engine)."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self.running, self.done = timeout, {}, queue.SimpleQueue()
+
+    def start(self, i: int, episode: "Episode", action: str):
+        """Step episode `i`'s environment on `action` (text)."""
+
+        def run():
+            try:
+                self.done.put((i, episode.env.step(action), None))
+            except BaseException as error:  # the environment's code: every error is reported
+                self.done.put((i, None, error))
+
+        self.running[i] = (episode, time.monotonic() + self.timeout)
+        threading.Thread(target=run, daemon=True).start()
+
+    def finished(self, wait: float) -> list[tuple[int, tuple[str | None, float, bool]]]:
+        """The steps finished since the last call, as (i, checked reply), waiting up to `wait` seconds for a first
+        one; a step that raised or is past its timeout stops the run (one line naming its episode)."""
+        replies = []
+        try:
+            replies.append(self.done.get(timeout=wait) if wait > 0 else self.done.get_nowait())
+            while True:
+                replies.append(self.done.get_nowait())
+        except queue.Empty:
+            pass
+        checked = []
+        for i, reply, error in replies:
+            episode, _ = self.running.pop(i)
+            if error is not None:
+                common.fail(f"{episode.where}: step raised {type(error).__name__}: {error}")
+            checked.append((i, check_step(reply, f"{episode.where}: step")))
+        now = time.monotonic()
+        for episode, deadline in self.running.values():
+            if now > deadline:
+                common.fail(f"{episode.where}: step did not return within --env_timeout {self.timeout:g} s")
+        return checked
 
 
 def reset_seed(seed: int, position: int, index: int) -> int:

@@ -80,6 +80,11 @@ class Args:
     """per-token KL estimator of --beta, r = ref_logp - logp: k1 -r, k2 r^2 / 2, k3 exp(r) - r - 1"""
     entropy_coef: float = 0.0
     """weight of an entropy bonus: the loss minus entropy_coef times the policy's mean token entropy"""
+    continuous_episodes: bool = False
+    """the engine takes each episode's next turn as soon as its environment's step returns, instead of every
+    episode's turn waiting for the turn's slowest step (play_continuously): shorter batches with slow or uneven
+    environments, but the engine's batching then depends on the steps' timing, so a resumed run is no longer bit for
+    bit the uninterrupted one (the staleness stays exactly K)"""
 
     # the flags every RL script shares, by kind (flat names on the command line: --learning_rate)
     env: EnvArgs = cli.group(EnvArgs())
@@ -167,19 +172,55 @@ def play_episodes(episodes: list[environments.Episode], sample_turn, task: envir
     return episodes
 
 
+def play_continuously(llm, episodes: list[environments.Episode], task: environments.EnvTask, env: environments.EnvArgs,
+                      generation, eos_ids: list[int], turn_seed) -> list[environments.Episode]:
+    """`episodes` played to their end in the engine, each at its own pace (--continuous_episodes): an episode's next
+    turn goes into the engine as soon as its environment's step returns, and its step starts as soon as its turn is
+    sampled, while the engine samples the other episodes' turns. turn_seed(i, turn): the seed of episode i's turn."""
+    from vllm.inputs import TokensPrompt
+
+    engine, steps, actions = llm.llm_engine, environments.StepsInFlight(env.env_timeout), {}
+
+    def next_turn(i: int):
+        episode = episodes[i]
+        params = vllm_generator.sampling_params(generation, eos_ids, turn_seed(i, episode.turns),
+                                                episode.budget(generation.response_length, env.max_episode_tokens))
+        engine.add_request(f"{i}/{episode.turns}", TokensPrompt(prompt_token_ids=episode.prompt_ids + episode.ids),
+                           params)
+
+    for i in range(len(episodes)):
+        next_turn(i)
+    while engine.has_unfinished_requests() or steps.running:
+        for output in engine.step() if engine.has_unfinished_requests() else []:
+            if output.finished:  # a turn sampled: its environment steps on it, in a thread of its own
+                i, completion = int(output.request_id.split("/")[0]), output.outputs[0]
+                ids = list(completion.token_ids)
+                actions[i] = (ids, bool(ids) and ids[-1] in eos_ids, list(completion.logprobs.logprobs))
+                steps.start(i, episodes[i], environments.action_text(task, ids))
+        for i, reply in steps.finished(wait=0.0 if engine.has_unfinished_requests() else 0.005):
+            ids, stopped, logprobs = actions.pop(i)  # token in, token out, as in play_episodes
+            episodes[i].add_turn(ids, stopped, reply, task, env.max_turns, env.max_episode_tokens, logprobs)
+            if not episodes[i].ended:
+                next_turn(i)
+    return episodes
+
+
 @dataclasses.dataclass
 class EpisodeJob:
     """What the generator process needs to play episodes (vllm_generator.GeneratorJob.episodes): the task without
-    its environment class, which sample_episodes loads again from --env there, and the environment's flags."""
+    its environment class, which sample_episodes loads again from --env there, the environment's flags, and
+    --continuous_episodes."""
 
     task: environments.EnvTask
     env: environments.EnvArgs
+    continuous: bool
 
 
 def sample_episodes(llm, sampling_policy, indices: list[int], update: int, job) -> dict:
     """In the generator process (vllm_generator.generate_ahead calls it once the weights that sampling_version(update)
     names are loaded): k episodes of each of this engine's rows `indices` of the global batch, from the rows' reset
-    seeds, played in the engine, every episode's turn seeded by (seed, update, its row in the global batch, turn).
+    seeds, played in the engine turn by turn (play_episodes; with --continuous_episodes, each at its own pace:
+    play_continuously), every episode's turn seeded by (seed, update, its row in the global batch, turn).
     Returns the batch as Episodes.as_arrays makes it, with its "prompt_indices" and "metrics": time/generate, and on
     checked batches (vllm_generator.logprob_checked) async/logprob_diff over the policy's tokens of the first
     --logprob_check_rows episodes, against `sampling_policy`, an HF model that holds the engine's weights."""
@@ -190,19 +231,25 @@ def sample_episodes(llm, sampling_policy, indices: list[int], update: int, job) 
     t0 = time.time()
     episodes = environments.start_episodes(task, task.train_rows[indices], seeds, k, env, first_prompt * k)
 
+    def turn_seed(i: int, turn: int) -> int:
+        return random.Random(f"{job.seed}/{update}/{first_prompt * k + i}/{turn}").getrandbits(63)
+
     def engine_turn(episodes: list[environments.Episode], turn: int) -> list:
         playing = [i for i, episode in enumerate(episodes) if not episode.ended]
-        turn_seeds = [random.Random(f"{job.seed}/{update}/{first_prompt * k + i}/{turn}").getrandbits(63)
-                      for i in playing]
         sampled = vllm_generator.vllm_sample(
-            llm, [episodes[i].prompt_ids + episodes[i].ids for i in playing], turn_seeds, generation, job.eos_ids,
-            [episodes[i].budget(generation.response_length, env.max_episode_tokens) for i in playing])
+            llm, [episodes[i].prompt_ids + episodes[i].ids for i in playing], [turn_seed(i, turn) for i in playing],
+            generation, job.eos_ids, [episodes[i].budget(generation.response_length, env.max_episode_tokens)
+                                      for i in playing])
         actions = [None] * len(episodes)
         for i, (ids, logprobs) in zip(playing, sampled):
             actions[i] = (ids, bool(ids) and ids[-1] in job.eos_ids, logprobs)
         return actions
 
-    batch = environments.collate(play_episodes(episodes, engine_turn, task, env), job.pad_token_id, "cpu")
+    if job.episodes.continuous:
+        episodes = play_continuously(llm, episodes, task, env, generation, job.eos_ids, turn_seed)
+    else:
+        episodes = play_episodes(episodes, engine_turn, task, env)
+    batch = environments.collate(episodes, job.pad_token_id, "cpu")
     t1 = time.time()
     metrics = {"time/generate": t1 - t0}
     if vllm_generator.logprob_checked(update, job.asynchronous):
@@ -355,7 +402,8 @@ def main(args: Args):
     # The generator process beside rank 0 holds the engine and plays each batch's episodes there (sample_episodes);
     # it starts while the trainer evaluates. A resumed run first trains on the batches its checkpoint had played
     # ahead (with older weights), and plays from the checkpoint's weights after them.
-    episode_job = EpisodeJob(dataclasses.replace(task, env_class=None, eval_rows=None), args.env)  # what crosses
+    episode_job = EpisodeJob(dataclasses.replace(task, env_class=None, eval_rows=None), args.env,  # what crosses
+                             args.continuous_episodes)
     generator = async_generator.AsyncGenerator(
         args.asynchronous, args.vllm, args.generation, args.data, args.run, args.distributed.bf16, task, sampler, state,
         num_updates, args.num_samples, functools.partial(vllm_generator.generate_ahead, sample=sample_episodes),

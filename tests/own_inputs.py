@@ -76,6 +76,13 @@ def save_policy(folder, config, tokenizer):
     tokenizer.save_pretrained(folder)
 
 
+def chat_policy_and_prompts(folder) -> tuple[str, str]:
+    """Only the Qwen2 policy (byte-level BPE, a chat template) and the prompt-only .jsonl: their paths."""
+    config, tokenizer = policies()["qwen2"]
+    save_policy(folder / "qwen2", config, tokenizer)
+    return str(folder / "qwen2"), write_jsonl(folder / "prompts.jsonl", [{"prompt": q} for q, _ in questions()])
+
+
 def long_prompt_task(folder) -> tuple[str, list]:
     """A small Llama policy of 512 positions and a .jsonl of prompts of three KV blocks (a CPU block is 128
     tokens) that share a 260-token preamble: four questions ("answer" column), each three times (12 rows, the

@@ -86,7 +86,7 @@ def test_multiturn_sync_vs_async_quick(tmp_path):
         updates = [m for m in metrics if "loss/policy_avg" in m]
         assert len(updates) == 10 and row["phases"]["time/train"] == statistics.median(
             m["time/train"] for m in updates), (arm, row)
-    assert "async vs sync, total minutes" in result.stdout
+    assert "async vs sync, total minutes" in result.stdout and "async vs sync, training minutes total" in result.stdout
 
 
 def test_off_policy_corrections_quick(tmp_path):

@@ -272,14 +272,11 @@ def test_a_hanging_environment_stops_the_run_and_keeps_the_last_checkpoint(tmp_p
 def test_a_researchers_environment_trains_a_chat_model(tmp_path):
     """tests/envs.py:SaysAnswer on a byte-level BPE Qwen2 model with its chat template and a prompt-only .jsonl: the
     episodes are two turns of chat messages, the run trains and saves the policy."""
-    import own_inputs
+    from own_inputs import chat_policy_and_prompts
 
-    config, tokenizer = own_inputs.policies()["qwen2"]
-    paths = {"qwen2": str(tmp_path / "qwen2"), "prompts_jsonl": own_inputs.write_jsonl(
-        tmp_path / "prompts.jsonl", [{"prompt": question} for question, _ in own_inputs.questions()])}
-    own_inputs.save_policy(paths["qwen2"], config, tokenizer)
-    run_script("--env", "tests/envs.py:SaysAnswer", "--model_name_or_path", paths["qwen2"], "--chat_template",
-               "--dataset_name", paths["prompts_jsonl"], "--response_length", "6", "--max_episode_tokens", "100",
+    policy, prompts = chat_policy_and_prompts(tmp_path)
+    run_script("--env", "tests/envs.py:SaysAnswer", "--model_name_or_path", policy, "--chat_template",
+               "--dataset_name", prompts, "--response_length", "6", "--max_episode_tokens", "100",
                "--max_turns", "3", "--total_episodes", "64", "--per_device_train_batch_size", "4",
                "--gradient_accumulation_steps", "2", "--eval_every", "4", "--eval_num_prompts", "8",
                "--output_dir", tmp_path / "run", script="grpo_multiturn.py")
@@ -289,7 +286,7 @@ def test_a_researchers_environment_trains_a_chat_model(tmp_path):
     assert all(0 < m["rollout/env_tokens_frac"] < 1 and 0 < m["rollout/return_mean"] < 2 for m in train)
     with open(tmp_path / "run" / "args.json") as f:
         assert json.load(f)["args"]["env"] == "tests/envs.py:SaysAnswer"
-    assert_trained_policy_saved(tmp_path / "run", paths["qwen2"])
+    assert_trained_policy_saved(tmp_path / "run", policy)
 
 
 def test_the_readmes_example_environment_keeps_the_contract(tmp_path, guess_task, one_rank_group):

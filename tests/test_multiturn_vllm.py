@@ -115,3 +115,33 @@ def test_two_ranks_and_one_engine_train_as_one_rank(tmp_path):
     run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script=SCRIPT,
                env={"OMP_NUM_THREADS": "1"})
     assert_two_ranks_train_as_one(tmp_path / "two", tmp_path / "one")
+
+
+def test_a_researchers_environment_trains_a_chat_model_in_the_engine(tmp_path):
+    """tests/envs.py:SaysAnswer on the byte-level BPE Qwen2 chat model in the engine: two turns of chat messages,
+    the chat template's tokens around each, the engine's log-probs of the policy's tokens the trainer's."""
+    from own_inputs import chat_policy_and_prompts
+
+    policy, prompts = chat_policy_and_prompts(tmp_path)
+    run_script("--env", "tests/envs.py:SaysAnswer", "--model_name_or_path", policy, "--chat_template",
+               "--dataset_name", prompts, "--response_length", "6", "--max_episode_tokens", "100", "--max_turns", "3",
+               "--total_episodes", "32", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+               "--eval_every", "0", "--logprob_check_every", "1", "--output_dir", tmp_path / "run", script=SCRIPT)
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert len(train) == 4 and all(m["rollout/turns_mean"] == 2 and 0 < m["rollout/env_tokens_frac"] < 1
+                                   for m in train)
+    assert max(m["async/logprob_diff"] for m in train) < 1e-5
+    assert_trained_policy_saved(tmp_path / "run", policy)
+
+
+def test_continuous_episodes_keep_k_exact_and_the_engines_log_probs(tmp_path):
+    """--continuous_episodes on the slow environment (steps of 25-75 ms): each episode goes at its own pace, and the
+    batch is still exactly K=1 stale with the engine's log-probs of the policy's tokens the trainer's; the episodes
+    are whole (between 1 and 4 turns, every turn's tokens in order)."""
+    run_script("--continuous_episodes", "--env", "toy:guess_number_slow", "--total_episodes", "128", "--eval_every",
+               "0", "--logprob_check_every", "1", "--output_dir", tmp_path / "run", script=SCRIPT)
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
+    assert max(m["async/logprob_diff"] for m in train) < 1e-6
+    assert all(1 <= m["rollout/turns_mean"] <= toy.GUESS_TURNS and 0 < m["rollout/env_tokens_frac"] < 0.5
+               and 0 < m["rollout/return_mean"] < 1 for m in train)
