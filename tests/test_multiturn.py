@@ -232,13 +232,15 @@ def test_the_default_run_learns_guess_the_number(tmp_path):
 
 def test_resume_is_exact_through_kills_mid_episode(tmp_path):
     """Killed while an update's episodes are played (before any checkpoint) and while checkpoint 4 is written:
-    the resumed run replays the same episodes and ends with the same weights, bit for bit."""
-    args = ["--total_episodes", "192", "--save_every", "2", "--eval_every", "0"]
+    the resumed run replays the same episodes and ends with the same weights, bit for bit. With a KL penalty to the
+    reference policy (its log-probs of the episodes too) and truncated episodes left out of the loss."""
+    args = ["--total_episodes", "192", "--save_every", "2", "--eval_every", "0", "--beta", "0.05",
+            "--mask_truncated_completions"]
     whole, resumed = uninterrupted_and_resumed_runs(
         tmp_path, "grpo_multiturn.py", args,
         ("SIGKILL during update 1, before any checkpoint", "SIGKILL while checkpoint 4 is being written"))
-    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "rollout/return_mean", "rollout/turns_mean"],
-                                    after_update=2)
+    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "rollout/return_mean", "rollout/turns_mean",
+                                                     "objective/kl"], after_update=2)
 
 
 def test_two_ranks_train_as_one(tmp_path):

@@ -92,9 +92,10 @@ def test_an_environment_failing_in_the_generator_process_stops_the_run_on_one_li
 
 def test_lora_and_an_off_policy_correction_at_k2(tmp_path):
     """A LoRA adapter (the engine gets the merged weights: async/logprob_diff at the fp32 level) and truncated
-    importance sampling at K=2, whose weights are taken over the policy's tokens."""
+    importance sampling at K=2, whose weights are taken over the policy's tokens, with GSPO's sequence ratio."""
     run_script("--use_peft", "--lora_r", "8", "--learning_rate", "1e-3", "--async_steps", "2",
-               "--off_policy_correction", "tis", "--total_episodes", "192", "--eval_every", "0",
+               "--off_policy_correction", "tis", "--importance_sampling_level", "sequence", "--total_episodes", "192",
+               "--eval_every", "0",
                "--logprob_check_every", "2", "--output_dir", tmp_path / "run", script=SCRIPT)
     train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
     assert [m["async/staleness"] for m in train] == [0, 1, 2, 2, 2, 2]
