@@ -85,6 +85,38 @@ def assert_sampled_by_the_weights_k_updates_old(out, async_steps: int):
             assert differences(batch, update - async_steps).max() > 1e-3, update
 
 
+def assert_off_policy_diagnostics_recomputed(out, sequence_level: bool):
+    """async/ess and async/is_ratio_max of each stale update of a --off_policy_correction tis run at K=1, recomputed
+    from the kept weights and batches: rho = pi_start / pi_sampling, pi_start the trainer's weights after update
+    t-1 (the start of update t), pi_sampling the engine's log-probs of the batch (those of the weights after t-2);
+    per token, or with `sequence_level` per completion. The weights' base and denominator swapped (1 / rho) or the
+    wrong weights would change both."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import toy
+
+    kept, logged = torch.load(out / "kept.pt"), {m["update"]: m for m in train_metrics(out)}
+    policy, tokenizer = (load.from_pretrained(toy.SFT_POLICY) for load in (AutoModelForCausalLM, AutoTokenizer))
+    pad = tokenizer.pad_token_id
+    assert len(kept["batches"]) >= 4
+    for update in range(2, len(kept["batches"]) + 1):
+        batch = kept["batches"][update]
+        policy.load_state_dict(kept["weights"][update - 1])
+        query_ids, query_mask = common.left_pad(batch["queries"], pad, "cpu")
+        responses, lengths, _ = common.truncate_after_eos(batch["responses"], [tokenizer.eos_token_id], pad)
+        with torch.no_grad():
+            start = common.response_logprobs(policy, query_ids, query_mask, responses, lengths, kept["temperature"],
+                                             kept["top_p"])  # (N, R)
+        mask = common.response_mask(lengths, responses.shape[1])
+        log_rho = (start - batch["logprobs"][:, :responses.shape[1]]) * mask
+        rho = torch.exp(log_rho.sum(dim=1)) if sequence_level else torch.exp(log_rho)[mask]
+        ess = (rho.sum() ** 2 / (len(rho) * (rho ** 2).sum())).item()
+        most = rho.max().item()
+        assert most > 1 + 1e-3, (update, most)  # stale: weights that are not all 1
+        assert abs(ess - logged[update]["async/ess"]) < 1e-6 and abs(most - logged[update]["async/is_ratio_max"]) < \
+            1e-5 * most, (update, ess, most, logged[update])
+
+
 def train_metrics(out) -> list[dict]:
     return [m for m in read_metrics(out) if "loss/policy_avg" in m]
 
