@@ -48,14 +48,18 @@ class HangsInStep(toy.GuessTheNumber):
 
 
 class HangsLater(toy.GuessTheNumber):
-    """Guess-the-number whose steps hang from the 1000th of the process on (in the third update of the default
-    run's 128 episodes of up to 4 turns: 420-470 steps an update)."""
+    """Guess-the-number whose episodes from the 17th reset of the process on hang at their first step: in the third
+    update of a run of 8 episodes an update, with no evaluation."""
 
-    steps = 0
+    resets = 0
+
+    def reset(self, row: dict, seed: int) -> str:
+        HangsLater.resets += 1
+        self.hangs = HangsLater.resets > 16
+        return super().reset(row, seed)
 
     def step(self, action):
-        HangsLater.steps += 1
-        if HangsLater.steps >= 1000:
+        if self.hangs:
             time.sleep(3600)
         return super().step(action)
 

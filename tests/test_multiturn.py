@@ -259,11 +259,11 @@ def test_two_ranks_train_as_one(tmp_path):
 
 
 def test_a_hanging_environment_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
-    """An environment that hangs in the third update: the run stops within --env_timeout with one line, and the
-    checkpoint of update 2 is whole (the run resumes from it)."""
+    """An environment that hangs in the third update (of 2 rows x 4 episodes): the run stops within --env_timeout
+    with one line, and the checkpoint of update 2 is whole (the run resumes from it)."""
     result = run_script("--env", "tests/envs.py:HangsLater", "--env_timeout", "3", "--save_every", "1",
-                        "--eval_every", "0", "--output_dir", tmp_path / "run", script="grpo_multiturn.py", check=False,
-                        timeout=300)
+                        "--eval_every", "0", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                        "--output_dir", tmp_path / "run", script="grpo_multiturn.py", check=False, timeout=300)
     last_line = (result.stdout + result.stderr).strip().splitlines()[-1]
     assert result.returncode == 1 and last_line.startswith("error: --env tests/envs.py:HangsLater, episode "), last_line
     assert last_line.endswith("step did not return within --env_timeout 3 s"), last_line
