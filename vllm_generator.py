@@ -1,5 +1,6 @@
 """The generator process of the asynchronous scripts (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py,
-grpo_vllm.py): the vLLM engine that samples their batches, K updates ahead of the trainer. Its flags
+grpo_vllm.py, and grpo_multiturn_vllm.py, whose episodes it plays with the script's own sample_episodes): the vLLM
+engine that samples their batches, K updates ahead of the trainer. Its flags
 (AsyncArgs), the staleness rule (sampling_version, staleness), what a generator process is given
 (GeneratorJob), and the process itself (generate_ahead: whole batches; inflight.generate_inflight takes new
 weights between two decode steps). The trainer's side of it is async_generator.AsyncGenerator; where it runs is
