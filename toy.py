@@ -597,7 +597,7 @@ class GuessTheNumber:
 
 
 class SlowGuessTheNumber(GuessTheNumber):
-    """GuessTheNumber whose steps take 50 ms on average, as a tool call would."""
+    """GuessTheNumber whose steps take 25-75 ms (50 on average), as a tool call would."""
 
     latency = 0.05
 
