@@ -14,6 +14,7 @@ re-tokenized. The environment's tokens are masked out of everything the policy i
 naming it, the episode and what was wrong.
 """
 
+import functools
 import math
 import os
 import queue
@@ -55,6 +56,7 @@ class EnvArgs(common.FlagGroup):
 RESUME_MAY_CHANGE = ("env_timeout",)  # what a resumed run may change besides outputs.RESUME_MAY_CHANGE
 
 
+@functools.cache  # once a process: the generator process's sample_episodes asks for it every batch
 def load_env_class(spec: str):
     """The class --env names, `path/to/file.py:Class`, `module:Class` or `toy:NAME`; one built here with no
     arguments must have reset and step (one line otherwise, before the run writes anything)."""
@@ -160,30 +162,65 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
 # ----------------------------------------------------------------------------------------------
 # Calls into the environment: concurrent, timed, checked
 # ----------------------------------------------------------------------------------------------
-def call_concurrently(calls: list, timeout: float, describe) -> list:
-    """Each of `calls` (no-argument functions) in a daemon thread of its own, all at once; their results in order.
-    One that raises, or runs past `timeout` seconds, stops the run: describe(i) names the i-th call. Daemon
-    threads: a call that hangs does not keep the process from exiting."""
-    results, errors = [None] * len(calls), {}
+class CallsInFlight:
+    """Calls into environments, each in a daemon thread of its own under --env_timeout (a call that hangs does not
+    keep the process from exiting), collected as they finish: call_concurrently's, and grpo_multiturn_vllm.py's
+    --continuous_episodes, whose episodes need not wait for each other's steps."""
 
-    def run(i: int):
+    def __init__(self, timeout: float):
+        self.timeout, self.running, self.done = timeout, {}, queue.SimpleQueue()
+
+    def start(self, i: int, call, where: str):
+        """`call` (no arguments) as call i; `where` names it in errors."""
+
+        def run():
+            try:
+                self.done.put((i, call(), None))
+            except BaseException as error:  # the environment's code: every error is reported
+                self.done.put((i, None, error))
+
+        self.running[i] = (where, time.monotonic() + self.timeout)
+        threading.Thread(target=run, daemon=True).start()
+
+    def finished(self, wait: float) -> list[tuple[int, object, BaseException | None]]:
+        """The calls finished since the last time, as (i, result, error), waiting up to `wait` seconds for a first
+        one; a call still running past its timeout stops the run (the first started of them)."""
+        done = []
         try:
-            results[i] = calls[i]()
-        except BaseException as error:  # the environment's code: every error is reported
-            errors[i] = error
+            done.append(self.done.get(timeout=wait) if wait > 0 else self.done.get_nowait())
+            while True:
+                done.append(self.done.get_nowait())
+        except queue.Empty:
+            pass
+        for i, _, _ in done:
+            del self.running[i]
+        now = time.monotonic()
+        for where, deadline in self.running.values():
+            if now > deadline:
+                common.fail(f"{where} did not return within --env_timeout {self.timeout:g} s")
+        return done
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.start()
-    for i, thread in enumerate(threads):
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            common.fail(f"{describe(i)} did not return within --env_timeout {timeout:g} s")
-    if errors:
-        i = min(errors)
-        common.fail(f"{describe(i)} raised {type(errors[i]).__name__}: {errors[i]}")
-    return results
+    def results(self, done: list, where: dict) -> dict:
+        """The results of `done` (finished's) by call, or the run stops on the error of the first call that raised."""
+        errors = sorted((i, error) for i, _, error in done if error is not None)
+        if errors:
+            i, error = errors[0]
+            common.fail(f"{where[i]} raised {type(error).__name__}: {error}")
+        return {i: result for i, result, _ in done}
+
+
+def call_concurrently(calls: list, timeout: float, describe) -> list:
+    """Each of `calls` (no-argument functions) in a thread of its own, all at once (CallsInFlight); their results in
+    order, once every one has returned. One that raises, or runs past `timeout` seconds, stops the run: describe(i)
+    names the i-th call."""
+    in_flight, done = CallsInFlight(timeout), []
+    where = {i: describe(i) for i in range(len(calls))}
+    for i, call in enumerate(calls):
+        in_flight.start(i, call, where[i])
+    while in_flight.running:
+        done += in_flight.finished(wait=0.05)
+    results = in_flight.results(done, where)
+    return [results[i] for i in range(len(calls))]
 
 
 def check_step(result, where: str) -> tuple[str | None, float, bool]:
@@ -284,48 +321,6 @@ def step_episodes(episodes: list[Episode], actions: list[str], timeout: float) -
     replies = call_concurrently([lambda e=e, a=a: e.env.step(a) for e, a in zip(episodes, actions)], timeout,
                                 lambda i: f"{episodes[i].where}: step")
     return [check_step(reply, f"{episode.where}: step") for episode, reply in zip(episodes, replies)]
-
-
-class StepsInFlight:
-    """Environment steps running in daemon threads of their own, each under --env_timeout, collected as they
-    finish: an episode's next turn need not wait for the other episodes' steps (grpo_multiturn_vllm.py's engine)."""
-
-    def __init__(self, timeout: float):
-        self.timeout, self.running, self.done = timeout, {}, queue.SimpleQueue()
-
-    def start(self, i: int, episode: "Episode", action: str):
-        """Step episode `i`'s environment on `action` (text)."""
-
-        def run():
-            try:
-                self.done.put((i, episode.env.step(action), None))
-            except BaseException as error:  # the environment's code: every error is reported
-                self.done.put((i, None, error))
-
-        self.running[i] = (episode, time.monotonic() + self.timeout)
-        threading.Thread(target=run, daemon=True).start()
-
-    def finished(self, wait: float) -> list[tuple[int, tuple[str | None, float, bool]]]:
-        """The steps finished since the last call, as (i, checked reply), waiting up to `wait` seconds for a first
-        one; a step that raised or is past its timeout stops the run (one line naming its episode)."""
-        replies = []
-        try:
-            replies.append(self.done.get(timeout=wait) if wait > 0 else self.done.get_nowait())
-            while True:
-                replies.append(self.done.get_nowait())
-        except queue.Empty:
-            pass
-        checked = []
-        for i, reply, error in replies:
-            episode, _ = self.running.pop(i)
-            if error is not None:
-                common.fail(f"{episode.where}: step raised {type(error).__name__}: {error}")
-            checked.append((i, check_step(reply, f"{episode.where}: step")))
-        now = time.monotonic()
-        for episode, deadline in self.running.values():
-            if now > deadline:
-                common.fail(f"{episode.where}: step did not return within --env_timeout {self.timeout:g} s")
-        return checked
 
 
 def reset_seed(seed: int, position: int, index: int) -> int:

@@ -179,7 +179,7 @@ def play_continuously(llm, episodes: list[environments.Episode], task: environme
     sampled, while the engine samples the other episodes' turns. turn_seed(i, turn): the seed of episode i's turn."""
     from vllm.inputs import TokensPrompt
 
-    engine, steps, actions = llm.llm_engine, environments.StepsInFlight(env.env_timeout), {}
+    engine, steps, actions = llm.llm_engine, environments.CallsInFlight(env.env_timeout), {}
 
     def next_turn(i: int):
         episode = episodes[i]
@@ -196,9 +196,12 @@ def play_continuously(llm, episodes: list[environments.Episode], task: environme
                 i, completion = int(output.request_id.split("/")[0]), output.outputs[0]
                 ids = list(completion.token_ids)
                 actions[i] = (ids, bool(ids) and ids[-1] in eos_ids, list(completion.logprobs.logprobs))
-                steps.start(i, episodes[i], environments.action_text(task, ids))
-        for i, reply in steps.finished(wait=0.0 if engine.has_unfinished_requests() else 0.005):
+                text, where = environments.action_text(task, ids), f"{episodes[i].where}: step"
+                steps.start(i, lambda env=episodes[i].env, text=text: env.step(text), where)
+        done = steps.finished(wait=0.0 if engine.has_unfinished_requests() else 0.005)
+        for i, reply in steps.results(done, {i: f"{episodes[i].where}: step" for i, _, _ in done}).items():
             ids, stopped, logprobs = actions.pop(i)  # token in, token out, as in play_episodes
+            reply = environments.check_step(reply, f"{episodes[i].where}: step")
             episodes[i].add_turn(ids, stopped, reply, task, env.max_turns, env.max_episode_tokens, logprobs)
             if not episodes[i].ended:
                 next_turn(i)
