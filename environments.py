@@ -323,9 +323,10 @@ def step_episodes(episodes: list[Episode], actions: list[str], timeout: float) -
     return [check_step(reply, f"{episode.where}: step") for episode, reply in zip(episodes, replies)]
 
 
-def reset_seed(seed: int, position: int, index: int) -> int:
-    """The reset seed of the `index`-th row of batch `position`: a group's k episodes share it, and it depends on
-    neither the ranks nor the chunking (a resumed run replays the same episodes)."""
+def reset_seed(seed: int, position: int | str, index: int) -> int:
+    """The reset seed of the `index`-th row of batch `position` (with --inflight_updates, of the `index`-th group
+    an engine admits, position "engine E"): a group's k episodes share it, and it depends on neither the ranks nor
+    the chunking (a resumed run replays the same episodes)."""
     return random.Random(f"{seed}/reset/{position}/{index}").getrandbits(31)
 
 
@@ -414,6 +415,19 @@ def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
                     contains_eos=number([not e.missed_stop for e in episodes], torch.bool), action_mask=action_mask,
                     returns=number([e.episode_return for e in episodes]),
                     turns=number([e.turns for e in episodes]), truncated=number([e.truncated for e in episodes]))
+
+
+def engine_logprob_diff(sampling_policy, episodes: Episodes, rows: list[int] | slice,
+                        generation: common.GenerationArgs) -> float:
+    """The mean |engine log-prob - trainer log-prob| over the policy's tokens of episodes `rows`, the trainer's
+    recomputed with `sampling_policy`, which holds the weights that sampled them (async/logprob_diff)."""
+    device = sampling_policy.device
+    trainer_logprobs = common.response_logprobs(  # (rows, R)
+        sampling_policy, episodes.query_ids[rows].to(device), episodes.query_mask[rows].to(device),
+        episodes.responses[rows].to(device), episodes.lengths[rows].to(device), generation.temperature,
+        generation.top_p)
+    difference = (episodes.engine_logprobs[rows].to(device) - trainer_logprobs).abs()
+    return common.masked_mean(difference, episodes.action_mask[rows].to(device))
 
 
 def episode_metrics(episodes: Episodes, prefix: str) -> dict[str, float]:

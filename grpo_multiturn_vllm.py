@@ -5,10 +5,13 @@ part); ALGORITHMS.md has every formula, README "Multi-turn environments" the env
 Batch t is played with exactly the weights after update t-1-K (`--async_steps K`; 0 is synchronous): the
 generator process beside the engine runs `sample_episodes`, this script's episode loop, turn by turn in the
 engine. The ratios are taken against the engine's log-probs of the policy's tokens, which async/logprob_diff
-checks against the trainer's model under the same weights.
+checks against the trainer's model under the same weights. With --inflight_updates the engine instead keeps a
+batch's worth of episodes in flight and takes each new version between two decode steps (inflight.InflightEpisodes):
+an episode spans weight versions, and every policy token records its own.
 
     python grpo_multiturn_vllm.py                              # guess-the-number: trainer on a core, vLLM on the other
     python grpo_multiturn_vllm.py --env toy:guess_number_slow  # steps of 50 ms, as a tool call
+    python grpo_multiturn_vllm.py --inflight_updates           # episodes go on across weight loads
     deepspeed --num_gpus 3 grpo_multiturn_vllm.py --bf16 ...   # GPU node: 3 training GPUs, vLLM on cuda:3
 """
 
@@ -29,6 +32,7 @@ import corrections
 import data
 import environments
 import evaluation
+import inflight
 import lora
 import outputs
 import toy
@@ -107,9 +111,9 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
         common.fail(f"--num_samples must be at least 2: a group's advantages need another sample, "
                     f"got {args.num_samples}")
     async_generator.check_flags(args.asynchronous, args.vllm, world_size)
-    if args.asynchronous.inflight_updates:
-        common.fail("--inflight_updates is not supported by grpo_multiturn_vllm.py yet: the engine plays whole batches "
-                    "of episodes, K updates ahead")
+    if args.asynchronous.inflight_updates and args.continuous_episodes:
+        common.fail("--continuous_episodes applies to whole batches played K updates ahead; with --inflight_updates "
+                    "every episode already goes at its own pace: turn one off")
     if not 0 < args.epsilon < 1:
         common.fail(f"--epsilon must be in (0, 1): the ratio is clipped below at 1 - epsilon, "
                     f"got {args.epsilon}")
@@ -257,13 +261,8 @@ def sample_episodes(llm, sampling_policy, indices: list[int], update: int, job) 
     metrics = {"time/generate": t1 - t0}
     if vllm_generator.logprob_checked(update, job.asynchronous):
         rows = slice(0, job.asynchronous.logprob_check_rows)
-        device = sampling_policy.device
-        trainer_logprobs = common.response_logprobs(
-            sampling_policy, batch.query_ids[rows].to(device), batch.query_mask[rows].to(device),
-            batch.responses[rows].to(device), batch.lengths[rows].to(device), generation.temperature, generation.top_p)
-        difference = (batch.engine_logprobs[rows].to(device) - trainer_logprobs).abs()
-        metrics.update({"async/logprob_diff": common.masked_mean(difference, batch.action_mask[rows].to(device)),
-                        "time/logprob_check": time.time() - t1})
+        logprob_diff = environments.engine_logprob_diff(sampling_policy, batch, rows, generation)
+        metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
     return {"update": update, "prompt_indices": indices, **batch.as_arrays(), "metrics": metrics}
 
 
@@ -407,10 +406,14 @@ def main(args: Args):
     # ahead (with older weights), and plays from the checkpoint's weights after them.
     episode_job = EpisodeJob(dataclasses.replace(task, env_class=None, eval_rows=None), args.env,  # what crosses
                              args.continuous_episodes)
+    # With --inflight_updates the engine plays episodes in flight (inflight.InflightEpisodes): each turn sampled
+    # with the weights loaded then, a batch the next groups to end.
+    process = (functools.partial(inflight.generate_inflight, generation_class=inflight.InflightEpisodes)
+               if args.asynchronous.inflight_updates else
+               functools.partial(vllm_generator.generate_ahead, sample=sample_episodes))
     generator = async_generator.AsyncGenerator(
         args.asynchronous, args.vllm, args.generation, args.data, args.run, args.distributed.bf16, task, sampler, state,
-        num_updates, args.num_samples, functools.partial(vllm_generator.generate_ahead, sample=sample_episodes),
-        episodes=episode_job)
+        num_updates, args.num_samples, process, episodes=episode_job)
     if state.update == 0 and args.run.eval_every:
         logger.log_evaluation(0, 0, evaluate(policy, task, args, 0))
     generator.wait_for_engine()
@@ -516,6 +519,8 @@ def main(args: Args):
             "async/staleness": vllm_generator.staleness(update, batch["version"]),
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
+        if args.asynchronous.inflight_updates:  # each policy token's staleness
+            metrics |= inflight.inflight_metrics(batch, rollout.mask, update)
         logger.log(update, metrics)
         if args.run.eval_every and (update % args.run.eval_every == 0 or update == num_updates):
             logger.log_evaluation(update, state.episode, evaluate(policy, task, args, update))
@@ -525,8 +530,9 @@ def main(args: Args):
             outputs.save_snapshot(args.run, policy, task.tokenizer, state)
         if preempted or (args.run.save_every and update % args.run.save_every == 0):
             # the batches already played for the next K updates, with weights this checkpoint no longer has, are
-            # saved with it: a resumed run trains on exactly the same episodes
-            state.pending_batches, _ = generator.checkpoint_state(update)
+            # saved with it (with --inflight_updates, and the engine's episodes in flight): a resumed run trains on
+            # exactly the same episodes
+            state.pending_batches, state.engine_snapshot = generator.checkpoint_state(update)
             outputs.save_checkpoint(args.run.output_dir, policy, state)
         if preempted:
             common.exit_preempted(update, logger)

@@ -23,6 +23,7 @@ the trainer because of it, and the batch keeps its size.
 import collections
 import contextlib
 import copy
+import dataclasses
 import multiprocessing
 import queue
 import random
@@ -32,6 +33,7 @@ import numpy
 import torch
 
 import common
+import environments
 import vllm_generator
 import weight_transport
 from vllm_generator import GeneratorJob
@@ -71,12 +73,23 @@ class InflightGeneration:
             if not self.prompts:
                 self.prompts.extend(vllm_generator.engine_share(self.job.sampler.next_indices(), self.job.share))
             self.serial += 1
-            samples = [{"tokens": [], "logprobs": [], "versions": [], "done": False, "request": None}
-                       for _ in range(self.job.num_samples)]
-            self.groups[self.serial] = {"serial": self.serial, "prompt_index": self.prompts.popleft(),
-                                        "samples": samples}
+            group = {"serial": self.serial, "prompt_index": self.prompts.popleft()}
+            self.groups[self.serial] = group | {"samples": self.new_samples(group)}
             for sample in range(self.job.num_samples):
                 self.add_request(self.serial, sample)
+
+    def new_samples(self, group: dict) -> list[dict]:
+        """The k samples of a new group: the tokens of its request so far, their engine log-probs and versions,
+        whether it is done, and "request", the engine's id of its request while one runs."""
+        return [{"tokens": [], "logprobs": [], "versions": [], "done": False, "request": None}
+                for _ in range(self.job.num_samples)]
+
+    def context(self, group: dict, state: dict) -> tuple[list[int], int, int]:
+        """A sample's request: (the ids it continues, the tokens it sampled so far that seed its draws, the
+        tokens it may still sample)."""
+        done = len(state["tokens"])
+        return (self.job.prompts[group["prompt_index"]] + state["tokens"], done,
+                self.job.generation.response_length - done)
 
     def add_request(self, serial: int, sample: int):
         """Sample `sample` of group `serial` into the engine, from its tokens so far."""
@@ -84,14 +97,12 @@ class InflightGeneration:
 
         group = self.groups[serial]
         state = group["samples"][sample]
-        done = len(state["tokens"])
+        ids, done, max_tokens = self.context(group, state)
         self.requests_added += 1
         state["request"] = f"{serial}/{sample}/{self.requests_added}"
         seed = sample_seed(self.job.seed, self.job.share[0], serial, sample, done)
-        prompt = TokensPrompt(prompt_token_ids=self.job.prompts[group["prompt_index"]] + state["tokens"],
-                              cache_salt=f"version {self.loaded}")
-        params = vllm_generator.sampling_params(self.job.generation, self.job.eos_ids, seed,
-                                                self.job.generation.response_length - done, delta=True)
+        prompt = TokensPrompt(prompt_token_ids=ids, cache_salt=f"version {self.loaded}")
+        params = vllm_generator.sampling_params(self.job.generation, self.job.eos_ids, seed, max_tokens, delta=True)
         self.llm_engine.add_request(state["request"], prompt, params)
 
     def step(self):
@@ -106,9 +117,17 @@ class InflightGeneration:
             state["logprobs"] += completion.logprobs.logprobs if completion.token_ids else []
             state["versions"] += [self.loaded] * len(completion.token_ids)
             if output.finished:
-                state["done"] = True
-                if all(s["done"] for s in group["samples"]):
-                    self.finished.append(self.groups.pop(serial))
+                state["request"] = None
+                self.request_finished(group, sample)
+
+    def request_finished(self, group: dict, sample: int):
+        """Sample `sample`'s request is done: so is the sample, and the group once its k samples are."""
+        group["samples"][sample]["done"] = True
+        self.group_done(group)
+
+    def group_done(self, group: dict):
+        if all(s["done"] for s in group["samples"]):
+            self.finished.append(self.groups.pop(group["serial"]))
 
     def load(self, version: int):
         """Load the arrived `version` between two steps, the requests in flight keeping their KV."""
@@ -142,7 +161,7 @@ class InflightGeneration:
                 self.admit()
                 self.step()
             group = self.finished.popleft()
-            oldest = min(v for sample in group["samples"] for v in sample["versions"])
+            oldest = self.oldest_version(group)
             max_lag = self.asynchronous.max_lag
             if max_lag is not None and vllm_generator.staleness(update, oldest) > max_lag:
                 self.window["dropped"] += 1
@@ -151,6 +170,17 @@ class InflightGeneration:
         batch = self.batch(update)
         self.accepted, self.window = [], self.new_window()
         return batch
+
+    @staticmethod
+    def oldest_version(group: dict) -> int:
+        """The oldest version that sampled a token of the group."""
+        return min(v for sample in group["samples"] for v in sample["versions"])
+
+    def window_metrics(self) -> dict:
+        """The engine's time and drops since the last batch."""
+        return {"time/generate": time.time() - self.window["start"] - self.window["idle"],
+                "time/engine_idle": self.window["idle"], "time/weight_load": self.window["weight_load"],
+                "async/dropped_groups": self.window["dropped"]}
 
     def batch(self, update: int) -> dict:
         """The accepted groups as a batch of the kit's layout (rows: each group's k samples, adjacent), with
@@ -167,9 +197,7 @@ class InflightGeneration:
             versions[row, :length] = sample["versions"]
         prompt_indices = [group["prompt_index"] for group in self.accepted]
         queries = [self.job.prompts[index] for index in prompt_indices for _ in range(k)]
-        metrics = {"time/generate": time.time() - self.window["start"] - self.window["idle"],
-                   "time/engine_idle": self.window["idle"], "time/weight_load": self.window["weight_load"],
-                   "async/dropped_groups": self.window["dropped"]}
+        metrics = self.window_metrics()
         # async/logprob_diff on the rows sampled wholly with the loaded weights, which the sampling policy holds
         current = [row for row, sample in enumerate(samples) if set(sample["versions"]) == {self.loaded}]
         checked = current[:self.asynchronous.logprob_check_rows]
@@ -188,46 +216,220 @@ class InflightGeneration:
         """What a checkpoint after `update` needs to continue this engine: the groups in flight with their
         tokens so far, those finished but not yet in a batch, the prompts drawn but not admitted, the batch
         being put together (`next_update`'s)."""
+        portable = lambda groups: [self.portable(group) for group in groups]  # noqa: E731
         return copy.deepcopy({
             "snapshot": update, "update": next_update, "engine": self.job.share, "loaded": self.loaded,
-            "groups": list(self.groups.values()), "finished": list(self.finished), "accepted": self.accepted,
+            "groups": portable(self.groups.values()), "finished": portable(self.finished),
+            "accepted": portable(self.accepted),
             "dropped": self.window["dropped"], "prompts": list(self.prompts), "serial": self.serial,
             "requests_added": self.requests_added, "data_position": self.job.sampler.position})
 
+    @staticmethod
+    def portable(group: dict) -> dict:
+        """A group as a snapshot holds it: plain data a checkpoint can keep."""
+        return group
+
+    def restored(self, group: dict) -> dict:
+        """A group of a snapshot, as this engine continues it."""
+        return group
+
     def running_requests(self) -> list[str]:
-        """The engine's ids of the samples in flight that have not finished."""
+        """The engine's ids of the requests in flight."""
         return [sample["request"] for group in self.groups.values() for sample in group["samples"]
-                if not sample["done"]]
+                if sample["request"] is not None]
 
     def prefill_anew(self):
         """Every request in flight continues from its tokens so far, prefilled with the loaded weights."""
-        self.llm_engine.abort_request(self.running_requests())
+        running = self.running_requests()
+        self.llm_engine.abort_request(running)
         for serial, group in self.groups.items():
             for sample, state in enumerate(group["samples"]):
-                if not state["done"]:
+                if state["request"] in running:
                     self.add_request(serial, sample)
 
     def restore(self, snapshot: dict):
         """Continue from a checkpoint's snapshot, with its weights loaded."""
-        self.groups = {group["serial"]: group for group in snapshot["groups"]}
-        self.finished = collections.deque(snapshot["finished"])
-        self.accepted, self.window["dropped"] = snapshot["accepted"], snapshot["dropped"]
+        self.groups = {group["serial"]: self.restored(group) for group in snapshot["groups"]}
+        self.finished = collections.deque(map(self.restored, snapshot["finished"]))
+        self.accepted = [self.restored(group) for group in snapshot["accepted"]]
+        self.window["dropped"] = snapshot["dropped"]
         self.prompts, self.serial = collections.deque(snapshot["prompts"]), snapshot["serial"]
         self.requests_added = snapshot["requests_added"]
         self.job.sampler.position = snapshot["data_position"]
         self.prefill_anew()
 
 
-def generate_inflight(job: GeneratorJob):
+class InflightEpisodes(InflightGeneration):
+    """--inflight_updates in grpo_multiturn_vllm.py: each group in flight is k episodes of a dataset row from one
+    reset seed (job.episodes, the script's EpisodeJob), each turn of an episode a request. Once a turn is sampled,
+    its environment steps on it in a thread of its own (environments.CallsInFlight) while the engine samples the
+    other episodes' turns; the reply's tokens are appended and the episode's next turn goes into the engine, its
+    context prefilled with the weights loaded then. Every policy token records the version that sampled it, the
+    environment's tokens -1. With --inflight_deterministic the steps that a decode step's turns started are
+    waited for before the next decode step, so that the engine's batches do not depend on the steps' timing.
+
+    A snapshot keeps each episode's tokens and the turns the policy sampled, not its environment object: a
+    resumed run rebuilds the environment of each episode in flight from its row and reset seed and steps it on
+    the same turns again (the contract's environments are deterministic given both), then checks that it
+    answers with the same tokens."""
+
+    def __init__(self, job: GeneratorJob, llm, receiver, sampling_policy, checked):
+        super().__init__(job, llm, receiver, sampling_policy, checked)
+        self.env = job.episodes.env
+        self.task = dataclasses.replace(job.episodes.task, env_class=environments.load_env_class(self.env.env))
+        self.steps = environments.CallsInFlight(self.env.env_timeout)  # by (serial, sample)
+
+    def new_samples(self, group: dict) -> list[dict]:
+        """The k episodes of a new group, reset from its row and seed. Besides the request's tokens so far,
+        each holds its "episode" (environments.Episode), "turns", the policy's turns sampled (ids, stopped,
+        log-probs, versions), and "id_versions", the version of each of the episode's ids."""
+        group["reset_seed"] = environments.reset_seed(self.job.seed, f"engine {self.job.share[0]}", group["serial"])
+        return [self.new_state(episode) for episode in self.start(group, self.job.num_samples)]
+
+    @staticmethod
+    def new_state(episode: environments.Episode) -> dict:
+        return {"episode": episode, "turns": [], "id_versions": [], "tokens": [], "logprobs": [], "versions": [],
+                "done": False, "request": None}
+
+    def start(self, group: dict, count: int) -> list[environments.Episode]:
+        """`count` episodes of the group's row, reset with its seed."""
+        rows = self.task.train_rows[[group["prompt_index"]]]
+        return environments.start_episodes(self.task, rows, [group["reset_seed"]], count, self.env,
+                                           (group["serial"] - 1) * self.job.num_samples)
+
+    def context(self, group: dict, state: dict) -> tuple[list[int], int, int]:
+        """The episode so far and its turn's tokens so far; what is left of the turn's budget."""
+        episode, turn = state["episode"], state["tokens"]
+        budget = episode.budget(self.job.generation.response_length, self.env.max_episode_tokens)
+        return episode.prompt_ids + episode.ids + turn, len(episode.ids) + len(turn), budget - len(turn)
+
+    def request_finished(self, group: dict, sample: int):
+        """A turn sampled: its environment steps on it."""
+        state = group["samples"][sample]
+        ids = state["tokens"]
+        state["turns"].append((ids, bool(ids) and ids[-1] in self.job.eos_ids, state["logprobs"], state["versions"]))
+        state["tokens"], state["logprobs"], state["versions"] = [], [], []
+        self.start_step(group["serial"], sample)
+
+    def start_step(self, serial: int, sample: int):
+        """The environment of the episode steps on its last turn sampled."""
+        state = self.groups[serial]["samples"][sample]
+        episode, text = state["episode"], environments.action_text(self.task, state["turns"][-1][0])
+        self.steps.start((serial, sample), lambda: episode.env.step(text), f"{episode.where}: step")
+
+    def step(self):
+        """The environments' replies that came (with --inflight_deterministic, every step running), each appended
+        to its episode, whose next turn goes into the engine unless it ended; then one engine step, when a turn is
+        running. The turns go in right before the step, so that no weights load between: the cache salt of their
+        prefill names the weights that compute it."""
+        busy = self.llm_engine.has_unfinished_requests()
+        done = self.steps.finished(wait=0.0 if busy else 0.005)
+        while self.asynchronous.inflight_deterministic and self.steps.running:
+            done += self.steps.finished(wait=0.05)
+        where = {key: f"{self.groups[key[0]]['samples'][key[1]]['episode'].where}: step" for key, _, _ in done}
+        for (serial, sample), reply in sorted(self.steps.results(done, where).items()):
+            group = self.groups[serial]
+            state = group["samples"][sample]
+            self.add_reply(state, environments.check_step(reply, where[serial, sample]))
+            if state["episode"].ended:
+                state["done"] = True
+                self.group_done(group)
+            else:
+                self.add_request(serial, sample)
+        if self.llm_engine.has_unfinished_requests():
+            super().step()
+
+    def add_reply(self, state: dict, reply: tuple[str | None, float, bool]):
+        """The episode's last turn sampled and the environment's reply to it, as tokens (token in, token out)."""
+        episode, (ids, stopped, logprobs, versions) = state["episode"], state["turns"][-1]
+        before = len(episode.ids)
+        episode.add_turn(ids, stopped, reply, self.task, self.env.max_turns, self.env.max_episode_tokens, logprobs)
+        state["id_versions"] += versions + [-1] * (len(episode.ids) - before - len(ids))
+
+    @staticmethod
+    def oldest_version(group: dict) -> int:
+        return min(v for state in group["samples"] for v in state["id_versions"] if v >= 0)
+
+    def batch(self, update: int) -> dict:
+        """The accepted groups' episodes as a batch of Episodes.as_arrays' layout, with "token_versions" (N, R),
+        -1 at the environment's tokens and pads, and the engine's metrics."""
+        states = [state for group in self.accepted for state in group["samples"]]
+        episodes = environments.collate([state["episode"] for state in states], self.job.pad_token_id, "cpu")
+        versions = numpy.full(tuple(episodes.responses.shape), -1, dtype=numpy.int64)
+        for row, state in enumerate(states):
+            versions[row, :len(state["id_versions"])] = state["id_versions"]
+        metrics = self.window_metrics()
+        # async/logprob_diff on the episodes sampled wholly with the loaded weights, which the sampling policy holds
+        current = [row for row, state in enumerate(states) if set(versions[row][versions[row] >= 0]) == {self.loaded}]
+        checked = current[:self.asynchronous.logprob_check_rows]
+        if vllm_generator.logprob_checked(update, self.asynchronous) and checked:
+            t0 = time.time()
+            logprob_diff = environments.engine_logprob_diff(self.sampling_policy, episodes, checked,
+                                                            self.job.generation)
+            vllm_generator.check_engine_took_weights(logprob_diff, self.loaded, self.job)
+            metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t0})
+        return {"update": update, "prompt_indices": [group["prompt_index"] for group in self.accepted],
+                **episodes.as_arrays(), "token_versions": versions, "version": int(versions[versions >= 0].min()),
+                "engine": self.job.share, "data_position": self.job.sampler.position, "metrics": metrics}
+
+    @staticmethod
+    def portable(group: dict) -> dict:
+        """The group with each episode's fields but its environment object."""
+        def fields(episode: environments.Episode) -> dict:
+            return {name: value for name, value in vars(episode).items() if name != "env"}
+
+        return group | {"samples": [state | {"episode": fields(state["episode"])} for state in group["samples"]]}
+
+    def restored(self, group: dict) -> dict:
+        """The group's episodes: those in flight with their environments rebuilt by replaying their turns (and
+        the step the snapshot caught running started again), the others as they were."""
+        playing = [state for state in group["samples"] if not state["episode"]["ended"]]
+        replayed = self.start(group, len(playing))
+        for turn in range(max((state["episode"]["turns"] for state in playing), default=0)):
+            stepping = [(episode, state) for episode, state in zip(replayed, playing)
+                        if turn < state["episode"]["turns"]]
+            replies = environments.step_episodes(
+                [episode for episode, _ in stepping],
+                [environments.action_text(self.task, state["turns"][turn][0]) for _, state in stepping],
+                self.env.env_timeout)
+            for (episode, state), reply in zip(stepping, replies):
+                ids, stopped, logprobs, _ = state["turns"][turn]
+                episode.add_turn(ids, stopped, reply, self.task, self.env.max_turns, self.env.max_episode_tokens,
+                                 logprobs)
+        by_state = {id(state): episode for episode, state in zip(replayed, playing)}
+        samples = []
+        for state in group["samples"]:
+            saved = state["episode"]
+            episode = by_state.get(id(state)) or environments.Episode(env=None, **saved)
+            if (episode.prompt_ids, episode.ids, episode.episode_return) != (
+                    saved["prompt_ids"], saved["ids"], saved["episode_return"]):
+                common.fail(f"--resume: {saved['where']}, replayed from its row and reset seed, answers otherwise than "
+                            "in the interrupted run; an environment must act the same given its row and seed for a "
+                            "run to resume with --inflight_updates")
+            episode.where = saved["where"]
+            samples.append(state | {"episode": episode})
+        return group | {"samples": samples}
+
+    def restore(self, snapshot: dict):
+        """As InflightGeneration's, and the steps the snapshot caught running start again."""
+        super().restore(snapshot)
+        for serial, group in self.groups.items():
+            for sample, state in enumerate(group["samples"]):
+                if len(state["turns"]) > state["episode"].turns:
+                    self.start_step(serial, sample)
+
+
+def generate_inflight(job: GeneratorJob, generation_class=InflightGeneration):
     """The generator process with --inflight_updates (see the module's docstring): ENGINE_STARTED, then the
     batch of each update in `job.updates`, and the snapshots a checkpoint takes (the engine's own at each
     deterministic swap to a --save_every version, vllm_generator.proactive_snapshot, or as the trainer asks on
     the channel `requests`), go to the channel `batches`. After the last batch it answers snapshot requests
-    until the trainer stops it."""
+    until the trainer stops it. `generation_class`: what the engine plays in flight, InflightGeneration's
+    completions or InflightEpisodes' episodes."""
     channels = job.channels
     try:
         llm, sampling_policy, checked, receiver = vllm_generator.start_engine(job)
-        generation = InflightGeneration(job, llm, receiver, sampling_policy, checked)
+        generation = generation_class(job, llm, receiver, sampling_policy, checked)
         channels.batches.put(vllm_generator.ENGINE_STARTED)
         next_update = job.updates.start
 

@@ -7,6 +7,8 @@ vLLM engine playing the episodes one update ahead reach the same return in less 
               turn by turn (every episode's turn waits for the turn's slowest step)
   continuous  the same with --continuous_episodes: each episode's next turn goes into the engine as soon as its
               step returns
+  inflight    grpo_multiturn_vllm.py --async_steps 1 --inflight_updates: a batch's worth of episodes always in
+              flight, new weights taken between decode steps, a batch the next groups to end
 
 Each arm from the same SFT policy with the same rows and hyper-parameters (the scripts' defaults: 40 updates of 32
 rows x 4 episodes), several seeds, interleaved. Prints, per arm, the median over seeds of the final
@@ -32,15 +34,17 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"sync": ("grpo_multiturn.py",), "async": ("grpo_multiturn_vllm.py", "--async_steps", "1"),
-        "continuous": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--continuous_episodes")}
+        "continuous": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--continuous_episodes"),
+        "inflight": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--inflight_updates")}
 # where an update's time goes: the sync script's rollout is time/generate; the async trainer's, time/wait (for the
 # engine's batch), while the engine's own time/generate runs beside the training. TRAINER_PHASES: an update's time
 # on the trainer's path (what the training clock adds up)
 TRAINER_PHASES = {"sync": ("time/generate", "time/score", "time/train"),
-                  **dict.fromkeys(("async", "continuous"),
+                  **dict.fromkeys(("async", "continuous", "inflight"),
                                   ("time/wait", "time/score", "time/train", "time/weight_send"))}
 PHASES = {"sync": ("time/generate", "time/train"),
-          **dict.fromkeys(("async", "continuous"), ("time/wait", "time/train", "time/weight_sync", "time/generate"))}
+          **dict.fromkeys(("async", "continuous", "inflight"),
+                          ("time/wait", "time/train", "time/weight_sync", "time/generate"))}
 
 
 @dataclass
@@ -49,7 +53,7 @@ class Args:
     """updates per run, of 32 rows x 4 episodes (the scripts' default batch)"""
     eval_every: int = 5
     """updates between evaluations (the points at which the target is looked for)"""
-    arms: tuple[Literal["sync", "async", "continuous"], ...] = tuple(ARMS)
+    arms: tuple[Literal["sync", "async", "continuous", "inflight"], ...] = tuple(ARMS)
     """the arms, each with every seed"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per arm, interleaved across the arms"""

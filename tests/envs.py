@@ -126,3 +126,11 @@ class SecretFromSeed(toy.GuessTheNumber):
 
     def reset(self, row: dict, seed: int) -> str:
         return super().reset({"secret": random.Random(seed).randint(1, toy.GUESS_RANGE)}, seed)
+
+
+class AnswersOtherwise(toy.GuessTheNumber):
+    """Guess-the-number that answers every guess with the same message, as an environment changed between a run and
+    its resumption would."""
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        return "try again :", 0.0, False

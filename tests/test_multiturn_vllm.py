@@ -2,11 +2,16 @@
 weights K updates old (the policy's tokens' log-probs match the trainer's under them, not under the next), it
 learns guess-the-number at K=1, a run killed while the engine plays episodes ahead and while it checkpoints
 resumes to the same weights, and an environment that fails in the generator process stops the run on one line.
-The episodes' own rules (masking, token in token out, groups, bad environments): test_multiturn.py."""
+With --inflight_updates: every policy token sampled by the version it records, episodes in flight resumed exactly
+(their environments rebuilt by replaying their turns), and learning. The episodes' own rules (masking, token in
+token out, groups, bad environments): test_multiturn.py."""
+
+import json
 
 import pytest
 import torch
 from scripts import (
+    SHORT_INTERRUPTIONS,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     assert_two_ranks_train_as_one,
@@ -16,6 +21,7 @@ from scripts import (
 )
 
 import common
+import environments
 import toy
 
 SCRIPT = "grpo_multiturn_vllm.py"
@@ -146,3 +152,166 @@ def test_continuous_episodes_keep_k_exact_and_the_engines_log_probs(tmp_path):
     assert max(m["async/logprob_diff"] for m in train) < 1e-6
     assert all(1 <= m["rollout/turns_mean"] <= toy.GUESS_TURNS and 0 < m["rollout/env_tokens_frac"] < 0.5
                and 0 < m["rollout/return_mean"] < 1 for m in train)
+
+
+# ----------------------------------------------------------------------------------------------
+# --inflight_updates: episodes go on across weight loads
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def inflight_run(tmp_path_factory):
+    """The default run with free in-flight swaps (each version as it arrives), keeping every version's weights and
+    every batch."""
+    out = tmp_path_factory.mktemp("inflight") / "run"
+    run_script(SCRIPT.removesuffix(".py"), *K1_RUN, "--inflight_updates", "--output_dir", out,
+               script="tests/run_with_kept_weights.py")
+    return out
+
+
+def turn_by_turn_differences(models: dict, query: list[int], ids: list[int], is_action: list[bool],
+                             versions: list[int], engine: list[float], temperature: float) -> list[float]:
+    """|engine log-prob - recomputed| of each policy token of one episode, recomputed as the engine computes it
+    with weights that change between decode steps: each turn's context (the episode so far) prefilled by the
+    version of the turn's first token, each later token of the turn by its own version on top of the KV the
+    earlier forwards of the turn wrote."""
+    from transformers import DynamicCache
+
+    differences = []
+    for j in [j for j, action in enumerate(is_action) if action]:
+        if j == 0 or not is_action[j - 1]:  # a turn starts: a request of its own, prefilled anew
+            cache, inputs = DynamicCache(), query + ids[:j]
+        else:
+            inputs = ids[j - 1:j]
+        with torch.no_grad():
+            logits = models[versions[j]](torch.tensor([inputs]), past_key_values=cache, use_cache=True).logits[0, -1]
+        differences.append(abs(torch.log_softmax(logits / (temperature + 1e-7), -1)[ids[j]].item() - engine[j]))
+    return differences
+
+
+def test_in_flight_episodes_learn_and_every_policy_token_records_the_version_that_sampled_it(inflight_run):
+    """Free swaps: episodes span weight loads (a turn prefilled with the weights loaded when it starts, its tokens
+    sampled on across loads). Recomputed turn by turn with the weights the trainer published, the engine's log-prob
+    of every policy token matches the version it records (to 1e-4; measured 3.5e-6), and not the version before it
+    (the toy's turns are a number and the stop token, whose log-prob hardly moves: a swap put one token late
+    shows too little); the environment's tokens record none (-1). The token staleness is logged, and
+    greedy episodes gain at least 0.3."""
+    from transformers import AutoModelForCausalLM
+
+    kept = torch.load(inflight_run / "kept.pt")
+    models = {}
+    for version, weights in {0: None, **kept["weights"]}.items():
+        models[version] = AutoModelForCausalLM.from_pretrained(toy.GUESS_POLICY).eval()
+        if weights is not None:
+            models[version].load_state_dict(weights)
+    worst, older, spanning = 0.0, 0.0, 0
+    for update in (4, 5):
+        batch = kept["batches"][update]
+        real = common.response_mask(batch["lengths"], batch["responses"].shape[1])
+        assert torch.equal(batch["token_versions"] >= 0, batch["action_mask"] & real), update
+        for row, query in enumerate(batch["queries"]):
+            length = int(batch["lengths"][row])
+            ids, is_action = batch["responses"][row, :length].tolist(), batch["action_mask"][row, :length].tolist()
+            versions, engine = batch["token_versions"][row, :length].tolist(), batch["logprobs"][row, :length].tolist()
+            policy_versions = [v for v in versions if v >= 0]
+            spanning += len(set(policy_versions)) > 1
+            worst = max(worst, *turn_by_turn_differences(models, query, ids, is_action, versions, engine,
+                                                         kept["temperature"]))
+            older = max(older, *turn_by_turn_differences(models, query, ids, is_action,
+                                                         [v - 1 if v > 0 else v for v in versions], engine,
+                                                         kept["temperature"]))
+    assert worst < 1e-4 and spanning > 0 and older > 1e-3, (worst, spanning, older)
+    train = [m for m in read_metrics(inflight_run) if "loss/policy_avg" in m]
+    assert len(train) == 40 and all(m["async/token_staleness_mean"] <= m["async/token_staleness_max"] for m in train)
+    assert any(m["async/multi_version_share"] > 0 for m in train)
+    assert max(m["async/logprob_diff"] for m in train if "async/logprob_diff" in m) < 1e-6
+    evals = [m["eval/return_mean"] for m in read_metrics(inflight_run) if "eval/return_mean" in m]
+    assert len(evals) == 2 and evals[1] >= evals[0] + 0.3, evals
+
+
+@pytest.fixture(scope="module")
+def deterministic_inflight_runs(tmp_path_factory):
+    """Deterministic in-flight swaps on the slow environment (steps of 25-75 ms), 8 updates checkpointed every 2:
+    uninterrupted, and killed while checkpoint 4 is written, then resumed from checkpoint 2."""
+    return uninterrupted_and_resumed_runs(
+        tmp_path_factory.mktemp("deterministic"), SCRIPT,
+        ["--inflight_updates", "--inflight_deterministic", "--env", "toy:guess_number_slow", "--total_episodes", "256",
+         "--eval_every", "0", "--save_every", "2"], SHORT_INTERRUPTIONS)
+
+
+def test_deterministic_in_flight_episodes_resume_exactly_after_a_kill_mid_episode(deterministic_inflight_runs):
+    """The checkpoint keeps the episodes in flight mid-way (their tokens and turns, not their environments); the
+    resumed run rebuilds each environment by replaying its turns and trains exactly as the uninterrupted run, though
+    the steps' timing differs."""
+    whole, resumed = deterministic_inflight_runs
+    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "rollout/return_mean", "rollout/turns_mean",
+                                                     "async/token_staleness_mean"])
+    snapshot = torch.load(whole / "checkpoints" / "update-8" / "trainer_state_rank0.pt",
+                          weights_only=False)["engine_snapshot"]
+    mid_episode = [state for group in snapshot["groups"] for state in group["samples"]
+                   if state["episode"]["turns"] > 0 and not state["episode"]["ended"]]
+    assert mid_episode, snapshot["groups"]
+
+
+def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environment_that_answers_otherwise():
+    """InflightEpisodes' snapshot of a group (one episode two turns in and ended, one a turn in with its second step
+    still running) keeps no environment object; restoring it rebuilds the episode in flight from its row and reset
+    seed, stepping it on its turns again (the same tokens; the running step left to start again), keeps the ended
+    one as it was, and stops on one line when the environment answers otherwise than in the interrupted run."""
+    import dataclasses
+    import types
+
+    import grpo_multiturn_vllm
+    import inflight
+
+    args = grpo_multiturn_vllm.Args()
+    task = environments.load_env_task(args.data, args.env, 64, None, 0, evaluate=False)
+
+    def engine_state(env: str) -> inflight.InflightEpisodes:  # what restoring reads, without an engine
+        generation = object.__new__(inflight.InflightEpisodes)
+        generation.env, generation.job = args.env, types.SimpleNamespace(seed=1, share=(0, 1), num_samples=2)
+        generation.task = dataclasses.replace(task, env_class=environments.load_env_class(env))
+        return generation
+
+    generation = engine_state(args.env.env)
+    secret = task.train_rows[0]["secret"]
+    miss = 1 if secret != 1 else 2
+    group = {"serial": 1, "prompt_index": 0}
+    group["samples"] = generation.new_samples(group)
+    for state, guesses, replied in zip(group["samples"], ([miss, secret], [miss, secret]), (2, 1)):
+        for turn, guess in enumerate(guesses):
+            ids = task.tokenizer(str(guess), add_special_tokens=False)["input_ids"] + [task.eos_ids[0]]
+            state["turns"].append((ids, True, [-0.5] * len(ids), [turn] * len(ids)))
+            if turn < replied:
+                reply = environments.check_step(state["episode"].env.step(str(guess)), "step")
+                generation.add_reply(state, reply)
+    ended, running = group["samples"]
+    assert ended["episode"].ended and not running["episode"].ended
+    reply_tokens = len(running["episode"].ids) - 2
+    assert ended["id_versions"] == [0, 0] + [-1] * reply_tokens + [1, 1] and reply_tokens > 0
+    saved = generation.portable(group)
+    assert all("env" not in state["episode"] for state in saved["samples"])
+    restored = generation.restored(saved)
+    for before, after in zip(group["samples"], restored["samples"]):
+        assert vars(after["episode"]) | {"env": None} == vars(before["episode"]) | {"env": None}
+    assert restored["samples"][0]["episode"].env is None and restored["samples"][1]["episode"].env is not None
+    assert len(restored["samples"][1]["turns"]) == restored["samples"][1]["episode"].turns + 1  # to step again
+    with pytest.raises(SystemExit) as stopped:
+        engine_state("tests/envs.py:AnswersOtherwise").restored(saved)
+    assert str(stopped.value) == (
+        f"error: --resume: {running['episode'].where}, replayed from its row and reset seed, answers otherwise than in "
+        "the interrupted run; an environment must act the same given its row and seed for a run to resume with "
+        "--inflight_updates")
+
+
+def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
+    """The asynchronous script's own refusals (the synchronous twin's bad input: test_multiturn.py)."""
+    cases = [(["--inflight_updates", "--continuous_episodes"],
+              "--continuous_episodes applies to whole batches played K updates ahead; with --inflight_updates every "
+              "episode already goes at its own pace: turn one off"),
+             (["--inflight_updates", "--vllm_device", "shared"],
+              "--inflight_updates needs an engine that samples while the trainer trains: not --vllm_device shared")]
+    argvs = [[*flags, "--output_dir", str(tmp_path / f"case{i}")] for i, (flags, _) in enumerate(cases)]
+    result = run_script("grpo_multiturn_vllm", json.dumps(argvs), script="tests/run_in_one_process.py", timeout=600)
+    messages = json.loads(result.stdout.split("RESULTS ")[-1])
+    for i, ((flags, expected), message) in enumerate(zip(cases, messages, strict=True)):
+        assert message.startswith("error: ") and "\n" not in message and expected in message, (flags, message)
+        assert not (tmp_path / f"case{i}").exists(), f"{flags} left output behind"
