@@ -18,6 +18,9 @@ t, the engine samples on only with the weights after update t-K, waiting for the
 --max_lag L: a group with a token more than L versions behind the weights that will train on it is dropped
 (async/dropped_groups) and the next finished group takes its place in the batch: the engine never waits for
 the trainer because of it, and the batch keeps its size.
+
+grpo_multiturn_vllm.py's groups are k episodes of an environment (InflightEpisodes): an episode's turns are
+requests of their own, its environment steps between them, and it goes on across weight loads.
 """
 
 import collections
@@ -381,8 +384,8 @@ class InflightEpisodes(InflightGeneration):
         return group | {"samples": [state | {"episode": fields(state["episode"])} for state in group["samples"]]}
 
     def restored(self, group: dict) -> dict:
-        """The group's episodes: those in flight with their environments rebuilt by replaying their turns (and
-        the step the snapshot caught running started again), the others as they were."""
+        """The group's episodes: those in flight with their environments rebuilt by replaying the turns they had
+        replies to (restore starts a step the snapshot caught running again), the others as they were."""
         playing = [state for state in group["samples"] if not state["episode"]["ended"]]
         replayed = self.start(group, len(playing))
         for turn in range(max((state["episode"]["turns"] for state in playing), default=0)):

@@ -16,7 +16,7 @@ eval/return_mean, of the minutes to first reach --target_return (since launch, a
 time, set-up and evaluations left out), and where an update's time goes (the median update's time/* metrics);
 then the ratios.
 
-    python bench/multiturn_sync_vs_async.py            # about 6 minutes on 2 CPU cores
+    python bench/multiturn_sync_vs_async.py            # about 9 minutes on 2 CPU cores
     python bench/multiturn_sync_vs_async.py --quick    # about a minute: 1 seed, 10 updates (a smoke test)
 """
 
