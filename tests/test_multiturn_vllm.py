@@ -251,6 +251,17 @@ def test_deterministic_in_flight_episodes_resume_exactly_after_a_kill_mid_episod
     assert mid_episode, snapshot["groups"]
 
 
+def test_max_lag_keeps_every_policy_token_of_an_episode_within_it(tmp_path):
+    """--max_lag 1 = K with episodes in flight: a group is dropped once one policy token of its episodes is more than
+    a version behind the weights that would train on it (the environment's tokens have none), and the next group to
+    end takes its place."""
+    run_script("--inflight_updates", "--max_lag", "1", "--total_episodes", "192", "--eval_every", "0", "--output_dir",
+               tmp_path / "run", script=SCRIPT)
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert [m["async/token_staleness_max"] for m in train] == [0.0, *[1.0] * 5], train
+    assert sum(m["async/dropped_groups"] for m in train) > 0
+
+
 def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environment_that_answers_otherwise():
     """InflightEpisodes' snapshot of a group (one episode two turns in and ended, one a turn in with its second step
     still running) keeps no environment object; restoring it rebuilds the episode in flight from its row and reset
