@@ -227,14 +227,17 @@ def test_in_flight_episodes_learn_and_every_policy_token_records_the_version_tha
     assert len(evals) == 2 and evals[1] >= evals[0] + 0.3, evals
 
 
+# deterministic in-flight swaps on the slow environment (steps of 25-75 ms), 8 updates checkpointed every 2
+DETERMINISTIC_INFLIGHT = ["--inflight_updates", "--inflight_deterministic", "--env", "toy:guess_number_slow",
+                          "--total_episodes", "256", "--eval_every", "0", "--save_every", "2"]
+
+
 @pytest.fixture(scope="module")
 def deterministic_inflight_runs(tmp_path_factory):
-    """Deterministic in-flight swaps on the slow environment (steps of 25-75 ms), 8 updates checkpointed every 2:
-    uninterrupted, and killed while checkpoint 4 is written, then resumed from checkpoint 2."""
-    return uninterrupted_and_resumed_runs(
-        tmp_path_factory.mktemp("deterministic"), SCRIPT,
-        ["--inflight_updates", "--inflight_deterministic", "--env", "toy:guess_number_slow", "--total_episodes", "256",
-         "--eval_every", "0", "--save_every", "2"], SHORT_INTERRUPTIONS)
+    """DETERMINISTIC_INFLIGHT uninterrupted, and killed while checkpoint 4 is written, then resumed from checkpoint
+    2."""
+    return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("deterministic"), SCRIPT, DETERMINISTIC_INFLIGHT,
+                                          SHORT_INTERRUPTIONS)
 
 
 def test_deterministic_in_flight_episodes_resume_exactly_after_a_kill_mid_episode(deterministic_inflight_runs):
@@ -249,6 +252,21 @@ def test_deterministic_in_flight_episodes_resume_exactly_after_a_kill_mid_episod
     mid_episode = [state for group in snapshot["groups"] for state in group["samples"]
                    if state["episode"]["turns"] > 0 and not state["episode"]["ended"]]
     assert mid_episode, snapshot["groups"]
+
+
+def test_two_ranks_with_episodes_in_flight_train_as_one(deterministic_inflight_runs, tmp_path):
+    """Two ranks of 16 rows each and one engine playing episodes in flight (deterministic swaps): each rank trains on
+    its share of the engine's batches, as one rank of 32 on the whole (the same episodes, losses and token
+    staleness)."""
+    two = tmp_path / "two"
+    run_script(*DETERMINISTIC_INFLIGHT, "--gradient_accumulation_steps", "2", "--output_dir", two, script=SCRIPT,
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
+               env={"OMP_NUM_THREADS": "1"})
+    one = deterministic_inflight_runs[0]
+    assert_two_ranks_train_as_one(two, one)
+    staleness = [[m["async/token_staleness_mean"] for m in read_metrics(run) if "loss/policy_avg" in m]
+                 for run in (two, one)]
+    assert staleness[0] == pytest.approx(staleness[1], abs=1e-6)
 
 
 def test_max_lag_keeps_every_policy_token_of_an_episode_within_it(tmp_path):
