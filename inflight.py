@@ -464,7 +464,7 @@ def generate_inflight(job: GeneratorJob, generation_class=InflightGeneration):
             answer_snapshot_requests()
             time.sleep(0.1)
     except BaseException as error:  # any failure must reach the trainer, which stops with it
-        channels.batches.put(f"{type(error).__name__}: {error}")
+        channels.batches.put(vllm_generator.failure_text(error))
 
 
 def inflight_metrics(batch: dict, mask: torch.Tensor, update: int) -> dict:

@@ -85,13 +85,14 @@ def test_a_run_killed_mid_episode_preempted_and_killed_mid_checkpoint_resumes_to
                                                "async/staleness"], after_update=2)
 
 
-def test_an_environment_failing_in_the_generator_process_stops_the_run_on_one_line(tmp_path):
-    result = run_script("--env", "tests/envs.py:RaisesInStep", "--total_episodes", "64", "--eval_every", "0",
+@pytest.mark.parametrize("inflight", [[], ["--inflight_updates"]])
+def test_an_environment_failing_in_the_generator_process_stops_the_run_on_one_line(tmp_path, inflight):
+    result = run_script("--env", "tests/envs.py:RaisesInStep", "--total_episodes", "64", "--eval_every", "0", *inflight,
                         "--output_dir", tmp_path / "run", script=SCRIPT, check=False, timeout=600)
     last_line = (result.stdout + result.stderr).strip().splitlines()[-1]
     assert result.returncode == 1, last_line
-    assert last_line.startswith("error: generation failed: --env tests/envs.py:RaisesInStep, episode 0 (seed "), \
-        last_line
+    first = "episode 0 (seed " if not inflight else "episode "  # in flight: the first group whose steps came back
+    assert last_line.startswith(f"error: generation failed: --env tests/envs.py:RaisesInStep, {first}"), last_line
     assert last_line.endswith("): step raised RuntimeError: the tool crashed"), last_line
     assert not (tmp_path / "run" / "policy").exists()
 
