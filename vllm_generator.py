@@ -34,9 +34,10 @@ class AsyncArgs(common.FlagGroup):
     """K: how many updates the sampling weights may lag behind the trained weights (0: synchronous)"""
     inflight_updates: bool = False
     """the engine takes each new weight version between two decode steps, keeping the KV of its requests in
-    flight, instead of sampling whole batches K updates ahead: a batch is the next prompt groups to finish,
-    each token records the version that sampled it (async/token_staleness_*); --async_steps K still bounds how
-    far ahead the engine runs (README: In-flight weight updates)"""
+    flight, instead of sampling whole batches K updates ahead: a batch is the next prompt groups to finish (with
+    grpo_multiturn_vllm.py, groups of episodes, which go on across loads), each token records the version that
+    sampled it (async/token_staleness_*); --async_steps K still bounds how far ahead the engine runs (README:
+    In-flight weight updates)"""
     inflight_deterministic: bool = False
     """with --inflight_updates: swap versions at fixed points (the version after update t-K once the batch of
     update t is finished, waiting for it if need be) instead of as soon as each arrives: repeatable, and a run
