@@ -112,6 +112,12 @@ if __name__ == "__main__":
 """
 
 
+@pytest.fixture(autouse=True)
+def server_on(monkeypatch):
+    """The fork server's own tests run it whatever ASYNC_RLHF_TESTS_FRESH says (which turns it off for the rest)."""
+    monkeypatch.setattr(scripts, "FRESH", False)
+
+
 def test_a_preloaded_run_is_what_a_fresh_interpreter_runs(tmp_path):
     program = tmp_path / "program.py"
     program.write_text(PROGRAM)
