@@ -164,14 +164,15 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
 # ----------------------------------------------------------------------------------------------
 class CallsInFlight:
     """Calls into environments, each in a daemon thread of its own under --env_timeout (a call that hangs does not
-    keep the process from exiting), collected as they finish: call_concurrently's, and grpo_multiturn_vllm.py's
-    --continuous_episodes, whose episodes need not wait for each other's steps."""
+    keep the process from exiting), collected as they finish: call_concurrently's, and the steps of episodes that need
+    not wait for each other's (grpo_multiturn_vllm.py's --continuous_episodes, inflight.InflightEpisodes)."""
 
     def __init__(self, timeout: float):
-        self.timeout, self.running, self.done = timeout, {}, queue.SimpleQueue()
+        self.timeout, self.running, self.done = timeout, {}, queue.SimpleQueue()  # running: i -> deadline
+        self.where = {}  # i -> what names call i in errors (that of the last call i started)
 
-    def start(self, i: int, call, where: str):
-        """`call` (no arguments) as call i; `where` names it in errors."""
+    def start(self, i, call, where: str):
+        """`call` (no arguments) as call i (any key); `where` names it in errors."""
 
         def run():
             try:
@@ -179,7 +180,7 @@ class CallsInFlight:
             except BaseException as error:  # the environment's code: every error is reported
                 self.done.put((i, None, error))
 
-        self.running[i] = (where, time.monotonic() + self.timeout)
+        self.where[i], self.running[i] = where, time.monotonic() + self.timeout
         threading.Thread(target=run, daemon=True).start()
 
     def finished(self, wait: float) -> list[tuple[int, object, BaseException | None]]:
@@ -195,17 +196,17 @@ class CallsInFlight:
         for i, _, _ in done:
             del self.running[i]
         now = time.monotonic()
-        for where, deadline in self.running.values():
+        for i, deadline in self.running.items():
             if now > deadline:
-                common.fail(f"{where} did not return within --env_timeout {self.timeout:g} s")
+                common.fail(f"{self.where[i]} did not return within --env_timeout {self.timeout:g} s")
         return done
 
-    def results(self, done: list, where: dict) -> dict:
+    def results(self, done: list) -> dict:
         """The results of `done` (finished's) by call, or the run stops on the error of the first call that raised."""
         errors = sorted((i, error) for i, _, error in done if error is not None)
         if errors:
             i, error = errors[0]
-            common.fail(f"{where[i]} raised {type(error).__name__}: {error}")
+            common.fail(f"{self.where[i]} raised {type(error).__name__}: {error}")
         return {i: result for i, result, _ in done}
 
 
@@ -214,12 +215,11 @@ def call_concurrently(calls: list, timeout: float, describe) -> list:
     order, once every one has returned. One that raises, or runs past `timeout` seconds, stops the run: describe(i)
     names the i-th call."""
     in_flight, done = CallsInFlight(timeout), []
-    where = {i: describe(i) for i in range(len(calls))}
     for i, call in enumerate(calls):
-        in_flight.start(i, call, where[i])
+        in_flight.start(i, call, describe(i))
     while in_flight.running:
         done += in_flight.finished(wait=0.05)
-    results = in_flight.results(done, where)
+    results = in_flight.results(done)
     return [results[i] for i in range(len(calls))]
 
 

@@ -200,12 +200,12 @@ def play_continuously(llm, episodes: list[environments.Episode], task: environme
                 i, completion = int(output.request_id.split("/")[0]), output.outputs[0]
                 ids = list(completion.token_ids)
                 actions[i] = (ids, bool(ids) and ids[-1] in eos_ids, list(completion.logprobs.logprobs))
-                text, where = environments.action_text(task, ids), f"{episodes[i].where}: step"
-                steps.start(i, lambda env=episodes[i].env, text=text: env.step(text), where)
+                text = environments.action_text(task, ids)
+                steps.start(i, lambda env=episodes[i].env, text=text: env.step(text), f"{episodes[i].where}: step")
         done = steps.finished(wait=0.0 if engine.has_unfinished_requests() else 0.005)
-        for i, reply in steps.results(done, {i: f"{episodes[i].where}: step" for i, _, _ in done}).items():
+        for i, reply in steps.results(done).items():
             ids, stopped, logprobs = actions.pop(i)  # token in, token out, as in play_episodes
-            reply = environments.check_step(reply, f"{episodes[i].where}: step")
+            reply = environments.check_step(reply, steps.where[i])
             episodes[i].add_turn(ids, stopped, reply, task, env.max_turns, env.max_episode_tokens, logprobs)
             if not episodes[i].ended:
                 next_turn(i)

@@ -329,11 +329,10 @@ class InflightEpisodes(InflightGeneration):
         done = self.steps.finished(wait=0.0 if busy else 0.005)
         while self.asynchronous.inflight_deterministic and self.steps.running:
             done += self.steps.finished(wait=0.05)
-        where = {key: f"{self.groups[key[0]]['samples'][key[1]]['episode'].where}: step" for key, _, _ in done}
-        for (serial, sample), reply in sorted(self.steps.results(done, where).items()):
+        for (serial, sample), reply in sorted(self.steps.results(done).items()):
             group = self.groups[serial]
             state = group["samples"][sample]
-            self.add_reply(state, environments.check_step(reply, where[serial, sample]))
+            self.add_reply(state, environments.check_step(reply, self.steps.where[serial, sample]))
             if state["episode"].ended:
                 state["done"] = True
                 self.group_done(group)
