@@ -20,15 +20,14 @@ SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_math.py", "test_two_ranks.py",
 
 
 def pytest_sessionstart(session):
-    """Before the workers start: the embedded tasks the tests use, built one after another on the idle machine
-    (nothing when they are built). Built by the first test to ask, a build would share the two cores with the
-    other worker's tests."""
+    """Before the workers start: the embedded tasks the tests use, built on the idle machine (nothing when they
+    are built). Built by the first test to ask, a build would share the two cores with the other worker's
+    tests."""
     if hasattr(session.config, "workerinput") or session.config.option.collectonly:
         return
     import toy
 
-    for build in (toy.build, toy.build_math, toy.build_pipeline, toy.build_guess):
-        build()
+    toy.build_everything()
 
 
 def pytest_collection_modifyitems(items):
