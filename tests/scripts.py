@@ -40,15 +40,18 @@ def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executab
     return result
 
 
-def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=None, cwd=ROOT, preloaded=True):
+def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=None, cwd=ROOT, preloaded=True,
+                 stderr=None):
     """Start `script` as run_script runs it, in a session of its own (SIGKILL its process group to end the run
-    and every process it started), its output discarded: a subprocess.Popen or a PreloadedProcess."""
+    and every process it started), its output discarded but for its standard error into the file `stderr`, if
+    given: a subprocess.Popen or a PreloadedProcess."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
-    if preloaded and preloadable(launcher, env):
-        with open(os.devnull, "w") as null, contextlib.suppress(PreloadedServerFailed):
-            return PreloadedProcess(python_argv(command), null.fileno(), null.fileno(), cwd, env)
-    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env=environment(env))
+    with open(os.devnull, "w") as null, open(stderr or os.devnull, "w") as errors:
+        if preloaded and preloadable(launcher, env):
+            with contextlib.suppress(PreloadedServerFailed):
+                return PreloadedProcess(python_argv(command), null.fileno(), errors.fileno(), cwd, env)
+        return subprocess.Popen(command, cwd=cwd, stdout=null, stderr=errors, start_new_session=True,
+                                env=environment(env))
 
 
 def run_preloaded(command: list[str], cwd, timeout: float, env: dict | None) -> subprocess.CompletedProcess | None:

@@ -13,7 +13,15 @@ import time
 
 import pytest
 import torch
-from scripts import QUICK, ROOT, assert_learns, assert_same_weights_and_metrics, environment, read_metrics, run_script
+from scripts import (
+    QUICK,
+    ROOT,
+    assert_learns,
+    assert_same_weights_and_metrics,
+    read_metrics,
+    run_script,
+    start_script,
+)
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 from vllm_script_tests import ASYNC_QUICK, train_metrics
 from weight_sync_check import engine_environment
@@ -228,11 +236,12 @@ def test_a_weight_send_that_hangs_stops_the_run_within_the_timeout(tmp_path):
     assert time.time() - start < 300
 
 
-def start_two_nodes(launcher: tuple, args: list, out) -> list[subprocess.Popen]:
-    """The two nodes of a job, each started with `launcher` and its node rank, each in a session of its own."""
-    return [subprocess.Popen([*launcher, str(node), "online_dpo_vllm.py", *map(str, args), "--output_dir", str(out)],
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, env=environment({"OMP_NUM_THREADS": "1"}))
+def start_two_nodes(launcher: tuple, args: list, out) -> list:
+    """The two nodes of a job, each started with `launcher` and its node rank, each in a session of its own (node 0
+    by tests/preloaded.py, which runs one command at a time; node 1 fresh), node i's standard error in
+    out.parent / f"node-{i}.err"."""
+    return [start_script(*args, "--output_dir", out, script=SCRIPT, launcher=(*launcher, str(node)),
+                         env={"OMP_NUM_THREADS": "1"}, preloaded=node == 0, stderr=out.parent / f"node-{node}.err")
             for node in (0, 1)]
 
 
@@ -266,7 +275,7 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     nodes = start_two_nodes(torchrun, args, out)
     deadline = time.time() + 600
     while not (out / "checkpoints" / "update-2").exists():
-        assert all(node.poll() is None for node in nodes), nodes[0].stderr.read()[-3000:]
+        assert all(node.poll() is None for node in nodes), (tmp_path / "node-0.err").read_text()[-3000:]
         assert time.time() < deadline, "no checkpoint 2 within 600 s"
         time.sleep(0.01)
     for node in nodes:  # torchrun starts each rank in a session of its own: the whole tree, not the launcher's group
@@ -281,8 +290,8 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
                          env={"OMP_NUM_THREADS": "1"})
     assert refused.returncode != 0 and ("sampled-ahead batches are engine 0 of 2's, and this rank's engine would be "
                                         "0 of 1") in refused.stderr, refused.stderr[-3000:]
-    for node in start_two_nodes(deepspeed, [*args, "--resume"], out):
-        assert node.wait(timeout=600) == 0, node.stderr.read()[-3000:]
+    for rank, node in enumerate(start_two_nodes(deepspeed, [*args, "--resume"], out)):
+        assert node.wait(timeout=600) == 0, (tmp_path / f"node-{rank}.err").read_text()[-3000:]
     assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])
 
 
