@@ -63,7 +63,7 @@ GUESS_DATASET = os.path.join(GUESS_DIR, "dataset")
 BASE_POLICY = os.path.join(PIPELINE_DIR, "base_policy")
 SFT_DATASET = os.path.join(PIPELINE_DIR, "sft_dataset")
 PREFERENCE_DATASET = os.path.join(PIPELINE_DIR, "preference_dataset")
-BUILD_LOCK = os.path.join(os.path.dirname(TOY_DIR), "builds.lock")  # one for every build: two never run at once
+BUILD_LOCK = os.path.join(os.path.dirname(TOY_DIR), "builds.lock")  # one for every build (built_side_by_side)
 BUILD_THREADS = 2  # a build's, whatever its caller's (measured here: 1, 2 and 3 threads build the same weights)
 LABEL_NOISE = 0.25  # of the preference pairs, those whose "human" label disagrees with the gold judge
 
