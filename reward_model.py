@@ -140,7 +140,7 @@ def validation(args: Args, model, tokenizer, examples) -> dict[str, float]:
     for start in range(0, len(rows), args.eval_batch_size):
         chosen, rejected = pair_scores(args, model, tokenizer, rows[start:start + args.eval_batch_size], totals.device)
         margin = chosen - rejected
-        totals += torch.stack([torch.tensor(float(len(margin))), -F.logsigmoid(margin).sum(),
+        totals += torch.stack([torch.tensor(float(len(margin)), device=margin.device), -F.logsigmoid(margin).sum(),
                                pair_accuracy(margin).sum(), chosen.sum(),
                                rejected.sum()]).to(totals)
     torch.distributed.all_reduce(totals)

@@ -4,7 +4,8 @@ lists them as skipped.
 
 - one GPU, no vLLM: a weight channel to a generator that died fails on one line within its timeout; the
   trainer's shared weight buffer is pinned; online_dpo.py learns in bf16 (DeepSpeed on NCCL), and so do the
-  other synchronous scripts, LoRA, ZeRO-3 under the deepspeed launcher and the multi-turn GRPO;
+  other synchronous scripts, LoRA, ZeRO-3 under the deepspeed launcher and the multi-turn GRPO; the README's
+  pipeline (SFT, reward model, RL, evaluation) runs in bf16;
 - one GPU with vLLM: no stale KV after a weight load; the engine on the trainer's GPU with sleep mode
   (memory returned between turns) learns; eval_checkpoints.py --vllm scores as HF generate does;
 - two GPUs: the engine on a GPU of its own, weights over NCCL at K=1 (every load checked exactly, async/
@@ -23,6 +24,7 @@ import time
 import pytest
 import torch
 from scripts import assert_learns, read_metrics, run_script, toy_run
+from test_pipeline import SHORTER, readme_pipeline
 from test_vllm_generator import logprob_gaps_around_loads
 
 pytestmark = pytest.mark.gpu
@@ -86,6 +88,19 @@ def test_multiturn_grpo_learns_guess_the_number_in_bf16_on_a_gpu(tmp_path):
                script="grpo_multiturn.py")
     evals = [m["eval/return_mean"] for m in read_metrics(tmp_path / "run") if "eval/return_mean" in m]
     assert len(evals) == 3 and evals[-1] >= evals[0] + 0.3, evals
+
+
+@one_gpu
+def test_the_readmes_pipeline_runs_in_bf16_on_a_gpu(tmp_path):
+    """test_pipeline.py's shortened pipeline, each step with --bf16: the SFT loss falls, the reward model
+    agrees with the gold judge, and the RL step raises the gold score."""
+    for _, script, *args in readme_pipeline():
+        run_script(*args, *SHORTER[script], "--bf16", script=script, cwd=tmp_path, timeout=600)
+    losses = [m["eval/loss"] for m in read_metrics(tmp_path / "runs" / "sft") if "eval/loss" in m]
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert [m["eval/accuracy"] for m in read_metrics(tmp_path / "runs" / "rm") if "eval/accuracy" in m][-1] > 0.85
+    table = [json.loads(line) for line in (tmp_path / "runs" / "dpo" / "eval" / "eval.jsonl").read_text().splitlines()]
+    assert table[-1]["eval/gold_score"] > table[0]["eval/gold_score"] + 0.5, table
 
 
 @vllm
