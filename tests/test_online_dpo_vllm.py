@@ -245,6 +245,11 @@ def start_two_nodes(launcher: tuple, args: list, out) -> list:
             for node in (0, 1)]
 
 
+def node_errors(folder) -> str:
+    """The end of what each node of start_two_nodes wrote to its standard error."""
+    return "\n".join(f"node {node}: " + (folder / f"node-{node}.err").read_text()[-3000:] for node in (0, 1))
+
+
 def kill_process_tree(pid: int):
     """SIGKILL a process and every process it started, wherever their sessions; once they have all ended, nothing
     of the run is still writing."""
@@ -275,7 +280,7 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     nodes = start_two_nodes(torchrun, args, out)
     deadline = time.time() + 600
     while not (out / "checkpoints" / "update-2").exists():
-        assert all(node.poll() is None for node in nodes), (tmp_path / "node-0.err").read_text()[-3000:]
+        assert all(node.poll() is None for node in nodes), node_errors(tmp_path)
         assert time.time() < deadline, "no checkpoint 2 within 600 s"
         time.sleep(0.01)
     for node in nodes:  # torchrun starts each rank in a session of its own: the whole tree, not the launcher's group
@@ -290,8 +295,8 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
                          env={"OMP_NUM_THREADS": "1"})
     assert refused.returncode != 0 and ("sampled-ahead batches are engine 0 of 2's, and this rank's engine would be "
                                         "0 of 1") in refused.stderr, refused.stderr[-3000:]
-    for rank, node in enumerate(start_two_nodes(deepspeed, [*args, "--resume"], out)):
-        assert node.wait(timeout=600) == 0, (tmp_path / f"node-{rank}.err").read_text()[-3000:]
+    for node in start_two_nodes(deepspeed, [*args, "--resume"], out):
+        assert node.wait(timeout=600) == 0, node_errors(tmp_path)
     assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])
 
 
