@@ -169,7 +169,7 @@ class CallsInFlight:
 
     def __init__(self, timeout: float):
         self.timeout, self.running, self.done = timeout, {}, queue.SimpleQueue()  # running: i -> deadline
-        self.where = {}  # i -> what names call i in errors (that of the last call i started)
+        self.where = {}  # i -> what names call i in errors, until results() hands it over
 
     def start(self, i, call, where: str):
         """`call` (no arguments) as call i (any key); `where` names it in errors."""
@@ -202,12 +202,13 @@ class CallsInFlight:
         return done
 
     def results(self, done: list) -> dict:
-        """The results of `done` (finished's) by call, or the run stops on the error of the first call that raised."""
+        """The (result, where) of `done` (finished's) by call, or the run stops on the error of the first call that
+        raised. Their `where`s are forgotten here: a long run's keys never pile up."""
         errors = sorted((i, error) for i, _, error in done if error is not None)
         if errors:
             i, error = errors[0]
             common.fail(f"{self.where[i]} raised {type(error).__name__}: {error}")
-        return {i: result for i, result, _ in done}
+        return {i: (result, self.where.pop(i)) for i, result, _ in done}
 
 
 def call_concurrently(calls: list, timeout: float, describe) -> list:
@@ -220,7 +221,7 @@ def call_concurrently(calls: list, timeout: float, describe) -> list:
     while in_flight.running:
         done += in_flight.finished(wait=0.05)
     results = in_flight.results(done)
-    return [results[i] for i in range(len(calls))]
+    return [results[i][0] for i in range(len(calls))]
 
 
 def check_step(result, where: str) -> tuple[str | None, float, bool]:

@@ -203,9 +203,9 @@ def play_continuously(llm, episodes: list[environments.Episode], task: environme
                 text = environments.action_text(task, ids)
                 steps.start(i, lambda env=episodes[i].env, text=text: env.step(text), f"{episodes[i].where}: step")
         done = steps.finished(wait=0.0 if engine.has_unfinished_requests() else 0.005)
-        for i, reply in steps.results(done).items():
+        for i, (reply, where) in steps.results(done).items():
             ids, stopped, logprobs = actions.pop(i)  # token in, token out, as in play_episodes
-            reply = environments.check_step(reply, steps.where[i])
+            reply = environments.check_step(reply, where)
             episodes[i].add_turn(ids, stopped, reply, task, env.max_turns, env.max_episode_tokens, logprobs)
             if not episodes[i].ended:
                 next_turn(i)

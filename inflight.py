@@ -329,10 +329,10 @@ class InflightEpisodes(InflightGeneration):
         done = self.steps.finished(wait=0.0 if busy else 0.005)
         while self.asynchronous.inflight_deterministic and self.steps.running:
             done += self.steps.finished(wait=0.05)
-        for (serial, sample), reply in sorted(self.steps.results(done).items()):
+        for (serial, sample), (reply, where) in sorted(self.steps.results(done).items()):
             group = self.groups[serial]
             state = group["samples"][sample]
-            self.add_reply(state, environments.check_step(reply, self.steps.where[serial, sample]))
+            self.add_reply(state, environments.check_step(reply, where))
             if state["episode"].ended:
                 state["done"] = True
                 self.group_done(group)

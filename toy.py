@@ -291,15 +291,12 @@ def built_side_by_side(builds: list[tuple], seed: int):
     takes BUILD_THREADS threads; several, where there are as many cores, run at once with one thread each
     (the same weights: the toy world and the arithmetic task side by side took 104 s here, one after the
     other at two threads 150 s)."""
-    def missing():
-        return [build for build in builds if not os.path.exists(os.path.join(build[0], "summary.json"))]
-
-    if not missing():
+    if not unbuilt(builds):
         return
     os.makedirs(os.path.dirname(builds[0][0]), exist_ok=True)
     with open(BUILD_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        todo = missing()  # some may have been built while this one waited
+        todo = unbuilt(builds)  # some may have been built while this one waited
         side_by_side = 1 < len(todo) <= len(os.sched_getaffinity(0))
         environment = os.environ | {"ASYNC_RLHF_TOY_DIR": TOY_DIR, "PYTHONPATH": os.pathsep.join(
             [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}
@@ -319,6 +316,11 @@ def built_side_by_side(builds: list[tuple], seed: int):
         if exit_code != 0:
             raise RuntimeError(f"toy: building {name} into {folder} failed (exit code {exit_code}); its output is "
                                "above")
+
+
+def unbuilt(builds: list[tuple]) -> list[tuple]:
+    """Those of `builds` ((folder, make, name), as built_side_by_side's) whose folder holds no finished build."""
+    return [build for build in builds if not os.path.exists(os.path.join(build[0], "summary.json"))]
 
 
 def build_in_this_process(folder: str, make, seed: int, name: str, threads: int):
@@ -348,10 +350,8 @@ def build_everything(seed: int = 0) -> None:
     """What the tests use, unless built: of the toy world, the arithmetic task and the guess-the-number
     environment, those missing, two side by side at a time (the first two take about as long as each other),
     then the pipeline's data (from the toy world)."""
-    missing = [(folder, make, name) for folder, make, name in [
-        (TOY_DIR, make_toy, "the toy world"), (MATH_DIR, make_math, "the arithmetic task"),
-        (GUESS_DIR, make_guess, "the guess-the-number environment")]
-        if not os.path.exists(os.path.join(folder, "summary.json"))]
+    missing = unbuilt([(TOY_DIR, make_toy, "the toy world"), (MATH_DIR, make_math, "the arithmetic task"),
+                       (GUESS_DIR, make_guess, "the guess-the-number environment")])
     built_side_by_side(missing[:2], seed)
     built_side_by_side(missing[2:], seed)
     build_pipeline(seed)
