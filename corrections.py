@@ -100,7 +100,10 @@ def off_policy_terms(new_logprobs, sampling_logprobs, start_logprobs, mask, corr
     Diagnostics: async/mismatch_kl, the k3 estimate of KL(pi_sampling || pi_step) per token; async/is_ratio_*
     and async/is_truncated_frac describe rho before truncation (base: this step under none); with mask and
     m2po the share of terms dropped; the sums async/ess is made of (merge_diagnostics)."""
-    step_logprobs = new_logprobs.detach()
+    # the weights and the anchor are constants of the loss: no gradient reaches the policy through them, whatever
+    # forward the caller computed its log-probs in
+    step_logprobs, sampling_logprobs, start_logprobs = (x.detach() for x in (new_logprobs, sampling_logprobs,
+                                                                               start_logprobs))
     correction, cap = corrections.off_policy_correction, corrections.cap
     base = start_logprobs if corrections.reads_start_logprobs else step_logprobs
     anchor = sampling_logprobs if correction == "none" else base

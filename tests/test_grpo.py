@@ -1,6 +1,7 @@
-"""grpo.py: every loss type, the clipping variants, GSPO's sequence ratio, the KL estimators, the entropy
-bonus and the advantages against numbers computed by hand on a tiny batch (two prompts of k=2, completions
-of 3, 1, 2 and 3 tokens, the first truncated). The script's bad flags: test_reliability.py."""
+"""The GRPO scripts (grpo.py, grpo_vllm.py, grpo_multiturn.py, grpo_multiturn_vllm.py, each with its own copy):
+every loss type, the clipping variants, GSPO's sequence ratio, the KL estimators, the entropy bonus and the
+advantages against numbers computed by hand on a tiny batch (two prompts of k=2, completions of 3, 1, 2 and 3
+tokens, the first truncated), in value and in gradient. The scripts' bad flags: test_reliability.py."""
 
 import math
 
@@ -10,6 +11,9 @@ from scripts import assert_learns, read_metrics, run_script, toy_run
 
 import common
 import grpo
+import grpo_multiturn
+import grpo_multiturn_vllm
+import grpo_vllm
 import toy
 
 PAD = common.INVALID_LOGPROB
@@ -22,17 +26,29 @@ ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5])
 # row 3 -> 0.5 x 3. Sums per row -2.7, 1.5, -1.0, 1.5: -0.7 over 9 tokens.
 
 
-def grpo_args(**overrides) -> grpo.Args:
-    """grpo.py's flags, its defaults but `overrides` (dapo, clip [0.8, 1.2], token ratios, no KL, no entropy
-    bonus), completions of 3 tokens."""
-    args = grpo.Args(**overrides)
-    args.generation.response_length = 3
+GRPO_SCRIPTS = [grpo, grpo_vllm, grpo_multiturn, grpo_multiturn_vllm]
+
+
+@pytest.fixture(params=GRPO_SCRIPTS, ids=lambda module: module.__name__)
+def script(request):
+    """Each GRPO script: its own loss functions, checked on the same numbers."""
+    return request.param
+
+
+def grpo_args(script, **overrides):
+    """`script`'s flags, its defaults but `overrides` (dapo, clip [0.8, 1.2], token ratios, no KL, no entropy
+    bonus), completions (the multi-turn scripts' episodes) of 3 tokens at most."""
+    args = script.Args(**overrides)
+    if hasattr(args, "env"):
+        args.env.max_episode_tokens = 3
+    else:
+        args.generation.response_length = 3
     return args
 
 
-def loss_of(mask=MASK, new=NEW, step_tokens=9.0, ref=None, entropy=None, **overrides):
-    args = grpo_args(**overrides)
-    return grpo.policy_loss(new, new - LOG_RATIO, ADVANTAGES, mask, args, step_tokens, ref, entropy)[0].item()
+def loss_of(script, mask=MASK, new=NEW, step_tokens=9.0, ref=None, entropy=None, **overrides):
+    args = grpo_args(script, **overrides)
+    return script.policy_loss(new, new - LOG_RATIO, ADVANTAGES, mask, args, step_tokens, ref, entropy)[0].item()
 
 
 @pytest.mark.parametrize(("loss_type", "expected"), [
@@ -41,113 +57,116 @@ def loss_of(mask=MASK, new=NEW, step_tokens=9.0, ref=None, entropy=None, **overr
     ("dr_grpo", -0.7 / (4 * 3)),  # over rows x --response_length
     ("dapo", -0.7 / 9),  # over the step's tokens (here this micro-batch's)
 ])
-def test_each_loss_type_averages_the_token_losses_as_it_says(loss_type, expected):
-    assert loss_of(loss_type=loss_type) == pytest.approx(expected, abs=1e-6)
+def test_each_loss_type_averages_the_token_losses_as_it_says(script, loss_type, expected):
+    assert loss_of(script, loss_type=loss_type) == pytest.approx(expected, abs=1e-6)
 
 
-def test_dapo_divides_by_the_whole_steps_tokens_not_the_micro_batchs():
-    assert loss_of(step_tokens=18.0) == pytest.approx(-0.7 / 18, abs=1e-6)
+def test_dapo_divides_by_the_whole_steps_tokens_not_the_micro_batchs(script):
+    assert loss_of(script, step_tokens=18.0) == pytest.approx(-0.7 / 18, abs=1e-6)
 
 
 @pytest.mark.parametrize(("loss_type", "expected"), [
     ("grpo", (0.0 + 1.5 - 0.5 + 0.5) / 4),  # the truncated row counts as 0 in the mean over rows
     ("bnpo", 2.0 / 6), ("dr_grpo", 2.0 / 12), ("dapo", 2.0 / 6),
 ])
-def test_masking_the_truncated_completion_drops_its_tokens(loss_type, expected):
+def test_masking_the_truncated_completion_drops_its_tokens(script, loss_type, expected):
     mask = MASK * torch.tensor([0.0, 1, 1, 1])[:, None]  # what --mask_truncated_completions makes
-    assert loss_of(mask=mask, step_tokens=6.0, loss_type=loss_type) == pytest.approx(expected, abs=1e-6)
+    assert loss_of(script, mask=mask, step_tokens=6.0, loss_type=loss_type) == pytest.approx(expected, abs=1e-6)
 
 
-def test_clip_higher_two_sided_clipping_and_the_sequence_ratio():
+def test_clip_higher_two_sided_clipping_and_the_sequence_ratio(script):
     # clip-higher 0.28: row 0's first token -1.28 instead of -1.2
-    assert loss_of(epsilon_high=0.28, loss_type="bnpo") == pytest.approx(-0.78 / 9, abs=1e-6)
+    assert loss_of(script, epsilon_high=0.28, loss_type="bnpo") == pytest.approx(-0.78 / 9, abs=1e-6)
     # delta 1.4: row 1 (ratio 1.5, A = -1) pays 1.4, not 1.5
-    assert loss_of(delta=1.4, loss_type="dr_grpo") == pytest.approx(-0.8 / 12, abs=1e-6)
+    assert loss_of(script, delta=1.4, loss_type="dr_grpo") == pytest.approx(-0.8 / 12, abs=1e-6)
     # GSPO: row 0's ratio is exp(mean log-ratio) = 0.75 ** (1/3) = 0.90856 on each of its tokens (inside the clip)
     row0 = -3 * 0.75 ** (1 / 3)
-    assert loss_of(importance_sampling_level="sequence") == pytest.approx((row0 + 1.5 - 1.0 + 1.5) / 9, abs=1e-6)
+    expected = (row0 + 1.5 - 1.0 + 1.5) / 9
+    assert loss_of(script, importance_sampling_level="sequence") == pytest.approx(expected, abs=1e-6)
 
 
-def test_cispo_is_reinforce_weighted_by_the_capped_ratio_with_no_gradient_through_it():
+def test_cispo_is_reinforce_weighted_by_the_capped_ratio_with_no_gradient_through_it(script):
     # -min(ratio, 1.3) * A * logp: row 0: 0.65 + 0.5 + 2.0; row 1: -0.39; row 2: 0.5 + 0.75; row 3: -0.6
-    assert loss_of(loss_type="cispo", epsilon_high=1.3) == pytest.approx(3.41 / 9, abs=1e-6)
+    assert loss_of(script, loss_type="cispo", epsilon_high=1.3) == pytest.approx(3.41 / 9, abs=1e-6)
     new = NEW.clone().requires_grad_()
-    grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, grpo_args(loss_type="cispo", epsilon_high=1.3),
-                     9.0)[0].backward()
+    args = grpo_args(script, loss_type="cispo", epsilon_high=1.3)
+    script.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
     # the capped weight, with no derivative of its own: also where the cap does not bind (ratio 0.5, logp -1)
     assert new.grad[0, :2].tolist() == pytest.approx([-1.3 / 9, -0.5 / 9])
 
 
-def test_the_clipped_tokens_get_no_gradient():
+def test_the_clipped_tokens_get_no_gradient(script):
     new = NEW.clone().requires_grad_()
-    grpo.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, grpo_args(loss_type="bnpo"), 9.0)[0].backward()
+    args = grpo_args(script, loss_type="bnpo")
+    script.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
     assert new.grad[0, 0].item() == 0  # ratio 1.5 > 1.2 with A > 0: clipped
     assert new.grad[0, 1].item() == pytest.approx(-0.5 / 9)  # ratio 0.5, A = 1: d(-ratio A)/dlogp / 9
 
 
 @pytest.mark.parametrize(("estimator", "kl"), [
     ("k1", -math.log(2)), ("k2", 0.5 * math.log(2) ** 2), ("k3", 2 - math.log(2) - 1)])
-def test_the_kl_penalty_adds_beta_times_the_estimator_per_token(estimator, kl):
+def test_the_kl_penalty_adds_beta_times_the_estimator_per_token(script, estimator, kl):
     ref = NEW.clone()
     ref[2, 0] += math.log(2)  # one token where the reference is twice as likely: r = log 2
     expected = (-0.7 + 0.1 * kl) / 9
-    assert loss_of(ref=ref, beta=0.1, kl_estimator=estimator, loss_type="bnpo") == pytest.approx(expected, abs=1e-6)
+    loss = loss_of(script, ref=ref, beta=0.1, kl_estimator=estimator, loss_type="bnpo")
+    assert loss == pytest.approx(expected, abs=1e-6)
 
 
-def test_the_entropy_bonus_is_subtracted_averaged_as_the_loss():
+def test_the_entropy_bonus_is_subtracted_averaged_as_the_loss(script):
     entropy = torch.ones_like(NEW)
-    assert loss_of(entropy=entropy, entropy_coef=0.1, loss_type="bnpo") == pytest.approx(-0.7 / 9 - 0.1, abs=1e-6)
+    loss = loss_of(script, entropy=entropy, entropy_coef=0.1, loss_type="bnpo")
+    assert loss == pytest.approx(-0.7 / 9 - 0.1, abs=1e-6)
 
 
-def loss_gradients(ref=None, entropy=None, **overrides) -> tuple[torch.Tensor, torch.Tensor | None]:
+def loss_gradients(script, ref=None, entropy=None, **overrides) -> tuple[torch.Tensor, torch.Tensor | None]:
     """d loss / d new log-probs (the ratio's old log-probs held fixed), and d loss / d entropy."""
     new = NEW.clone().requires_grad_()
     entropy = None if entropy is None else entropy.clone().requires_grad_()
-    grpo.policy_loss(new, NEW - LOG_RATIO, ADVANTAGES, MASK, grpo_args(**overrides), 9.0, ref, entropy)[0].backward()
+    args = grpo_args(script, **overrides)
+    script.policy_loss(new, NEW - LOG_RATIO, ADVANTAGES, MASK, args, 9.0, ref, entropy)[0].backward()
     return new.grad, None if entropy is None else entropy.grad
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
-def test_the_kl_penalty_pulls_each_token_towards_the_reference(estimator):
+def test_the_kl_penalty_pulls_each_token_towards_the_reference(script, estimator):
     # on top of the policy term's gradient, beta / 9 tokens times d KL / d logp per token, r = ref - logp:
     # k1 (-r) 1, k2 (r^2 / 2) -r, k3 (e^r - r - 1) 1 - e^r; a token more likely under the policy than the
     # reference (r < 0) is pushed down, one less likely (r > 0) up (k2, k3)
     ref = NEW + torch.tensor([[math.log(2), -math.log(2), 0.3], [0.1, 0, 0], [-0.2, 0.5, 0], [0, 0.4, -0.1]])
     r = ref - NEW
     by_hand = {"k1": torch.ones_like(r), "k2": -r, "k3": 1 - torch.exp(r)}[estimator]
-    with_kl, _ = loss_gradients(ref=ref, beta=0.1, kl_estimator=estimator, loss_type="bnpo")
-    without, _ = loss_gradients(loss_type="bnpo")
+    with_kl, _ = loss_gradients(script, ref=ref, beta=0.1, kl_estimator=estimator, loss_type="bnpo")
+    without, _ = loss_gradients(script, loss_type="bnpo")
     assert torch.allclose(with_kl - without, 0.1 * by_hand * MASK / 9, atol=1e-7)
 
 
-def test_the_entropy_bonus_pushes_every_tokens_entropy_up():
-    _, entropy_gradient = loss_gradients(entropy=torch.ones_like(NEW), entropy_coef=0.1, loss_type="bnpo")
+def test_the_entropy_bonus_pushes_every_tokens_entropy_up(script):
+    _, entropy_gradient = loss_gradients(script, entropy=torch.ones_like(NEW), entropy_coef=0.1, loss_type="bnpo")
     assert torch.allclose(entropy_gradient, -0.1 * MASK / 9)
 
 
-def test_advantages_by_group_by_batch_and_unscaled(monkeypatch):
+def test_advantages_by_group_by_batch_and_unscaled(script, monkeypatch):
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor: None)  # one rank
     monkeypatch.setattr(common, "local_device", lambda: torch.device("cpu"))
     rewards = torch.tensor([1.0, 0.0, 2.0, 2.0])  # the second group all equal: no signal
-    assert grpo.group_advantages(rewards, 2, "none").tolist() == [0.5, -0.5, 0.0, 0.0]
-    group = grpo.group_advantages(rewards, 2, "group")
+    assert script.group_advantages(rewards, 2, "none").tolist() == [0.5, -0.5, 0.0, 0.0]
+    group = script.group_advantages(rewards, 2, "group")
     assert group.tolist() == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-4), -0.5 / (math.sqrt(0.5) + 1e-4), 0, 0])
     batch_std = math.sqrt(((1 - 1.25) ** 2 + 1.25 ** 2 + 2 * 0.75 ** 2) / 3)  # all rewards, n - 1
-    assert grpo.group_advantages(rewards, 2, "batch").tolist() == pytest.approx(
+    assert script.group_advantages(rewards, 2, "batch").tolist() == pytest.approx(
         [0.5 / (batch_std + 1e-4), -0.5 / (batch_std + 1e-4), 0, 0])
 
 
-@pytest.mark.parametrize("script", ["grpo", "grpo_vllm"])
 def test_the_batch_std_is_exact_with_large_rewards_and_a_small_spread(monkeypatch, script):
     """Rewards near 100 with a spread of 0.01: a sum of squares in fp32 loses the spread entirely."""
-    module = __import__(script)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor: None)  # one rank
     monkeypatch.setattr(common, "local_device", lambda: torch.device("cpu"))
     rewards = 100 + 0.01 * torch.randn(64, generator=torch.Generator().manual_seed(0))  # fp32
     per_prompt = rewards.view(-1, 4)
     centred = (per_prompt - per_prompt.mean(dim=1, keepdim=True)).flatten()
     expected = centred.double() / (rewards.double().std().item() + 1e-4)
-    assert module.group_advantages(rewards, 4, "batch").tolist() == pytest.approx(expected.tolist(), rel=1e-5)
+    assert script.group_advantages(rewards, 4, "batch").tolist() == pytest.approx(expected.tolist(), rel=1e-5)
 
 
 def test_the_entropy_bonus_has_finite_gradients_under_top_p():

@@ -136,6 +136,34 @@ def test_the_diagnostics():
     assert merged["async/ess"] == pytest.approx((5 + 4.5) ** 2 / (6 * (11.5 + 1.2 ** 2 + 0.8 ** 2 + 2.5 ** 2)))
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("correction", CORRECTIONS)
+def test_no_gradient_flows_through_the_weights_or_the_anchor(correction, level):
+    """Each policy term's weight and the ratio's anchor are constants of the loss, even where every log-prob given
+    carries a gradient: the policy's gradient is that of the same loss on detached copies of them (PPO's per-token
+    loss, RLOO's per-completion one), and none reaches the sampling or start-of-update log-probs."""
+    flags = corrections.CorrectionArgs(off_policy_correction=correction, is_cap=5.0)  # every weight non-zero
+
+    def gradient(inputs_carry_gradient: bool):
+        new = STEP.clone().requires_grad_()
+        sampling, start = (x.clone().requires_grad_(inputs_carry_gradient) for x in (SAMPLING, START))
+        made = corrections.off_policy_terms(new if inputs_carry_gradient else new.detach(), sampling, start, MASK,
+                                            flags, sequence_level=level == "sequence")
+        if level == "token":
+            loss = ppo.policy_loss(new, made.anchor, ADVANTAGES, MASK, 0.2, 3.0, made.token_weights, made.clip)[0]
+        else:
+            new_seq, old_seq = common.masked_sum(new, made.kept), common.masked_sum(made.anchor, made.kept)
+            loss = rloo.sequence_policy_loss(new_seq, old_seq, torch.tensor([-1.0]), 0.2, made.weights.flatten(),
+                                             made.clip)[0]
+        assert not made.weights.requires_grad and not made.anchor.requires_grad
+        loss.backward()
+        assert sampling.grad is None and start.grad is None
+        return new.grad
+
+    carried, constant = gradient(True), gradient(False)
+    assert constant.abs().sum() > 0 and torch.allclose(carried, constant), (carried, constant)
+
+
 @pytest.mark.parametrize("correction", CORRECTIONS)
 def test_nothing_stale_every_correction_is_none(correction):
     """K = 0, one mini-batch: the sampling, start-of-update and step log-probs are the same."""
