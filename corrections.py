@@ -124,15 +124,22 @@ def off_policy_terms(new_logprobs, sampling_logprobs, start_logprobs, mask, corr
     elif correction == "mask":
         weights = torch.where((raw >= corrections.is_mask_low) & (raw <= cap), raw, 0.0)
     step_log_ratio = step_logprobs - sampling_logprobs
-    diagnostics = {"async/mismatch_kl": common.masked_mean(torch.exp(step_log_ratio) - step_log_ratio - 1, mask),
-                   "async/is_ratio_mean": raw[real].mean().item(), "async/is_ratio_max": raw[real].max().item(),
-                   "async/is_truncated_frac": (raw[real] > cap).float().mean().item(),
-                   ESS_SUMS: (raw[real].sum().item(), (raw[real] ** 2).sum().item(), real.sum().item())}
+    # a micro-batch with no real token (all of it left out: --mask_truncated_completions) describes nothing
+    diagnostics = dict(NOTHING_STALE) if not real.any() else {
+        "async/mismatch_kl": common.masked_mean(torch.exp(step_log_ratio) - step_log_ratio - 1, mask),
+        "async/is_ratio_mean": raw[real].mean().item(), "async/is_ratio_max": raw[real].max().item(),
+        "async/is_truncated_frac": (raw[real] > cap).float().mean().item()}
+    diagnostics[ESS_SUMS] = (raw[real].sum().item(), (raw[real] ** 2).sum().item(), real.sum().item())
     if correction == "mask":
-        diagnostics["async/is_masked_frac"] = (weights[real] == 0).float().mean().item()
+        diagnostics["async/is_masked_frac"] = (weights[real] == 0).float().mean().item() if real.any() else 0.0
     if correction == "m2po":
         diagnostics["async/m2po_masked_frac"] = 1 - kept.sum().item() / max(mask.sum().item(), 1)
     return OffPolicyTerms(anchor, weights, kept, correction != "m2po", diagnostics)
+
+
+# the diagnostics of samples drawn by the weights that train them, and of a micro-batch with no real token
+NOTHING_STALE = {"async/mismatch_kl": 0.0, "async/is_ratio_mean": 1.0, "async/is_ratio_max": 1.0,
+                 "async/is_truncated_frac": 0.0}
 
 
 def second_moment_mask(log_ratios: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -157,10 +164,12 @@ def second_moment_mask(log_ratios: torch.Tensor, mask: torch.Tensor, threshold: 
 
 def merge_diagnostics(diagnostics: list[dict]) -> dict[str, float]:
     """The micro-batches' off_policy_terms diagnostics as one update's: the largest async/is_ratio_max, the
-    mean of the others, and async/ess = (sum w)^2 / (N sum w^2), the effective sample size's share, of every
-    weight before truncation (rho; 1 when nothing is stale)."""
-    merged = {name: (max if name.endswith("_max") else statistics.mean)([d[name] for d in diagnostics])
-              for name in diagnostics[0] if name != ESS_SUMS}
+    mean of the others (over the micro-batches with real tokens), and async/ess = (sum w)^2 / (N sum w^2), the
+    effective sample size's share, of every weight before truncation (rho; 1 when nothing is stale, or no token
+    counts)."""
+    counted = [d for d in diagnostics if d[ESS_SUMS][2]] or diagnostics  # those with real tokens, if any
+    merged = {name: (max if name.endswith("_max") else statistics.mean)([d[name] for d in counted])
+              for name in counted[0] if name != ESS_SUMS}
     total, squares, count = map(sum, zip(*(d[ESS_SUMS] for d in diagnostics)))
-    merged["async/ess"] = total ** 2 / max(count * squares, 1e-30)
+    merged["async/ess"] = total ** 2 / max(count * squares, 1e-30) if count else 1.0
     return merged

@@ -384,8 +384,9 @@ def main(args: Args):
             "loss/policy_avg": stats["loss"],
             "policy/clipfrac_avg": stats["clipfrac"],
             "policy/entropy_avg": stats["entropy"],
-            "val/ratio": ratios.mean().item(),
-            "val/ratio_var": ratios.var().item(),
+            # an update whose every token is left out (--mask_truncated_completions) has no ratio: 1 and 0
+            "val/ratio": ratios.mean().item() if len(ratios) else 1.0,
+            "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
             **off_policy,
             # groups whose k rewards are all equal: their advantages are 0, they teach nothing
             "objective/zero_std_groups": (scores.view(-1, k).std(dim=1) == 0).float().mean().item(),

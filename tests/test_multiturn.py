@@ -16,6 +16,7 @@ from scripts import (
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     assert_two_ranks_train_as_one,
+    load_policy_weights,
     read_metrics,
     run_script,
     uninterrupted_and_resumed_runs,
@@ -340,3 +341,32 @@ def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
     for i, ((flags, expected), message) in enumerate(zip(cases, messages, strict=True)):
         assert message.startswith("error: ") and "\n" not in message and expected in message, (flags, message)
         assert not (tmp_path / f"case{i}").exists() or "first message" in expected, f"{flags} left output behind"
+
+
+@pytest.mark.parametrize("script", ["grpo_multiturn.py", "grpo_multiturn_vllm.py"])
+def test_mask_truncated_completions_drops_exactly_the_truncated_episodes(tmp_path, script):
+    """tests/envs.py:SaysAnswer ends its episodes at their second turn. With --max_turns 1 every episode is
+    truncated: with the flag nothing is left in the loss (0 at every update), without it the same episodes train;
+    with --max_turns 3 none is: the flag changes nothing, bit for bit. A mask that dropped the wrong episodes, or
+    none, fails one of the two."""
+    from own_inputs import chat_policy_and_prompts
+
+    policy, prompts = chat_policy_and_prompts(tmp_path)
+    common_flags = ["--env", "tests/envs.py:SaysAnswer", "--model_name_or_path", policy, "--chat_template",
+                    "--dataset_name", prompts, "--response_length", "6", "--max_episode_tokens", "100",
+                    "--total_episodes", "24", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+                    "1", "--eval_every", "0"]
+    runs = {(turns, flag): tmp_path / f"turns{turns}{'-masked' if flag else ''}"
+            for turns in (1, 3) for flag in (True, False)}
+    for (turns, flag), out in runs.items():
+        run_script(*common_flags, "--max_turns", turns, *(["--mask_truncated_completions"] if flag else []),
+                   "--output_dir", out, script=script)
+    train = {run: [m for m in read_metrics(out) if "loss/policy_avg" in m] for run, out in runs.items()}
+    assert all(len(metrics) == 6 for metrics in train.values())
+    assert all(m["rollout/truncated_episodes"] == 1 for m in train[1, True] + train[1, False])
+    assert all(m["loss/policy_avg"] == 0 for m in train[1, True])
+    assert any(m["loss/policy_avg"] != 0 for m in train[1, False])
+    assert all(m["rollout/truncated_episodes"] == 0 for m in train[3, True])
+    assert [m["loss/policy_avg"] for m in train[3, True]] == [m["loss/policy_avg"] for m in train[3, False]]
+    assert torch.equal(*(torch.cat([w.flatten() for w in load_policy_weights(runs[3, flag]).values()])
+                         for flag in (True, False)))

@@ -165,6 +165,19 @@ def test_no_gradient_flows_through_the_weights_or_the_anchor(correction, level):
 
 
 @pytest.mark.parametrize("correction", CORRECTIONS)
+def test_a_micro_batch_with_no_real_token_counts_for_nothing(correction):
+    """--mask_truncated_completions can leave a whole micro-batch out: its terms weigh nothing, and the update's
+    diagnostics are those of the other micro-batches (all neutral when none has a token)."""
+    flags = corrections.CorrectionArgs(off_policy_correction=correction)
+    empty = corrections.off_policy_terms(STEP, SAMPLING, START, torch.zeros_like(MASK), flags, False)
+    assert empty.token_weights.sum() == 0
+    full = terms(correction).diagnostics
+    assert corrections.merge_diagnostics([empty.diagnostics, full]) == corrections.merge_diagnostics([full])
+    alone = corrections.merge_diagnostics([empty.diagnostics])
+    assert alone["async/ess"] == 1 and alone["async/is_ratio_max"] == 1 and alone["async/mismatch_kl"] == 0
+
+
+@pytest.mark.parametrize("correction", CORRECTIONS)
 def test_nothing_stale_every_correction_is_none(correction):
     """K = 0, one mini-batch: the sampling, start-of-update and step log-probs are the same."""
     fresh = SAMPLING.clone().requires_grad_()
