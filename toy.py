@@ -63,7 +63,7 @@ GUESS_DATASET = os.path.join(GUESS_DIR, "dataset")
 BASE_POLICY = os.path.join(PIPELINE_DIR, "base_policy")
 SFT_DATASET = os.path.join(PIPELINE_DIR, "sft_dataset")
 PREFERENCE_DATASET = os.path.join(PIPELINE_DIR, "preference_dataset")
-BUILD_LOCK = os.path.join(os.path.dirname(TOY_DIR), "builds.lock")  # one for every build (built_side_by_side)
+BUILD_LOCK = os.path.join(os.path.dirname(TOY_DIR), "builds.lock")  # one for every build (built_once)
 BUILD_THREADS = 2  # a build's, whatever its caller's (measured here: 1, 2 and 3 threads build the same weights)
 LABEL_NOISE = 0.25  # of the preference pairs, those whose "human" label disagrees with the gold judge
 
@@ -279,82 +279,47 @@ def measure(policy_folder: str, reward_model_folder: str, dataset_folder: str, s
 
 
 def built_once(folder: str, make, seed: int, name: str):
-    """Build `name` into `folder` unless it is there (built_side_by_side of one build)."""
-    built_side_by_side([(folder, make, name)], seed)
-
-
-def built_side_by_side(builds: list[tuple], seed: int):
-    """Build each (folder, make, name) of `builds` unless it is there. Builds wait for each other (BUILD_LOCK:
-    two at once on two cores, each of two threads, made both several times slower), and one that finds its
-    folder built when its turn comes does nothing. Each runs in a Python process of its own, which holds the
-    lock with its caller, so the caller's thread count, random state and memory stay as they were: one build
-    takes BUILD_THREADS threads; several, where there are as many cores, run at once with one thread each
-    (the same weights: the toy world and the arithmetic task side by side took 104 s here, one after the
-    other at two threads 150 s)."""
-    if not unbuilt(builds):
+    """Build `name` into `folder` unless it is there. Builds wait for each other (BUILD_LOCK: two at once on two
+    cores made both several times slower), and one that finds its folder built when its turn comes does
+    nothing. It runs in a Python process of its own, which holds the lock with its caller, so the caller's
+    thread count, random state and memory stay as they were."""
+    if os.path.exists(os.path.join(folder, "summary.json")):
         return
-    os.makedirs(os.path.dirname(builds[0][0]), exist_ok=True)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
     with open(BUILD_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        todo = unbuilt(builds)  # some may have been built while this one waited
-        side_by_side = 1 < len(todo) <= len(os.sched_getaffinity(0))
+        if os.path.exists(os.path.join(folder, "summary.json")):  # built while this one waited
+            return
+        for leftover in glob.glob(folder + ".building-*"):  # of a build that was killed: nothing builds it now
+            shutil.rmtree(leftover, ignore_errors=True)
         environment = os.environ | {"ASYNC_RLHF_TOY_DIR": TOY_DIR, "PYTHONPATH": os.pathsep.join(
             [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}
-        processes = []
-        for folder, make, name in todo:
-            for leftover in glob.glob(folder + ".building-*"):  # of a build that was killed: nothing builds it now
-                shutil.rmtree(leftover, ignore_errors=True)
-            threads = 1 if side_by_side else BUILD_THREADS
-            code = (f"import toy; toy.build_in_this_process({folder!r}, toy.{make.__name__}, {seed}, {name!r}, "
-                    f"{threads})")
-            process = subprocess.Popen([sys.executable, "-c", code], env=environment, pass_fds=[lock.fileno()])
-            if not side_by_side:
-                process.wait()
-            processes.append((process, folder, name))
-        failed = [(process.wait(), folder, name) for process, folder, name in processes]
-    for exit_code, folder, name in failed:
-        if exit_code != 0:
-            raise RuntimeError(f"toy: building {name} into {folder} failed (exit code {exit_code}); its output is "
-                               "above")
+        code = f"import toy; toy.build_in_this_process({folder!r}, toy.{make.__name__}, {seed}, {name!r})"
+        exit_code = subprocess.run([sys.executable, "-c", code], env=environment, pass_fds=[lock.fileno()]).returncode
+    if exit_code != 0:
+        raise RuntimeError(f"toy: building {name} into {folder} failed (exit code {exit_code}); its output is above")
 
 
-def unbuilt(builds: list[tuple]) -> list[tuple]:
-    """Those of `builds` ((folder, make, name), as built_side_by_side's) whose folder holds no finished build."""
-    return [build for build in builds if not os.path.exists(os.path.join(build[0], "summary.json"))]
-
-
-def build_in_this_process(folder: str, make, seed: int, name: str, threads: int):
+def build_in_this_process(folder: str, make, seed: int, name: str):
     """`make(building, seed, rng, start)` builds `name` into a scratch folder beside `folder`, seeded, with
-    `threads` torch threads, and returns the numbers it measured; they go to summary.json and the folder
-    becomes `folder` in one rename. built_side_by_side's process, which holds BUILD_LOCK."""
+    BUILD_THREADS torch threads, and returns the numbers it measured; they go to summary.json and the folder
+    becomes `folder` in one rename. built_once's process, which holds BUILD_LOCK."""
     start = time.time()
     datasets.disable_progress_bars()  # the build's output: what it builds, and in how long
     transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(BUILD_THREADS)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     building = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".building-", dir=os.path.dirname(folder))
     try:
         print(f"toy: building {name} into {folder} (seed {seed})", flush=True)
-        numbers = make(building, seed, rng, start) | {"seed": seed, "build_seconds": round(time.time() - start, 1),
-                                                     "build_threads": threads}
+        numbers = make(building, seed, rng, start) | {"seed": seed, "build_seconds": round(time.time() - start, 1)}
         with open(os.path.join(building, "summary.json"), "w") as f:
             json.dump(numbers, f, indent=2)
         os.rename(building, folder)
     finally:
         shutil.rmtree(building, ignore_errors=True)
     print(f"toy: {name} built in {time.time() - start:.0f} s", flush=True)
-
-
-def build_everything(seed: int = 0) -> None:
-    """What the tests use, unless built: of the toy world, the arithmetic task and the guess-the-number
-    environment, those missing, two side by side at a time (the first two take about as long as each other),
-    then the pipeline's data (from the toy world)."""
-    missing = unbuilt([(TOY_DIR, make_toy, "the toy world"), (MATH_DIR, make_math, "the arithmetic task"),
-                       (GUESS_DIR, make_guess, "the guess-the-number environment")])
-    built_side_by_side(missing[:2], seed)
-    built_side_by_side(missing[2:], seed)
-    build_pipeline(seed)
 
 
 def build(seed: int = 0) -> None:

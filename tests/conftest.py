@@ -22,12 +22,30 @@ SLOWEST_FIRST = ["test_online_dpo_vllm.py", "test_math.py", "test_two_ranks.py",
 def pytest_sessionstart(session):
     """Before the workers start: the embedded tasks the tests use, built on the idle machine (nothing when they
     are built). Built by the first test to ask, a build would share the two cores with the other worker's
-    tests."""
+    tests. The arithmetic task (2 minutes) only where slow tests run: no fast one uses it."""
     if hasattr(session.config, "workerinput") or session.config.option.collectonly:
         return
     import toy
 
-    toy.build_everything()
+    toy.build()
+    toy.build_guess()
+    toy.build_pipeline()
+    if "not slow" not in session.config.option.markexpr:
+        toy.build_math()
+
+
+def pytest_deselected(items):
+    global deselected_slow
+    deselected_slow += sum(item.get_closest_marker("slow") is not None for item in items)
+
+
+deselected_slow = 0
+
+
+def pytest_terminal_summary(terminalreporter):
+    if deselected_slow:
+        terminalreporter.write_line(f"{deselected_slow} slow tests not run: python -m pytest -m 'slow or not slow' "
+                                    "runs the whole suite (CI does)")
 
 
 def pytest_collection_modifyitems(items):

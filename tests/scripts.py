@@ -1,18 +1,11 @@
 """Helpers for tests that run the algorithm scripts as subprocesses on the toy task."""
 
-import contextlib
 import json
 import os
-import pickle
-import select
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 
 import torch
 
@@ -25,156 +18,26 @@ QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", 
 
 
 def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900,
-               cwd=ROOT, preloaded=True):
+               cwd=ROOT):
     """Run `script` (a path from the repository root: a kit script, or a program under tests/) in `cwd`, in a
-    session of its own; in this environment, and unless `preloaded` is false, as a child of this worker's
-    tests/preloaded.py (see preloadable)."""
+    session of its own (as a scheduler's job: a test signals its whole process group), with this process's
+    environment and `env`."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
-    result = run_preloaded(command, cwd, timeout, env) if preloaded and preloadable(launcher, env) else None
-    if result is None:
-        # a session of its own, as a preloaded run's; the output is complete once every process has ended
-        result = subprocess.run(command, cwd=cwd, text=True, capture_output=True, timeout=timeout,
-                                start_new_session=True, env=environment(env))
+    result = subprocess.run(command, cwd=cwd, text=True, capture_output=True, timeout=timeout,
+                            start_new_session=True, env=environment(env))
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
 
 
-def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=None, cwd=ROOT, preloaded=True,
-                 stderr=None):
+def start_script(*args, script="online_dpo.py", launcher=(sys.executable,), env=None, cwd=ROOT, stderr=None):
     """Start `script` as run_script runs it, in a session of its own (SIGKILL its process group to end the run
     and every process it started), its output discarded but for its standard error into the file `stderr`, if
-    given: a subprocess.Popen or a PreloadedProcess."""
+    given."""
     command = [*launcher, os.path.join(ROOT, script), *map(str, args)]
     with open(os.devnull, "w") as null, open(stderr or os.devnull, "w") as errors:
-        if preloaded and preloadable(launcher, env):
-            with contextlib.suppress(PreloadedServerFailed):
-                return PreloadedProcess(python_argv(command), null.fileno(), errors.fileno(), cwd, env)
         return subprocess.Popen(command, cwd=cwd, stdout=null, stderr=errors, start_new_session=True,
                                 env=environment(env))
-
-
-def run_preloaded(command: list[str], cwd, timeout: float, env: dict | None) -> subprocess.CompletedProcess | None:
-    """`command` forked by this worker's tests/preloaded.py, its output captured; None if the server failed."""
-    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-        try:
-            process = PreloadedProcess(python_argv(command), stdout.fileno(), stderr.fileno(), cwd, env)
-        except PreloadedServerFailed:
-            return None
-        try:
-            process.wait(timeout)
-        finally:  # timed out, or the test was stopped: the run goes
-            process.kill()
-        outputs = []
-        for file in (stdout, stderr):
-            file.seek(0)
-            outputs.append(file.read().decode(errors="replace"))
-    return subprocess.CompletedProcess(command, process.returncode, *outputs)
-
-
-# the launchers whose commands tests/preloaded.py can run: Python programs
-PRELOADABLE_LAUNCHERS = ("deepspeed", "torchrun")
-# ASYNC_RLHF_TESTS_FRESH=1: every command in a fresh interpreter, as a shell starts it (no tests/preloaded.py)
-FRESH = os.environ.get("ASYNC_RLHF_TESTS_FRESH") == "1"
-PRELOADED_SERVER = os.path.join(ROOT, "tests", "preloaded.py")
-
-
-def preloadable(launcher: tuple, env: dict | None) -> bool:
-    """Whether a command can run in tests/preloaded.py: `python script`, or a launcher's command, on a CPU
-    machine (a GPU node's tests start fresh interpreters: no CUDA or NVML state of a preloaded vLLM is forked),
-    unless FRESH or the server could not start (a command whose environment differs from the server's in what
-    its libraries read as they load, the server runs fresh itself: preloaded.READ_AT_IMPORT). Not where a test
-    signals a launcher's process group (preempt, kill_at): there the ranks and their engines are in the
-    process group of the launcher, not in sessions of their own."""
-    return (not FRESH and not preloaded_server_failed and launcher[0] in (sys.executable, *PRELOADABLE_LAUNCHERS)
-            and not torch.cuda.is_available())
-
-
-def python_argv(command: list[str]) -> list[str]:
-    """`command`'s arguments to Python: the script and its arguments, or the launcher's program and its."""
-    if command[0] == sys.executable:
-        return command[1:]
-    return [shutil.which(command[0]), *command[1:]]
-
-
-preloaded_server = None  # this worker's tests/preloaded.py: its process, our end of the socket pair, its output
-preloaded_server_failed = False  # it could not start or ended: every command from then on runs fresh
-running_preloaded = None  # the PreloadedProcess the server runs now, if any
-
-
-class PreloadedServerFailed(Exception):
-    pass
-
-
-def server_failure() -> PreloadedServerFailed:
-    """Once tests/preloaded.py could not start or has ended: a warning with what it said last; every later
-    command of this worker runs fresh."""
-    global preloaded_server_failed
-    server, _, output = preloaded_server
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        server.wait(timeout=60)
-    output.seek(0)
-    said = output.read().decode(errors="replace").strip().splitlines()
-    preloaded_server_failed = True
-    warnings.warn(f"tests/preloaded.py ended (exit {server.returncode}: {said[-1] if said else 'no output'}): "
-                  "this worker runs every command in a fresh interpreter from now on", stacklevel=2)
-    return PreloadedServerFailed()
-
-
-class PreloadedProcess:
-    """`python *argv` in `cwd`, in this environment (with `env`) and a session of its own, forked by this worker's
-    tests/preloaded.py: `pid`, `poll()`, `wait()` and `send_signal()` as subprocess.Popen's. One at a time: the
-    server runs one command of the test's; a second while the first runs is an error. PreloadedServerFailed
-    (after one warning) where the server cannot start or has ended: run the command fresh."""
-
-    def __init__(self, argv: list[str], stdout: int, stderr: int, cwd: str, env: dict | None = None):
-        global preloaded_server, running_preloaded
-        if running_preloaded is not None and running_preloaded.poll() is None:
-            raise RuntimeError(f"tests/preloaded.py runs one command at a time and pid {running_preloaded.pid} "
-                               "still runs: wait for it or kill() it first, or pass preloaded=False")
-        if preloaded_server is None:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            errors = tempfile.TemporaryFile()  # what the server itself says, should it end
-            server = subprocess.Popen([sys.executable, PRELOADED_SERVER, str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], cwd=ROOT, env=environment(), stdin=subprocess.DEVNULL,
-                                      stdout=errors, stderr=errors)
-            theirs.close()
-            preloaded_server = (server, ours, errors)
-        self.channel, self.returncode = preloaded_server[1], None
-        request = pickle.dumps({"argv": argv, "cwd": str(cwd), "env": environment(env)})
-        try:
-            with open(os.devnull) as stdin:
-                socket.send_fds(self.channel, [request], [stdin.fileno(), stdout, stderr])
-            answer = self.channel.recv(4096)
-        except (BrokenPipeError, ConnectionResetError):
-            answer = b""
-        if not answer:
-            raise server_failure()
-        self.pid = pickle.loads(answer)
-        running_preloaded = self
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if not select.select([self.channel], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(self.pid, timeout)
-            self.returncode = os.waitstatus_to_exitcode(pickle.loads(self.channel.recv(4096)))
-        return self.returncode
-
-    def poll(self) -> int | None:
-        try:
-            return self.wait(0)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def send_signal(self, signal_number: int):
-        if self.returncode is None:
-            os.kill(self.pid, signal_number)
-
-    def kill(self):
-        """SIGKILL the process and every process of its session; wait for it."""
-        if self.returncode is None:
-            self.channel.send(b"kill")
-            self.wait()
 
 
 def environment(extra=None) -> dict:
@@ -251,7 +114,7 @@ def kill_at(script, args, output_dir, kill_point: str, launcher=(sys.executable,
     mid_checkpoint = "while checkpoint" in kill_point
     program = ["tests/run_killed_while_checkpointing.py", script.removesuffix(".py")] if mid_checkpoint else [script]
     process = start_script(*program[1:], *args, "--output_dir", output_dir, script=program[0], launcher=launcher,
-                           env=env, preloaded=launcher == (sys.executable,))
+                           env=env)
     if mid_checkpoint:
         process.wait(timeout=600)
     else:
@@ -282,7 +145,7 @@ def preempt(script, args, output_dir, preemption: str, launcher=(sys.executable,
     # in its own session, as a scheduler's job
     result = run_script(script.removesuffix(".py"), json.dumps(PREEMPTIONS[preemption]), *args, "--output_dir",
                         output_dir, script="tests/run_with_signals.py", check=False, launcher=launcher, env=env,
-                        timeout=600, preloaded=launcher == (sys.executable,))
+                        timeout=600)
     output = result.stdout + result.stderr
     if launcher == (sys.executable,):
         assert result.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
@@ -317,11 +180,17 @@ def uninterrupted_and_resumed_runs(folder, script, args, interruptions, launcher
     whole = [script.removesuffix(".py"), *args] if keep_weights else args
     run_script(*whole, "--output_dir", folder / "whole", launcher=launcher, env=env,
                script="tests/run_with_kept_weights.py" if keep_weights else script)
+    return folder / "whole", interrupted_and_resumed(folder, script, args, interruptions, launcher, env)
+
+
+def interrupted_and_resumed(folder, script, args, interruptions, launcher=(sys.executable,), env=None):
+    """`script` interrupted by each of `interruptions` in turn, resumed with --resume after each, then to its
+    end: returns the run directory, folder / "interrupted"."""
     for interruption in interruptions:
         interrupt = kill_at if interruption in KILL_POINTS else preempt
         interrupt(script, [*args, "--resume"], folder / "interrupted", interruption, launcher=launcher, env=env)
     run_script(*args, "--output_dir", folder / "interrupted", "--resume", script=script, launcher=launcher, env=env)
-    return folder / "whole", folder / "interrupted"
+    return folder / "interrupted"
 
 
 # What a run of 4 or more updates checkpointed every 2 goes through: both preemptions (checkpoints 1 and

@@ -22,6 +22,7 @@ def assert_plot(path, width: int | None = None, height: int | None = None):
     assert (width or image.shape[1], height or image.shape[0]) == (image.shape[1], image.shape[0]), image.shape
 
 
+@pytest.mark.slow
 def test_off_policy_quick(tmp_path):
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy.py")
     results = json.loads((tmp_path / "results.json").read_text())
@@ -45,6 +46,7 @@ def test_off_policy_quick(tmp_path):
     assert_plot(tmp_path / "results.png", 2000, 420)  # one size: a row of panels 20 x 4.2 inches
 
 
+@pytest.mark.slow
 def test_sync_vs_async_quick(tmp_path):
     started = time.time()
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/sync_vs_async.py")
@@ -60,6 +62,7 @@ def test_sync_vs_async_quick(tmp_path):
     assert "async vs sync HF: total time" in result.stdout
 
 
+@pytest.mark.slow
 def test_math_sync_vs_async_quick(tmp_path):
     """Also the learning test of online DPO, sync and async, on the arithmetic task."""
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/math_sync_vs_async.py")
@@ -74,6 +77,7 @@ def test_math_sync_vs_async_quick(tmp_path):
     assert "online_dpo async vs sync: total time" in result.stdout
 
 
+@pytest.mark.slow
 def test_multiturn_sync_vs_async_quick(tmp_path):
     """Both multi-turn scripts on the slow guess-the-number, 10 updates: each row is its runs' numbers."""
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/multiturn_sync_vs_async.py")
@@ -89,6 +93,7 @@ def test_multiturn_sync_vs_async_quick(tmp_path):
     assert "async vs sync, total minutes" in result.stdout and "async vs sync, training minutes total" in result.stdout
 
 
+@pytest.mark.slow
 def test_off_policy_corrections_quick(tmp_path):
     """GRPO on the arithmetic task at K = 2 without a correction and with m2po, 4 updates: each cell is its run's
     numbers."""

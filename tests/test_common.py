@@ -109,6 +109,7 @@ def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
     assert sizes == {"small": 448_128, "large": 3_453_184}  # the small one is the built toy's (summary.json)
 
 
+@pytest.mark.slow
 def test_the_embedded_tasks_are_cached_by_the_hash_of_toy_py(tmp_path):
     """In ~/.cache/async-rlhf-kit/ (without ASYNC_RLHF_TOY_DIR), each in a folder named by toy.py's source: an
     edited toy.py builds them again."""
@@ -528,6 +529,7 @@ def test_an_srun_step_the_kit_cannot_place_fails_on_one_line(changes, message):
         common.srun_ranks(environment)
 
 
+@pytest.mark.slow
 def test_two_srun_tasks_make_one_world_of_two_ranks():
     """What srun gives two tasks on one node, and nothing else: init_distributed makes them ranks 0 and 1 of
     one world."""
@@ -548,6 +550,7 @@ def test_two_srun_tasks_make_one_world_of_two_ranks():
     assert [output.strip().splitlines()[-1] for output in outputs] == ["rank 0 of 2", "rank 1 of 2"], outputs
 
 
+@pytest.mark.slow
 def test_two_ranks_under_deepspeeds_launcher_compile_nothing_and_map_no_shared_memory(tmp_path):
     """DeepSpeed's shared-memory all-reduce, which the kit does not use, is off: on a new machine DeepSpeed does
     not compile it (30 s) and maps no 66 MB buffer a rank in /dev/shm (which it would never unlink); the

@@ -199,10 +199,9 @@ def test_dynamic_sampling_trains_on_the_groups_with_unequal_rewards_first_in_sam
     assert common.groups_to_train(has_signal, 3).tolist() == [0, 1, 3]  # too few: the first equal group fills in
 
 
-def test_grpo_learns_the_toy_task_and_with_dapo_the_arithmetic(tmp_path):
-    """The toy run (10 updates of 32 prompts at 1e-4: dapo, no reference policy), and the arithmetic task's
-    preset, DAPO's clip-higher and dynamic sampling (here at most 2 rounds of prompts, 12 updates): each gains
-    far more than a broken loss could (measured: +0.41 to +0.44 over seeds 1-3, and 0.34 -> 0.92)."""
+def test_grpo_learns_the_toy_task(tmp_path):
+    """The toy run (10 updates of 32 prompts at 1e-4: dapo, no reference policy) gains far more than a broken loss
+    could (measured: +0.41 to +0.44 over seeds 1-3)."""
     run_script(*toy_run("grpo.py"), "--output_dir", tmp_path / "toy", script="grpo.py")
     assert_learns(tmp_path / "toy")
     assert not any("eval/kl" in m or "objective/kl" in m for m in read_metrics(tmp_path / "toy"))  # beta 0
@@ -214,6 +213,12 @@ def test_grpo_learns_the_toy_task_and_with_dapo_the_arithmetic(tmp_path):
                and m["async/is_truncated_frac"] == 0 and m["async/ess"] == 1 for m in train)
     # the entropy is logged with no entropy bonus in the loss
     assert all(0 < m["policy/entropy_avg"] < math.log(len(toy.WORDS)) for m in train)
+
+
+@pytest.mark.slow
+def test_grpo_learns_the_arithmetic_with_dapo(tmp_path):
+    """The arithmetic task's preset, DAPO's clip-higher and dynamic sampling (here at most 2 rounds of prompts, 12
+    updates): accuracy 0.34 -> 0.92 measured."""
     run_script("--preset", "toy-math", "--max_sampling_rounds", "2", "--total_episodes", "768", "--eval_every", "12",
                "--output_dir", tmp_path / "math", script="grpo.py")
     metrics = read_metrics(tmp_path / "math")

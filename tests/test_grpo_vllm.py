@@ -4,16 +4,19 @@ and resumes exactly; the off-policy diagnostics at staleness 4."""
 
 import math
 
+import pytest
 from scripts import assert_learns, assert_same_weights_and_metrics, read_metrics, run_script
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 
 SCRIPT = "grpo_vllm.py"
 
 
+@pytest.mark.slow
 def test_k1_beats_the_sft_policy(k1_runs):
     assert_learns(k1_runs[0])
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_fills_the_batch_with_groups_of_unequal_rewards_and_resumes_exactly(k1_runs):
     train = [m for m in read_metrics(k1_runs[0]) if "dynamic_sampling/rounds" in m]
     assert len(train) == 10 and max(m["dynamic_sampling/rounds"] for m in train) >= 2
@@ -24,6 +27,7 @@ def test_dynamic_sampling_fills_the_batch_with_groups_of_unequal_rewards_and_res
     assert_same_weights_and_metrics(*k1_runs, ["dynamic_sampling/rounds", "dynamic_sampling/sampled_scores"])
 
 
+@pytest.mark.slow
 def test_off_policy_diagnostics_at_staleness_4_with_truncated_importance_sampling(tmp_path):
     run_script("--preset", "toy-math", "--async_steps", "4", "--off_policy_correction", "tis",
                "--total_episodes", "384", "--eval_every", "0", "--output_dir", tmp_path / "run", script=SCRIPT)

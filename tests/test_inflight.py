@@ -91,6 +91,7 @@ def check_token_versions(out, updates, shift: bool = False, start=None) -> tuple
     return worst, spanning
 
 
+@pytest.mark.slow
 def test_max_lag_keeps_every_trained_token_within_it(deterministic_runs):
     """--max_lag 1: no trained token more than one version behind the trainer; the groups it dropped were
     replaced (full batches), and logged."""
@@ -104,11 +105,13 @@ def test_max_lag_keeps_every_trained_token_within_it(deterministic_runs):
     assert sum(m["async/dropped_groups"] for m in train) > 0 and all(m["time/engine_idle"] >= 0 for m in train)
 
 
+@pytest.mark.slow
 def test_deterministic_swaps_resume_exactly_after_a_kill(deterministic_runs):
     assert_same_weights_and_metrics(*deterministic_runs, ["loss/policy_avg", "objective/scores",
                                                           "async/token_staleness_mean", "async/dropped_groups"])
 
 
+@pytest.mark.slow
 def test_two_ranks_in_flight_train_as_one(deterministic_runs, tmp_path):
     """Two ranks and one engine, deterministic swaps: each rank trains on its share of the engine's in-flight
     batch, as one rank on the whole (the same samples, losses and token staleness)."""
@@ -143,6 +146,7 @@ def free_run(tmp_path_factory):
     return out, state
 
 
+@pytest.mark.slow
 def test_free_swaps_resume_without_losing_or_repeating_a_prompt(free_run):
     """Killed after checkpoint 2 and resumed: every update trains on prompts no other update trained on, and
     every prompt the checkpoint had in flight, finished or sampled ahead is trained on after the resume."""
@@ -161,6 +165,7 @@ def test_free_swaps_resume_without_losing_or_repeating_a_prompt(free_run):
     assert carried and set(carried) <= after, (carried, after)
 
 
+@pytest.mark.slow
 def test_every_token_was_sampled_by_the_version_it_records(free_run):
     """Recomputed swap by swap with the weights the trainer published, the engine's log-prob of every token
     matches the version it records (to 1e-4: measured 2.3e-5), and does not match when each swap is put one
@@ -172,6 +177,7 @@ def test_every_token_was_sampled_by_the_version_it_records(free_run):
     assert late > 1e-3, late
 
 
+@pytest.mark.slow
 def test_long_repeated_prompts_in_flight_are_sampled_by_the_versions_they_record(tmp_path):
     """Prompts of three KV blocks sharing a 260-token preamble, each drawn again and again, with in-flight
     updates: vLLM's prefix cache would start a new prompt from KV an older version computed (its reset waits
@@ -187,6 +193,7 @@ def test_long_repeated_prompts_in_flight_are_sampled_by_the_versions_they_record
     assert worst < 1e-4 and spanning > 0, (worst, spanning)
 
 
+@pytest.mark.slow
 def test_free_swaps_learn_and_log_each_tokens_staleness(free_run):
     out, _ = free_run
     assert_learns(out)  # measured +0.42
@@ -195,6 +202,7 @@ def test_free_swaps_learn_and_log_each_tokens_staleness(free_run):
     assert any(m["async/multi_version_share"] > 0 for m in train)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo_vllm.py", "ppo_vllm.py"])
 def test_rloo_and_ppo_take_in_flight_updates(tmp_path, script):
     """RLOO's and PPO's asynchronous twins train on in-flight batches (PPO's groups of one completion) and log

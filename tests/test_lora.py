@@ -95,6 +95,7 @@ def dpo_runs(tmp_path_factory):
     return folder / "whole", folder / "resumed"
 
 
+@pytest.mark.slow
 def test_online_dpo_learns_with_lora_and_resumes_exactly(dpo_runs):
     whole, resumed = dpo_runs
     assert_learns(whole)
@@ -102,6 +103,7 @@ def test_online_dpo_learns_with_lora_and_resumes_exactly(dpo_runs):
                                     after_update=4)
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_the_adapter_and_the_saved_adapter_loads_with_peft(dpo_runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -126,6 +128,7 @@ def test_checkpoints_hold_the_adapter_and_the_saved_adapter_loads_with_peft(dpo_
     assert json.loads((whole / "policy_merged" / "trained.json").read_text())["update"] == 5
 
 
+@pytest.mark.slow
 def test_eval_checkpoints_evaluates_lora_snapshots(dpo_runs, tmp_path):
     whole, _ = dpo_runs
     out = tmp_path / "eval"
@@ -138,6 +141,7 @@ def test_eval_checkpoints_evaluates_lora_snapshots(dpo_runs, tmp_path):
         assert row["eval/gold_win_rate"] == pytest.approx(trained[update]["eval/gold_win_rate"], abs=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo.py", "online_dpo_vllm.py", "ppo_vllm.py"])
 def test_learns_with_lora(tmp_path, script):
     """PPO (its value model with an adapter of its own and its head) and the asynchronous scripts (K=1: the

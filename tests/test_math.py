@@ -13,6 +13,7 @@ import math_reward
 import toy
 
 
+@pytest.mark.slow
 def test_problems_solutions_and_their_tokens():
     first, second = toy.math_splits(random.Random(0)), toy.math_splits(random.Random(0))
     assert first["train"].to_dict() == second["train"].to_dict() and first["test"].to_dict() == second["test"].to_dict()
@@ -26,6 +27,7 @@ def test_problems_solutions_and_their_tokens():
     assert toy.worked_solution(37, 48, forget_carry=True) == " 7 + 8 = 15 , 3 + 4 = 7 #### 75"
 
 
+@pytest.mark.slow
 def test_the_sft_policy_is_right_about_a_third_of_the_time():
     toy.build_math()
     with open(f"{toy.MATH_DIR}/summary.json") as f:
@@ -37,6 +39,7 @@ def test_the_sft_policy_is_right_about_a_third_of_the_time():
 SHORT = ["--preset", "toy-math", "--total_episodes", "768", "--eval_every", "12", "--eval_num_prompts", "64"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["bok", "ppo_vllm"])
 def test_the_other_scripts_learn_arithmetic(tmp_path, script):
     out = tmp_path / "run"

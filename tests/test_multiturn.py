@@ -213,6 +213,7 @@ def test_an_environment_that_cannot_be_built_stops_before_the_run_starts(spec, m
     assert str(stop.value.code).startswith(f"error: {message}") and "\n" not in str(stop.value.code)
 
 
+@pytest.mark.slow
 def test_the_default_run_learns_guess_the_number(tmp_path):
     """The default run (40 updates of 32 rows x 4 episodes at 1e-4; evaluated on 64 rows here): greedy episodes go
     from the SFT policy's linear search (0.19 on these rows) to at least +0.3 (measured 0.73; binary search wins
@@ -231,6 +232,7 @@ def test_the_default_run_learns_guess_the_number(tmp_path):
     assert_trained_policy_saved(tmp_path / "run", toy.GUESS_POLICY)
 
 
+@pytest.mark.slow
 def test_resume_is_exact_through_kills_mid_episode(tmp_path):
     """Killed while an update's episodes are played (before any checkpoint) and while checkpoint 4 is written:
     the resumed run replays the same episodes and ends with the same weights, bit for bit. With a KL penalty to the
@@ -244,6 +246,7 @@ def test_resume_is_exact_through_kills_mid_episode(tmp_path):
                                                      "objective/kl"], after_update=2)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_as_one(tmp_path):
     """Two ranks of 16 rows each (the batch's reward statistics over both: --scale_rewards batch) against one rank
     of 32 in two micro-batch rounds: the same episodes (reset and sampling seeds by the row's place in the global
@@ -259,6 +262,7 @@ def test_two_ranks_train_as_one(tmp_path):
     assert_two_ranks_train_as_one(tmp_path / "two", tmp_path / "one")
 
 
+@pytest.mark.slow
 def test_a_hanging_environment_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     """An environment that hangs in the third update (of 2 rows x 4 episodes): the run stops within --env_timeout
     with one line, and the checkpoint of update 2 is whole (the run resumes from it)."""
@@ -343,6 +347,7 @@ def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
         assert not (tmp_path / f"case{i}").exists() or "first message" in expected, f"{flags} left output behind"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo_multiturn.py", "grpo_multiturn_vllm.py"])
 def test_mask_truncated_completions_drops_exactly_the_truncated_episodes(tmp_path, script):
     """tests/envs.py:SaysAnswer ends its episodes at their second turn. With --max_turns 1 every episode is

@@ -41,6 +41,7 @@ def k1_runs(tmp_path_factory):
          "SIGKILL while checkpoint 4 is being written"), keep_weights=True)
 
 
+@pytest.mark.slow
 def test_the_engine_plays_with_the_weights_k_updates_old_and_the_run_learns(k1_runs):
     """By behaviour: the engine's log-probs of the policy's tokens of batch t equal those of the trainer's weights
     after update t-2, kept as published, and differ from those after t-1; the staleness logged is exactly 1 and
@@ -78,6 +79,7 @@ def test_the_engine_plays_with_the_weights_k_updates_old_and_the_run_learns(k1_r
     assert_trained_policy_saved(whole, toy.GUESS_POLICY)
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_episode_preempted_and_killed_mid_checkpoint_resumes_to_the_same_weights(k1_runs):
     """The episodes the engine had played ahead for the next update are saved with each checkpoint, and the episodes
     after them are replayed from the same seeds: the resumed run trains on the same episodes, bit for bit."""
@@ -85,6 +87,7 @@ def test_a_run_killed_mid_episode_preempted_and_killed_mid_checkpoint_resumes_to
                                                "async/staleness"], after_update=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inflight", [[], ["--inflight_updates"]])
 def test_an_environment_failing_in_the_generator_process_stops_the_run_on_one_line(tmp_path, inflight):
     result = run_script("--env", "tests/envs.py:RaisesInStep", "--total_episodes", "64", "--eval_every", "0", *inflight,
@@ -97,6 +100,7 @@ def test_an_environment_failing_in_the_generator_process_stops_the_run_on_one_li
     assert not (tmp_path / "run" / "policy").exists()
 
 
+@pytest.mark.slow
 def test_lora_and_an_off_policy_correction_at_k2(tmp_path):
     """A LoRA adapter (the engine gets the merged weights: async/logprob_diff at the fp32 level) and truncated
     importance sampling at K=2, whose weights are taken over the policy's tokens, with GSPO's sequence ratio."""
@@ -112,6 +116,7 @@ def test_lora_and_an_off_policy_correction_at_k2(tmp_path):
     assert_trained_policy_saved(tmp_path / "run", toy.GUESS_POLICY)
 
 
+@pytest.mark.slow
 def test_two_ranks_and_one_engine_train_as_one_rank(tmp_path):
     """Two ranks of 16 rows each taking their shares of the engine's batches (K=2), against one rank of 32: the same
     episodes (seeded by their rows in the global batch), losses and weights."""
@@ -142,6 +147,7 @@ def test_a_researchers_environment_trains_a_chat_model_in_the_engine(tmp_path):
     assert_trained_policy_saved(tmp_path / "run", policy)
 
 
+@pytest.mark.slow
 def test_continuous_episodes_keep_k_exact_and_the_engines_log_probs(tmp_path):
     """--continuous_episodes on the slow environment (steps of 25-75 ms): each episode goes at its own pace, and the
     batch is still exactly K=1 stale with the engine's log-probs of the policy's tokens the trainer's; the episodes
@@ -188,6 +194,7 @@ def turn_by_turn_differences(models: dict, query: list[int], ids: list[int], is_
     return differences
 
 
+@pytest.mark.slow
 def test_in_flight_episodes_learn_and_every_policy_token_records_the_version_that_sampled_it(inflight_run):
     """Free swaps: episodes span weight loads (a turn prefilled with the weights loaded when it starts, its tokens
     sampled on across loads). Recomputed turn by turn with the weights the trainer published, the engine's log-prob
@@ -241,6 +248,7 @@ def deterministic_inflight_runs(tmp_path_factory):
                                           SHORT_INTERRUPTIONS)
 
 
+@pytest.mark.slow
 def test_deterministic_in_flight_episodes_resume_exactly_after_a_kill_mid_episode(deterministic_inflight_runs):
     """The checkpoint keeps the episodes in flight mid-way (their tokens and turns, not their environments); the
     resumed run rebuilds each environment by replaying its turns and trains exactly as the uninterrupted run, though
@@ -255,6 +263,7 @@ def test_deterministic_in_flight_episodes_resume_exactly_after_a_kill_mid_episod
     assert mid_episode, snapshot["groups"]
 
 
+@pytest.mark.slow
 def test_two_ranks_with_episodes_in_flight_train_as_one(deterministic_inflight_runs, tmp_path):
     """Two ranks of 16 rows each and one engine playing episodes in flight (deterministic swaps): each rank trains on
     its share of the engine's batches, as one rank of 32 on the whole (the same episodes, losses and token
@@ -270,6 +279,7 @@ def test_two_ranks_with_episodes_in_flight_train_as_one(deterministic_inflight_r
     assert staleness[0] == pytest.approx(staleness[1], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_max_lag_keeps_every_policy_token_of_an_episode_within_it(tmp_path):
     """--max_lag 1 = K with episodes in flight: a group is dropped once one policy token of its episodes is more than
     a version behind the weights that would train on it (the environment's tokens have none), and the next group to
@@ -281,6 +291,7 @@ def test_max_lag_keeps_every_policy_token_of_an_episode_within_it(tmp_path):
     assert sum(m["async/dropped_groups"] for m in train) > 0
 
 
+@pytest.mark.slow
 def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environment_that_answers_otherwise():
     """InflightEpisodes' snapshot of a group (one episode two turns in and ended, one a turn in with its second step
     still running) keeps no environment object; restoring it rebuilds the episode in flight from its row and reset

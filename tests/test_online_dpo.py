@@ -11,14 +11,15 @@ import pytest
 import torch
 from scripts import (
     QUICK,
+    SHORT_INTERRUPTIONS,
     SYNC_INTERRUPTIONS,
     TOY_RUN,
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
+    interrupted_and_resumed,
     read_metrics,
     run_script,
-    uninterrupted_and_resumed_runs,
 )
 
 import cli
@@ -53,14 +54,19 @@ def test_pairs_are_best_vs_worst_and_ties_are_masked(script):
     assert valid.tolist() == [1.0, 0.0, 1.0, 1.0]
 
 
+TOY_RUN_TRACKED = [*TOY_RUN, "--track"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("online_dpo"), "online_dpo.py",
-                                          [*TOY_RUN, "--track"], SYNC_INTERRUPTIONS)
+def run(tmp_path_factory):
+    """The short toy run, uninterrupted, logged to wandb offline too."""
+    out = tmp_path_factory.mktemp("online_dpo") / "whole"
+    run_script(*TOY_RUN_TRACKED, "--output_dir", out)
+    return out
 
 
-def test_logs_every_metric_to_jsonl_and_wandb_offline(runs):
-    metrics = read_metrics(runs[0])
+def test_logs_every_metric_to_jsonl_and_wandb_offline(run):
+    metrics = read_metrics(run)
     train = [m for m in metrics if "loss/policy_avg" in m]
     evals = [m for m in metrics if "eval/gold_win_rate" in m]
     assert [m["update"] for m in train] == [1, 2, 3, 4, 5] and [m["update"] for m in evals] == [0, 1, 2, 3, 4, 5]
@@ -75,11 +81,12 @@ def test_logs_every_metric_to_jsonl_and_wandb_offline(runs):
     assert all(m["val/num_eos_tokens"] == int(m["val/num_eos_tokens"]) for m in train)  # a count, not a mean
     assert train[1]["lr"] < train[0]["lr"]  # linear decay
     assert evals[0]["eval/kl"] == pytest.approx(0, abs=1e-4)  # before any update the policy is the reference
-    assert list((runs[0] / "wandb").glob("offline-run-*")), "wandb offline run missing"
-    assert (runs[0] / "curves.png").stat().st_size > 10_000
-    assert_trained_policy_saved(runs[0])
+    assert list((run / "wandb").glob("offline-run-*")), "wandb offline run missing"
+    assert (run / "curves.png").stat().st_size > 10_000
+    assert_trained_policy_saved(run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["online_dpo.py", "bok.py"])
 def test_logged_log_probs_mix_the_first_steps_forward_and_a_no_grad_one(tmp_path, script):
     # 4 samples a prompt and 2 mini-batches: the logged KL and entropy take some rows' log-probs from the
@@ -93,20 +100,21 @@ def test_logged_log_probs_mix_the_first_steps_forward_and_a_no_grad_one(tmp_path
     assert 0.1 < update["objective/entropy"] < 10
 
 
+@pytest.mark.slow
 def test_short_run_beats_the_sft_policy(tmp_path):
     # DPO at lr 1e-4 needs about 10 updates to learn to stop (the 5 of the shared run give +9 points)
     run_script("--total_episodes", "640", "--eval_every", "1000", "--output_dir", tmp_path / "run")
     assert_learns(tmp_path / "run")
 
 
-def test_eval_checkpoints_evaluates_every_snapshot_as_training_did(runs, tmp_path):
+def test_eval_checkpoints_evaluates_every_snapshot_as_training_did(run, tmp_path):
     # the run evaluated after every update and kept policies/update-2 and -4 and its final policy (5): the
     # table has the SFT start and those three, each with the numbers the run's own evaluation logged (an
     # evaluation samples with a seed of its own, from the run's seed and the update)
     out = tmp_path / "eval"
-    run_script("--run_dir", runs[0], "--output_dir", out, script="eval_checkpoints.py")
+    run_script("--run_dir", run, "--output_dir", out, script="eval_checkpoints.py")
     table = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-    trained = {m["update"]: m for m in read_metrics(runs[0]) if "eval/gold_win_rate" in m}
+    trained = {m["update"]: m for m in read_metrics(run) if "eval/gold_win_rate" in m}
     assert [(row["update"], row["episode"]) for row in table] == [(0, 0), (2, 128), (4, 256), (5, 320)]
     for row in table:
         logged = trained[row["update"]]
@@ -116,27 +124,36 @@ def test_eval_checkpoints_evaluates_every_snapshot_as_training_did(runs, tmp_pat
     assert (out / "eval.png").stat().st_size > 10_000 and len((out / "eval.csv").read_text().splitlines()) == 5
     # stopped after two policies: a second call evaluates only the other two, to the same table
     (out / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in table[:2]))
-    result = run_script("--run_dir", runs[0], "--output_dir", out, script="eval_checkpoints.py")
+    result = run_script("--run_dir", run, "--output_dir", out, script="eval_checkpoints.py")
     assert "4 policies, 2 evaluated already" in result.stdout
     assert [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()] == table
 
 
-def test_eval_checkpoints_scores_a_given_model_folder_as_training_did(runs, tmp_path):
+@pytest.mark.slow
+def test_eval_checkpoints_scores_a_given_model_folder_as_training_did(run, tmp_path):
     # --model_paths with no run: the folder's trained.json names its update (5), which seeds the evaluation
     out = tmp_path / "eval"
-    run_script("--model_paths", runs[0] / "policy", "--eval_num_prompts", "128", "--output_dir", out,
+    run_script("--model_paths", run / "policy", "--eval_num_prompts", "128", "--output_dir", out,
                script="eval_checkpoints.py")
     [row] = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-    logged = [m for m in read_metrics(runs[0]) if "eval/gold_win_rate" in m][-1]
-    assert row["policy"] == str(runs[0] / "policy") and row["update"] == logged["update"] == 5
+    logged = [m for m in read_metrics(run) if "eval/gold_win_rate" in m][-1]
+    assert row["policy"] == str(run / "policy") and row["update"] == logged["update"] == 5
     assert {name: value for name, value in row.items() if name.startswith("eval/")} == pytest.approx(
         {name: value for name, value in logged.items() if name.startswith("eval/")}, rel=1e-6, abs=1e-7)
 
 
-def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(runs):
-    assert_same_weights_and_metrics(*runs, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
+def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metrics(run, tmp_path):
+    resumed = interrupted_and_resumed(tmp_path, "online_dpo.py", TOY_RUN_TRACKED, SHORT_INTERRUPTIONS)
+    assert_same_weights_and_metrics(run, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
 
+@pytest.mark.slow
+def test_resumes_after_preemptions_and_kills_with_the_same_weights_and_metrics(run, tmp_path):
+    resumed = interrupted_and_resumed(tmp_path, "online_dpo.py", TOY_RUN_TRACKED, SYNC_INTERRUPTIONS)
+    assert_same_weights_and_metrics(run, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
+
+
+@pytest.mark.slow
 def test_a_runs_args_json_repeats_it_exactly(tmp_path):
     first, again = tmp_path / "first", tmp_path / "again"
     run_script(*QUICK, "--total_episodes", "32", "--eval_every", "1", "--loss_type", "ipo", "--seed", "3",
@@ -157,6 +174,7 @@ def test_a_runs_args_json_repeats_it_exactly(tmp_path):
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
+@pytest.mark.slow
 def test_an_args_json_written_before_the_flag_groups_replays_its_run(tmp_path):
     """A run's args.json written by the kit before its flags were grouped by kind (flat Args, toy paths given as
     toy: names; fixtures/): the flags parse to the same values, and the run it replays is, update by update and

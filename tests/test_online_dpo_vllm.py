@@ -33,6 +33,7 @@ SCRIPT = "online_dpo_vllm.py"
 FAULTY = "tests/run_with_faulty_generator.py"  # the generator process runs a function of faulty_generators.py
 
 
+@pytest.mark.slow
 def test_engine_greedy_equals_hf_greedy_after_weight_sync():
     toy.build()
     result = run_script(toy.SFT_POLICY, toy.DATASET, "query", "validation",
@@ -40,6 +41,7 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync():
     assert "greedy completions equal after weight sync" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_short_run_with_in_flight_updates_beats_the_sft_policy(tmp_path):
     """Full-parameter asynchronous online DPO (K=1) learns on the toy task with in-flight weight updates: 10
     updates, as its synchronous twin's learning test (measured +0.375 gold win-rate with seed 1; with whole
@@ -50,6 +52,7 @@ def test_a_short_run_with_in_flight_updates_beats_the_sft_policy(tmp_path):
     assert_learns(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_hf(tmp_path, k1_runs):
     # greedy (--eval_temperature 0): the engine, started once and given each policy's weights in turn,
     # completes every prompt as HF generate does, so every number but KL (from samples) agrees
@@ -68,6 +71,7 @@ def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_
     assert tables["hf"][0]["eval/ref_perplexity"] != tables["hf"][2]["eval/ref_perplexity"]
 
 
+@pytest.mark.slow
 def test_k0_gives_the_same_losses_as_inline_generation(tmp_path, k0_shared_run):
     out = tmp_path / "inline"
     run_script(SCRIPT.removesuffix(".py"), *ASYNC_QUICK, "--num_epochs", "1", "--async_steps", "0",
@@ -78,6 +82,7 @@ def test_k0_gives_the_same_losses_as_inline_generation(tmp_path, k0_shared_run):
     assert len({m["loss/policy_avg"] for m in inline}) == 4  # four different batches, not one repeated
 
 
+@pytest.mark.slow
 def test_an_engine_on_the_trainers_device_takes_turns_with_it(tmp_path):
     """--vllm_device shared with K=1: the engine samples batch t only once the trainer asks for it, so
     the trainer waits through every generation (with cores of its own, it samples during training)."""
@@ -91,6 +96,7 @@ def test_an_engine_on_the_trainers_device_takes_turns_with_it(tmp_path):
                                                                        for m in train]
 
 
+@pytest.mark.slow
 def test_a_failing_generator_stops_the_trainer(tmp_path):
     result = run_script(SCRIPT.removesuffix(".py"), "failing_generate_ahead", *QUICK,
                         "--total_episodes", "64", "--output_dir", tmp_path / "run", script=FAULTY, check=False,
@@ -100,6 +106,7 @@ def test_a_failing_generator_stops_the_trainer(tmp_path):
     assert not (tmp_path / "run" / "policy").exists()
 
 
+@pytest.mark.slow
 def test_an_engine_that_does_not_start_stops_the_trainer(tmp_path):
     result = run_script(SCRIPT.removesuffix(".py"), "never_starting_generate_ahead", *QUICK,
                         "--total_episodes", "64", "--engine_start_timeout", "5", "--output_dir", tmp_path / "run",
@@ -110,6 +117,7 @@ def test_an_engine_that_does_not_start_stops_the_trainer(tmp_path):
     assert not (tmp_path / "run" / "policy").exists()
 
 
+@pytest.mark.slow
 def test_with_top_p_and_many_weight_buckets_the_trainers_log_probs_are_the_engines(tmp_path):
     """The engine's log-probs are those of its nucleus (processed_logprobs): the trainer's must cut the same
     one. And the weights travel in many buckets, gathered one at a time under ZeRO-3, as a large policy's do
@@ -124,6 +132,7 @@ def test_with_top_p_and_many_weight_buckets_the_trainers_log_probs_are_the_engin
     assert len(diffs) == 4 and max(diffs) < 1e-6, diffs
 
 
+@pytest.mark.slow
 def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_start(tmp_path):
     """A large policy's first evaluation takes minutes while the engine starts beside it (here 20 s longer):
     the weight channel still connects after it, the engine takes every version, and batch 1, sampled during
@@ -137,6 +146,7 @@ def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_
     assert (out / "policy").is_dir()
 
 
+@pytest.mark.slow
 def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_runs):
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1",
@@ -152,6 +162,7 @@ def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, 
     assert_same_weights_and_metrics(k1_runs[0], out, ["loss/policy_avg", "async/staleness", "async/logprob_diff"])
 
 
+@pytest.mark.slow
 def test_a_dead_engine_stops_the_trainer(tmp_path):
     import psutil
 
@@ -177,6 +188,7 @@ def test_a_dead_engine_stops_the_trainer(tmp_path):
     assert not (out / "policy").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):
     import psutil
 
@@ -203,6 +215,7 @@ def test_ctrl_c_stops_the_trainer_and_the_engine(tmp_path):
     assert len(read_metrics(out)) < 100  # stopped, not finished
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fault", "message"), [
     # kept every old weight: the exact check of the tensors vLLM keeps as they are
     ("stale_engine_generate_ahead", "the engine's model.embed_tokens.weight (and 5 more of the 6 tensors checked) "
@@ -221,6 +234,7 @@ def test_an_engine_that_did_not_take_the_weights_stops_the_run(tmp_path, fault, 
     assert not (tmp_path / "run" / "policy").exists()
 
 
+@pytest.mark.slow
 def test_a_weight_send_that_hangs_stops_the_run_within_the_timeout(tmp_path):
     """The engine never takes version 1 (its receiver hangs): with K=2 it samples batches 1-3 with the starting
     weights, and the trainer, having filled both shared buffers with versions 1 and 2, waits for one back to
@@ -237,11 +251,10 @@ def test_a_weight_send_that_hangs_stops_the_run_within_the_timeout(tmp_path):
 
 
 def start_two_nodes(launcher: tuple, args: list, out) -> list:
-    """The two nodes of a job, each started with `launcher` and its node rank, each in a session of its own (node 0
-    by tests/preloaded.py, which runs one command at a time; node 1 fresh), node i's standard error in
-    out.parent / f"node-{i}.err"."""
+    """The two nodes of a job, each started with `launcher` and its node rank, each in a session of its own, node
+    i's standard error in out.parent / f"node-{i}.err"."""
     return [start_script(*args, "--output_dir", out, script=SCRIPT, launcher=(*launcher, str(node)),
-                         env={"OMP_NUM_THREADS": "1"}, preloaded=node == 0, stderr=out.parent / f"node-{node}.err")
+                         env={"OMP_NUM_THREADS": "1"}, stderr=out.parent / f"node-{node}.err")
             for node in (0, 1)]
 
 
@@ -264,6 +277,7 @@ def kill_process_tree(pid: int):
     assert not alive, alive
 
 
+@pytest.mark.slow
 def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_path, two_rank_k2_run):
     """Two nodes of one rank on localhost, each node's engine sampling its node's share of every global batch
     with the global rows' seeds: killed once checkpoint 2 is written (started by torchrun, as a SLURM job
@@ -300,6 +314,7 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])
 
 
+@pytest.mark.slow
 def test_two_engines_on_one_node_train_as_one_engine(tmp_path, two_rank_k2_run):
     """--vllm_engines_per_node 2: each of a node's two ranks has an engine of its own (on a CPU they share the
     engine's core), sampling its share of every batch: the same run as with one engine, bit for bit."""

@@ -36,7 +36,9 @@ def check_case(case: dict, out):
     return train, evals
 
 
-@pytest.mark.parametrize("script", SYNC_SCRIPTS)
+# the fast tier runs every case through online DPO; the whole suite through each synchronous script
+@pytest.mark.parametrize("script", [script if script == "online_dpo.py" else
+                                    pytest.param(script, marks=pytest.mark.slow) for script in SYNC_SCRIPTS])
 def test_every_case_trains_evaluates_and_saves(tmp_path, artefacts, script):
     own = cases(artefacts)
     argvs = [case_argv(script, case, tmp_path / f"case{i}") for i, case in enumerate(own.values())]

@@ -19,6 +19,7 @@ def artefacts(tmp_path_factory):
 RUNS = [*(("online_dpo_vllm.py", case) for case in range(5)), ("rloo_vllm.py", 0), ("ppo_vllm.py", 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("script", "case"), RUNS)
 def test_every_case_trains_evaluates_and_saves(tmp_path, artefacts, script, case):
     name, spec = list(cases(artefacts).items())[case]
@@ -30,6 +31,7 @@ def test_every_case_trains_evaluates_and_saves(tmp_path, artefacts, script, case
     assert all(m["async/logprob_diff"] < 1e-6 for m in train), (name, [m["async/logprob_diff"] for m in train])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["qwen2", "gpt_neox", "gpt2"])  # Llama: test_online_dpo_vllm.py, on the toy
 def test_engine_greedy_equals_hf_greedy_after_weight_sync(artefacts, policy):
     result = run_script(artefacts[policy], artefacts["prompts_jsonl"], "prompt", "train",
@@ -37,6 +39,7 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync(artefacts, policy):
     assert "greedy completions equal after weight sync" in result.stdout
 
 
+@pytest.mark.slow
 def test_long_repeated_prompts_are_sampled_with_the_loaded_weights(tmp_path):
     """Prompts of three KV blocks (a CPU block is 128 tokens) sharing a 260-token preamble, each drawn again
     and again (duplicated rows, several epochs), at K=1: vLLM's prefix cache would continue them from KV

@@ -45,6 +45,7 @@ def pipeline(tmp_path_factory):
     return folder, outputs
 
 
+@pytest.mark.slow
 def test_the_readmes_pipeline_runs_and_its_rl_step_learns(pipeline):
     from datasets import load_from_disk
 
@@ -77,6 +78,7 @@ def test_the_readmes_pipeline_runs_and_its_rl_step_learns(pipeline):
 SAVED_MODEL = {"sft.py": "policy", "reward_model.py": "reward_model"}  # in each pipeline script's output_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [0, 1], ids=["sft.py", "reward_model.py"])
 def test_pipeline_steps_resume_exactly_after_a_preemption(pipeline, tmp_path, step):
     # the pipeline's SFT (reward model) run again, preempted (SIGTERM) once it logged step 5: it finishes the
@@ -147,6 +149,7 @@ def test_sft_loss_is_the_token_mean_of_a_chat_policy_and_falls(tmp_path):
     assert not any(info.values()) and json.loads((out / "policy" / "trained.json").read_text())["update"] == 32
 
 
+@pytest.mark.slow
 def test_sfts_step_is_the_gradient_of_the_token_mean_over_the_whole_step(tmp_path):
     # one step of 32 examples in 4 micro-batches, completions of 1 to 16 tokens: AdamW's first step moves each
     # weight by lr * g / (|g| + eps) (after weight decay), g the clipped gradient of the mean negative
@@ -217,6 +220,7 @@ def test_reward_model_on_an_encoder_scores_what_the_rl_scripts_read(tmp_path):
     assert evaluations(out, "eval/accuracy")[-1] == 1.0 and losses[-1] < 0.8 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_bad_input_to_the_pipeline_scripts_is_a_one_line_error_and_writes_nothing(tmp_path):
     for script, args, message in [
             ("sft.py", ["--warmup_steps", "-1"], "error: --warmup_steps must be 0 or positive, got -1"),

@@ -10,10 +10,10 @@ from scripts import (
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
+    interrupted_and_resumed,
     read_metrics,
     run_script,
     toy_run,
-    uninterrupted_and_resumed_runs,
 )
 
 import common
@@ -98,13 +98,15 @@ def test_score_lands_on_the_last_real_token_with_and_without_eos():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("ppo"), "ppo.py", toy_run("ppo.py"),
-                                          SHORT_INTERRUPTIONS)
+def run(tmp_path_factory):
+    """The short toy run, uninterrupted."""
+    out = tmp_path_factory.mktemp("ppo") / "whole"
+    run_script(*toy_run("ppo.py"), "--output_dir", out, script="ppo.py")
+    return out
 
 
-def test_logs_every_metric_and_saves_the_policy_alone(runs):
-    metrics = read_metrics(runs[0])
+def test_logs_every_metric_and_saves_the_policy_alone(run):
+    metrics = read_metrics(run)
     train = [m for m in metrics if "loss/policy_avg" in m]
     assert [m["update"] for m in train] == [1, 2, 3, 4, 5]
     assert [m["update"] for m in metrics if "eval/gold_win_rate" in m] == [0, 1, 2, 3, 4, 5]
@@ -116,15 +118,17 @@ def test_logs_every_metric_and_saves_the_policy_alone(runs):
     # the first of 4 epochs is on-policy, so ratios start at 1 and move only a little
     assert 0.8 < train[0]["val/ratio"] < 1.2 and train[0]["val/ratio_var"] > 0
     assert train[0]["objective/kl"] == pytest.approx(0, abs=1e-4)
-    assert_trained_policy_saved(runs[0])  # the policy alone: a value head would be an unexpected key
+    assert_trained_policy_saved(run)  # the policy alone: a value head would be an unexpected key
 
 
-def test_short_run_beats_the_sft_policy(runs):
-    assert_learns(runs[0])
+def test_short_run_beats_the_sft_policy(run):
+    assert_learns(run)
 
 
-def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metrics(runs):
-    assert_same_weights_and_metrics(*runs, ["loss/policy_avg", "loss/value_avg", "objective/scores",
+@pytest.mark.slow
+def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metrics(run, tmp_path):
+    resumed = interrupted_and_resumed(tmp_path, "ppo.py", toy_run("ppo.py"), SHORT_INTERRUPTIONS)
+    assert_same_weights_and_metrics(run, resumed, ["loss/policy_avg", "loss/value_avg", "objective/scores",
                                             "eval/gold_win_rate"])
 
 

@@ -116,7 +116,13 @@ def bad_input_cases(script, folder):
     return cases
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+# the fast tier checks the errors of two scripts (between them every kind of flag: the data, the model, the reward,
+# LoRA, GRPO's, the corrections' and the engine's); the whole suite every script's
+FAST_BAD_INPUT = ("online_dpo.py", "grpo_vllm.py")
+
+
+@pytest.mark.parametrize("script", [script if script in FAST_BAD_INPUT else pytest.param(script, marks=pytest.mark.slow)
+                                    for script in SCRIPTS])
 def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path, bad_artefacts, script):
     cases = bad_input_cases(script, bad_artefacts)
     argvs = [[*QUICK, *map(str, flags), "--output_dir", str(tmp_path / f"case{i}")]
@@ -131,6 +137,7 @@ def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path, bad_artef
         assert not (tmp_path / f"case{i}").exists(), f"{flags} left output behind"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", MID_RUN)
 def test_non_finite_reward_stops_with_the_update_and_keeps_the_last_checkpoint(tmp_path, script):
     out = tmp_path / "run"
@@ -157,6 +164,7 @@ FAILING_REWARD_FUNCTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", MID_RUN)
 def test_a_failing_reward_function_stops_the_run_at_its_update(tmp_path, script):
     # the vLLM script: one case (its engine would start once per case); the failure is the same common code
@@ -174,6 +182,7 @@ def test_a_failing_reward_function_stops_the_run_at_its_update(tmp_path, script)
     assert not any((tmp_path / name / "policy").exists() for name in names)
 
 
+@pytest.mark.slow
 def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_written(tmp_path):
     out = tmp_path / "run"
     run_args = [*QUICK, "--total_episodes", "32", "--eval_every", "100", "--save_every", "1", "--output_dir", out]
@@ -207,6 +216,7 @@ def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_w
     assert (out / "policy" / "model.safetensors").read_bytes() == trained
 
 
+@pytest.mark.slow
 def test_a_checkpoint_or_policy_that_cannot_be_written_stops_the_run_and_the_last_checkpoint_stays_usable(tmp_path):
     out = tmp_path / "run"
     blocked = out / "checkpoints" / ".partial-update-2"  # where checkpoint 2 is written: a file, not a folder

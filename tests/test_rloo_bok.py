@@ -11,10 +11,10 @@ from scripts import (
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
+    interrupted_and_resumed,
     read_metrics,
     run_script,
     toy_run,
-    uninterrupted_and_resumed_runs,
 )
 
 import bok
@@ -63,14 +63,15 @@ def test_nll_sums_real_tokens_over_the_steps_share(one_rank_group):
 
 
 @pytest.fixture(scope="module", params=["rloo.py", "bok.py"])
-def runs(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param.removesuffix(".py"))
-    return request.param, *uninterrupted_and_resumed_runs(folder, request.param, toy_run(request.param),
-                                                          SHORT_INTERRUPTIONS)
+def run(request, tmp_path_factory):
+    """The script and its short toy run, uninterrupted."""
+    out = tmp_path_factory.mktemp(request.param.removesuffix(".py")) / "whole"
+    run_script(*toy_run(request.param), "--output_dir", out, script=request.param)
+    return request.param, out
 
 
-def test_logs_every_metric_and_saves_the_policy(runs):
-    script, whole, _ = runs
+def test_logs_every_metric_and_saves_the_policy(run):
+    script, whole = run
     metrics = read_metrics(whole)
     train = [m for m in metrics if "loss/policy_avg" in m]
     assert [m["update"] for m in train] == [1, 2, 3, 4, 5]
@@ -90,14 +91,18 @@ def test_logs_every_metric_and_saves_the_policy(runs):
     assert_trained_policy_saved(whole)
 
 
-def test_short_run_beats_the_sft_policy(runs):
-    assert_learns(runs[1])
+def test_short_run_beats_the_sft_policy(run):
+    assert_learns(run[1])
 
 
-def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metrics(runs):
-    assert_same_weights_and_metrics(*runs[1:], ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
+@pytest.mark.slow
+def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metrics(run, tmp_path):
+    script, whole = run
+    resumed = interrupted_and_resumed(tmp_path, script, toy_run(script), SHORT_INTERRUPTIONS)
+    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("script", "correction"), [("rloo.py", "pure_is"), ("ppo.py", "pure_is"),
                                                      ("ppo.py", "decoupled")])
 def test_pure_is_takes_its_ratio_against_each_steps_weights_and_decoupled_against_the_updates_start(

@@ -1,8 +1,7 @@
-"""Building the embedded tasks: one holder of the build lock at a time on a machine, each build in a process of
-its own, which clears what a killed build left; several side by side with a thread each."""
+"""Building the embedded tasks: one build at a time on a machine (the build lock), each in a process of its own,
+which clears what a killed build left."""
 
 import fcntl
-import json
 import os
 import shutil
 import subprocess
@@ -34,6 +33,7 @@ def waiting_for_a_lock(pids: list[int]) -> bool:
     return set(pids) <= waiters
 
 
+@pytest.mark.slow
 def test_a_build_waits_for_any_other_and_leaves_its_caller_as_it_was(tmp_path):
     toy.build()
     shutil.copytree(toy.TOY_DIR, tmp_path / "toy")  # built: what the pipeline's data and the arithmetic task need
@@ -57,26 +57,3 @@ def test_a_build_waits_for_any_other_and_leaves_its_caller_as_it_was(tmp_path):
     toy.build_pipeline()
     for name in ("base_policy/model.safetensors", "sft_dataset/train/data-00000-of-00001.arrow"):
         assert (tmp_path / "toy-pipeline" / name).read_bytes() == open(os.path.join(built, name), "rb").read(), name
-
-
-# two builds side by side: the pipeline's data twice, into folders of the test's own
-SIDE_BY_SIDE = """import sys, toy
-toy.built_side_by_side([(sys.argv[1], toy.make_pipeline, "copy a"), (sys.argv[2], toy.make_pipeline, "copy b")], 0)"""
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="builds run side by side only with a core each")
-def test_builds_side_by_side_run_at_once_with_a_thread_each_and_build_what_one_alone_builds(tmp_path):
-    toy.build_pipeline()  # alone: BUILD_THREADS threads
-    shutil.copytree(toy.TOY_DIR, tmp_path / "toy")  # the world the pipeline's data is made from
-    environment = os.environ | {"ASYNC_RLHF_TOY_DIR": str(tmp_path / "toy"), "PYTHONPATH": ROOT}
-    result = subprocess.run([sys.executable, "-c", SIDE_BY_SIDE, tmp_path / "a", tmp_path / "b"], env=environment,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    said = [line for line in result.stdout.splitlines() if line.startswith("toy: ")]
-    started = sorted(line.split(" (seed")[0] for line in said[:2])  # both started before either ended
-    assert started == [f"toy: building copy {copy} into {tmp_path / copy}" for copy in ("a", "b")], said
-    assert all(" built in " in line for line in said[2:]) and len(said) == 4, said
-    for copy in ("a", "b"):
-        assert json.loads((tmp_path / copy / "summary.json").read_text())["build_threads"] == 1
-        for name in ("base_policy/model.safetensors", "sft_dataset/train/data-00000-of-00001.arrow"):
-            assert (tmp_path / copy / name).read_bytes() == open(os.path.join(toy.PIPELINE_DIR, name), "rb").read()

@@ -59,6 +59,7 @@ def run_on_two_ranks(script, args, out, updates: int, one_rank_dir=None):
     assert (out / "policy" / "adapter_config.json").exists() == (script in LORA_ON_TWO_RANKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SYNC_SCRIPTS)
 def test_two_ranks_train_as_one_at_zero_2(tmp_path, script):
     """ZeRO-2 (the default) for every synchronous script; the vLLM scripts' own K=2 two-rank runs do the same
@@ -67,6 +68,7 @@ def test_two_ranks_train_as_one_at_zero_2(tmp_path, script):
     run_on_two_ranks(script, args, tmp_path / "run", updates=2, one_rank_dir=tmp_path / "one")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ZERO_3)
 def test_two_ranks_resume_at_zero_3(tmp_path, script):
     """With ZeRO-3, three updates on two ranks (ZERO_3_AGAINST_ONE_RANK: trained as on one rank), and a second
@@ -114,6 +116,7 @@ def changed_on_resume(script: str, folder) -> list:
     return changes
 
 
+@pytest.mark.slow
 def test_metrics_and_data_across_two_real_ranks():
     result = run_script(script="tests/two_rank_helpers.py",
                         launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(common.free_port())),
@@ -121,6 +124,7 @@ def test_metrics_and_data_across_two_real_ranks():
     assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
 
 
+@pytest.mark.slow
 def test_sft_on_two_ranks_takes_the_one_rank_step(tmp_path):
     """The same 32 examples a step on one rank (4 micro-batches of 8) or split over two (2 each, ZeRO-2):
     the same losses and weights, up to the order of float sums. The step's loss is the mean over every

@@ -204,6 +204,7 @@ def logprob_gaps_around_loads(folder, environment: dict, device: str) -> list[fl
     return gaps
 
 
+@pytest.mark.slow
 def test_an_engine_samples_long_repeated_prompts_with_the_weights_it_loaded_last(tmp_path):
     """vLLM keeps the KV of every full block of a prompt (prefix caching) and a weight load does not clear it:
     a prompt seen before the load would then be continued from KV computed with the old weights (0.185 per

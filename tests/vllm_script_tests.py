@@ -5,6 +5,8 @@ read it from there, so each file makes its own runs (and xdist gives each file t
 generator's own behaviour, the same for all three (faults, a shared device, inline generation), is
 tested once, in test_online_dpo_vllm.py."""
 
+import math
+
 import pytest
 import torch
 from scripts import (
@@ -122,6 +124,28 @@ def train_metrics(out) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def k1_quick_run(request, tmp_path_factory):
+    """K=1: 4 updates of 16 prompts, the weights of every version kept."""
+    out = tmp_path_factory.mktemp("k1_quick") / "run"
+    run_keeping_weights(request.module.SCRIPT, *ASYNC_QUICK, "--async_steps", "1", "--output_dir", out)
+    return out
+
+
+def test_a_short_run_logs_its_metrics_and_samples_with_the_weights_one_update_old(k1_quick_run):
+    """The fast tier's run of each vLLM script: its metrics, and batch t sampled by the weights after update t-2,
+    recomputed from the kept weights (not from the version the generator reports)."""
+    train = train_metrics(k1_quick_run)
+    assert [m["update"] for m in train] == [1, 2, 3, 4]
+    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
+    for name in ("loss/policy_avg", "objective/scores", "time/weight_sync", "time/generate", "lr", "episode"):
+        assert all(math.isfinite(m[name]) for m in train), name
+    checked = [m["async/logprob_diff"] for m in train if "async/logprob_diff" in m]
+    assert len(checked) == 2 and max(checked) < 1e-6, checked  # updates 1 and 3
+    assert_sampled_by_the_weights_k_updates_old(k1_quick_run, 1)
+    assert_trained_policy_saved(k1_quick_run)
+
+
+@pytest.fixture(scope="module")
 def k0_shared_run(request, tmp_path_factory):
     """K=0 with the engine on the trainer's own cores (--vllm_device shared), one epoch of one mini-batch."""
     out = tmp_path_factory.mktemp("k0") / "run"
@@ -155,6 +179,7 @@ def two_rank_k2_run(request, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_steps", [0, 1, 2])
 def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run, async_steps):
     out = {0: k0_shared_run, 1: k1_runs[0], 2: two_rank_k2_run}[async_steps]
@@ -170,6 +195,7 @@ def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run
     assert_trained_policy_saved(out)
 
 
+@pytest.mark.slow
 def test_k1_resumes_after_preemptions_and_kills_with_the_same_weights_and_samples(k1_runs):
     # the batches sampled ahead with pre-checkpoint weights are saved with the checkpoint, so even
     # with K=1 a resumed run trains on exactly the samples of the uninterrupted one
@@ -177,10 +203,12 @@ def test_k1_resumes_after_preemptions_and_kills_with_the_same_weights_and_sample
                                                "async/logprob_diff"])
 
 
+@pytest.mark.slow
 def test_two_training_ranks_and_one_engine(two_rank_k2_run):
     assert [m["episode"] for m in train_metrics(two_rank_k2_run)] == [32, 64, 96, 128]  # 16 of 32 prompts a rank
 
 
+@pytest.mark.slow
 def test_two_ranks_train_as_one_on_the_same_global_batch(request, two_rank_k2_run, tmp_path):
     """The two-rank run (ZeRO-2, 16 prompts a rank per optimizer step) against one rank taking the same 32
     prompts per step in 4 micro-batches: the engine samples the same rows whatever the layout (per-row
