@@ -1,4 +1,4 @@
-"""The GPU paths, on a GPU node: `python -m pytest -m gpu` (README, "Checking a GPU node"). Skipped, each with
+"""The GPU paths, on a GPU node: `python -m pytest -m gpu` (CLUSTERS.md, "Checking a GPU node"). Skipped, each with
 its reason, where there is no CUDA GPU, no GPU build of vLLM, or fewer GPUs than a test needs; the CPU suite
 lists them as skipped.
 

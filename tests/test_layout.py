@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from scripts import ROOT, environment
 
 KIT_MODULES = tuple(sorted(name.removesuffix(".py") for name in os.listdir(ROOT) if name.endswith(".py")))
@@ -68,6 +69,7 @@ def test_the_synchronous_scripts_import_no_vllm_code():
     assert not {name for name in loaded if name in vllm_modules or name.split(".")[0] == "vllm"}
 
 
+@pytest.mark.slow
 def test_the_toy_and_the_math_reward_import_nothing_of_the_kit():
     loaded = modules_after_import("toy", "math_reward")
     assert {"toy", "math_reward"} <= loaded and not set(KIT_MODULES) - {"toy", "math_reward"} & loaded

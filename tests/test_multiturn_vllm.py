@@ -343,6 +343,7 @@ def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environmen
         "--inflight_updates")
 
 
+@pytest.mark.slow
 def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
     """The asynchronous script's own refusals (the synchronous twin's bad input: test_multiturn.py)."""
     cases = [(["--inflight_updates", "--continuous_episodes"],

@@ -221,6 +221,7 @@ def test_rloo_and_grpo_weight_their_terms_the_same_way():
     assert loss.item() == pytest.approx((1.2 * -1.2 + 0.8 * -0.625 + 2.0 * -1.2) / 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
 def test_on_fresh_samples_every_ratio_is_1_and_nothing_is_clipped(tmp_path, script):
     """Synchronous, one epoch of one mini-batch: every optimizer step starts from the weights that sampled its

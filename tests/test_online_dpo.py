@@ -4,6 +4,7 @@ each carry their own copy), and the script end to end on the toy task."""
 import json
 import math
 import os
+import shutil
 import sys
 from unittest import mock
 
@@ -107,13 +108,19 @@ def test_short_run_beats_the_sft_policy(tmp_path):
     assert_learns(tmp_path / "run")
 
 
-def test_eval_checkpoints_evaluates_every_snapshot_as_training_did(run, tmp_path):
+@pytest.fixture(scope="module")
+def evaluated(run, tmp_path_factory):
+    """eval_checkpoints.py on the run: its output directory."""
+    out = tmp_path_factory.mktemp("eval") / "eval"
+    run_script("--run_dir", run, "--output_dir", out, script="eval_checkpoints.py")
+    return out
+
+
+def test_eval_checkpoints_evaluates_every_snapshot_as_training_did(run, evaluated):
     # the run evaluated after every update and kept policies/update-2 and -4 and its final policy (5): the
     # table has the SFT start and those three, each with the numbers the run's own evaluation logged (an
     # evaluation samples with a seed of its own, from the run's seed and the update)
-    out = tmp_path / "eval"
-    run_script("--run_dir", run, "--output_dir", out, script="eval_checkpoints.py")
-    table = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    table = [json.loads(line) for line in (evaluated / "eval.jsonl").read_text().splitlines()]
     trained = {m["update"]: m for m in read_metrics(run) if "eval/gold_win_rate" in m}
     assert [(row["update"], row["episode"]) for row in table] == [(0, 0), (2, 128), (4, 256), (5, 320)]
     for row in table:
@@ -121,8 +128,16 @@ def test_eval_checkpoints_evaluates_every_snapshot_as_training_did(run, tmp_path
         assert {name: value for name, value in row.items() if name.startswith("eval/")} == pytest.approx(
             {name: value for name, value in logged.items() if name.startswith("eval/")}, rel=1e-6, abs=1e-7)
     assert table[-1]["eval/gold_win_rate"] > table[0]["eval/gold_win_rate"]
-    assert (out / "eval.png").stat().st_size > 10_000 and len((out / "eval.csv").read_text().splitlines()) == 5
+    assert (evaluated / "eval.png").stat().st_size > 10_000
+    assert len((evaluated / "eval.csv").read_text().splitlines()) == 5
+
+
+@pytest.mark.slow
+def test_an_interrupted_eval_checkpoints_evaluates_only_the_rest_to_the_same_table(run, evaluated, tmp_path):
     # stopped after two policies: a second call evaluates only the other two, to the same table
+    out = tmp_path / "eval"
+    shutil.copytree(evaluated, out)
+    table = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     (out / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in table[:2]))
     result = run_script("--run_dir", run, "--output_dir", out, script="eval_checkpoints.py")
     assert "4 policies, 2 evaluated already" in result.stdout
@@ -197,6 +212,7 @@ def test_an_args_json_written_before_the_flag_groups_replays_its_run(tmp_path):
                                     ["loss/policy_avg", "objective/scores", "eval/gold_win_rate"])
 
 
+@pytest.mark.slow
 def test_refuses_to_overwrite_a_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     result = run_script(*QUICK, "--output_dir", tmp_path, check=False)

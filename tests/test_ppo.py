@@ -132,6 +132,7 @@ def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metr
                                             "eval/gold_win_rate"])
 
 
+@pytest.mark.slow
 def test_value_model_needs_the_policy_vocabulary(tmp_path, tiny_dir):
     out = tmp_path / "run"
     result = run_script(*QUICK, "--reward_model_path", tiny_dir / "reward", "--output_dir", out, script="ppo.py",

@@ -5,8 +5,6 @@ read it from there, so each file makes its own runs (and xdist gives each file t
 generator's own behaviour, the same for all three (faults, a shared device, inline generation), is
 tested once, in test_online_dpo_vllm.py."""
 
-import math
-
 import pytest
 import torch
 from scripts import (
@@ -121,28 +119,6 @@ def assert_off_policy_diagnostics_recomputed(out, sequence_level: bool):
 
 def train_metrics(out) -> list[dict]:
     return [m for m in read_metrics(out) if "loss/policy_avg" in m]
-
-
-@pytest.fixture(scope="module")
-def k1_quick_run(request, tmp_path_factory):
-    """K=1: 4 updates of 16 prompts, the weights of every version kept."""
-    out = tmp_path_factory.mktemp("k1_quick") / "run"
-    run_keeping_weights(request.module.SCRIPT, *ASYNC_QUICK, "--async_steps", "1", "--output_dir", out)
-    return out
-
-
-def test_a_short_run_logs_its_metrics_and_samples_with_the_weights_one_update_old(k1_quick_run):
-    """The fast tier's run of each vLLM script: its metrics, and batch t sampled by the weights after update t-2,
-    recomputed from the kept weights (not from the version the generator reports)."""
-    train = train_metrics(k1_quick_run)
-    assert [m["update"] for m in train] == [1, 2, 3, 4]
-    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
-    for name in ("loss/policy_avg", "objective/scores", "time/weight_sync", "time/generate", "lr", "episode"):
-        assert all(math.isfinite(m[name]) for m in train), name
-    checked = [m["async/logprob_diff"] for m in train if "async/logprob_diff" in m]
-    assert len(checked) == 2 and max(checked) < 1e-6, checked  # updates 1 and 3
-    assert_sampled_by_the_weights_k_updates_old(k1_quick_run, 1)
-    assert_trained_policy_saved(k1_quick_run)
 
 
 @pytest.fixture(scope="module")
