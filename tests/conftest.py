@@ -12,26 +12,27 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The slowest files first: with --dist loadfile a free worker takes the next file, so longest-first makes both
 # workers finish at about the same time (xdist's loadgroup, which could spread a file's independent tests, does
 # not group with pytest 9: its group names never reach the tests' ids). The fast tier's vLLM runs first, in one
-# file: each pins its trainer and engine to cores of their own, so two at once would wait on each other.
-SLOWEST_FIRST = ["test_vllm_scripts.py", "test_online_dpo_vllm.py", "test_math.py", "test_two_ranks.py",
-                 "test_grpo_vllm.py", "test_rloo_vllm.py", "test_inflight.py", "test_ppo_vllm.py", "test_bench.py",
-                 "test_pipeline.py", "test_own_inputs_vllm.py", "test_reliability.py", "test_online_dpo.py",
-                 "test_rloo_bok.py", "test_ppo.py", "test_multiturn_vllm.py", "test_multiturn.py", "test_lora.py",
+# file: each pins its trainer and engine to cores of their own, so two at once would wait on each other; beside
+# them the multi-turn tests, which build the guess-the-number environment first.
+SLOWEST_FIRST = ["test_vllm_scripts.py", "test_multiturn.py", "test_online_dpo_vllm.py", "test_math.py",
+                 "test_two_ranks.py", "test_grpo_vllm.py", "test_rloo_vllm.py", "test_inflight.py", "test_ppo_vllm.py",
+                 "test_bench.py", "test_pipeline.py", "test_own_inputs_vllm.py", "test_reliability.py",
+                 "test_online_dpo.py", "test_rloo_bok.py", "test_ppo.py", "test_multiturn_vllm.py", "test_lora.py",
                  "test_grpo.py", "test_own_inputs.py"]
 
 
 def pytest_sessionstart(session):
     """Before the workers start: the embedded tasks the tests use, built on the idle machine (nothing when they
     are built). Built by the first test to ask, a build would share the two cores with the other worker's
-    tests. The arithmetic task (2 minutes) only where slow tests run: no fast one uses it."""
+    tests. The fast tier builds the guess-the-number environment in the one file that uses it (its build
+    and the other worker's tests fill the two cores better than the build alone), and not the arithmetic task."""
     if hasattr(session.config, "workerinput") or session.config.option.collectonly:
         return
     import toy
 
-    toy.build()
-    toy.build_guess()
-    toy.build_pipeline()
+    toy.build_pipeline()  # the toy world first
     if "not slow" not in session.config.option.markexpr:
+        toy.build_guess()
         toy.build_math()
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from scripts import assert_learns, read_metrics, run_script, toy_run
+from scripts import QUICK, assert_learns, read_metrics, run_script, toy_run
 
 import common
 import grpo
@@ -229,3 +229,19 @@ def test_grpo_learns_the_arithmetic_with_dapo(tmp_path):
     # the batch (64 prompts) holds equal-reward groups only where the rounds found too few others
     assert all(m["objective/zero_std_groups"] * 64 == m["dynamic_sampling/unfilled"] for m in train)
     assert train[0]["dynamic_sampling/dropped_groups"] > 0
+
+
+@pytest.mark.slow
+def test_mask_truncated_completions_leaves_the_truncated_completions_out_of_the_loss(tmp_path):
+    """Two tokens a completion: the toy's SFT policy, which lists key words before it stops, stops in none of the
+    first update's. With --mask_truncated_completions nothing is left in its loss (0), without it the same
+    samples train (the same seed and weights sample them). A mask that kept them, or kept only the others, fails."""
+    losses = {}
+    for flag in ([], ["--mask_truncated_completions"]):
+        out = tmp_path / ("masked" if flag else "unmasked")
+        run_script(*QUICK, "--total_episodes", "16", "--response_length", "2", "--eval_every", "0", *flag,
+                   "--output_dir", out, script="grpo.py")
+        [update] = [m for m in read_metrics(out) if "loss/policy_avg" in m]
+        assert update["val/num_eos_tokens"] == 0
+        losses[bool(flag)] = update["loss/policy_avg"]
+    assert losses[True] == 0 and losses[False] != 0, losses
