@@ -10,10 +10,10 @@ from scripts import (
     assert_learns,
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
-    interrupted_and_resumed,
     read_metrics,
     run_script,
     toy_run,
+    uninterrupted_and_resumed_runs,
 )
 
 import common
@@ -97,19 +97,14 @@ def test_score_lands_on_the_last_real_token_with_and_without_eos():
     torch.testing.assert_close(rewards, torch.tensor([[-0.5, 10.0, 0.0, 0.0], [0.0, 0.0, 0.0, -1.0 - 1.0]]))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """The short toy run, uninterrupted."""
-    out = tmp_path_factory.mktemp("ppo") / "whole"
-    run_script(*toy_run("ppo.py"), "--output_dir", out, script="ppo.py")
-    return out
-
-
-def test_logs_every_metric_and_saves_the_policy_alone(run):
+def test_logs_every_metric_and_saves_the_policy_alone(tmp_path):
+    """3 updates of 16 prompts, evaluated at the start and the end (the learning run is the whole suite's)."""
+    run = tmp_path / "run"
+    run_script(*QUICK, "--total_episodes", "48", "--eval_every", "3", "--output_dir", run, script="ppo.py")
     metrics = read_metrics(run)
     train = [m for m in metrics if "loss/policy_avg" in m]
-    assert [m["update"] for m in train] == [1, 2, 3, 4, 5]
-    assert [m["update"] for m in metrics if "eval/gold_win_rate" in m] == [0, 1, 2, 3, 4, 5]
+    assert [m["update"] for m in train] == [1, 2, 3]
+    assert [m["update"] for m in metrics if "eval/gold_win_rate" in m] == [0, 3]
     for name in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
                  "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "objective/scores",
                  "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
@@ -121,15 +116,12 @@ def test_logs_every_metric_and_saves_the_policy_alone(run):
     assert_trained_policy_saved(run)  # the policy alone: a value head would be an unexpected key
 
 
-def test_short_run_beats_the_sft_policy(run):
-    assert_learns(run)
-
-
 @pytest.mark.slow
-def test_resumes_after_a_kill_while_checkpointing_with_the_same_weights_and_metrics(run, tmp_path):
-    resumed = interrupted_and_resumed(tmp_path, "ppo.py", toy_run("ppo.py"), SHORT_INTERRUPTIONS)
-    assert_same_weights_and_metrics(run, resumed, ["loss/policy_avg", "loss/value_avg", "objective/scores",
-                                            "eval/gold_win_rate"])
+def test_the_short_toy_run_learns_and_resumes_after_a_kill_while_checkpointing_exactly(tmp_path):
+    whole, resumed = uninterrupted_and_resumed_runs(tmp_path, "ppo.py", toy_run("ppo.py"), SHORT_INTERRUPTIONS)
+    assert_learns(whole)
+    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "loss/value_avg", "objective/scores",
+                                                     "eval/gold_win_rate"])
 
 
 @pytest.mark.slow
