@@ -61,6 +61,7 @@ def modules_after_import(*names: str) -> set[str]:
     return set(result.stdout.split())
 
 
+@pytest.mark.slow
 def test_the_synchronous_scripts_import_no_vllm_code():
     loaded = modules_after_import("online_dpo", "ppo", "rloo", "bok", "grpo", "grpo_multiturn", "sft", "reward_model",
                                   "eval_checkpoints")

@@ -314,6 +314,7 @@ def test_the_readmes_example_environment_keeps_the_contract(tmp_path, guess_task
     assert episodes.turns.min() >= 1 and episodes.returns.min() >= -0.1 * toy.GUESS_TURNS
 
 
+@pytest.mark.slow
 def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
     import datasets
 
