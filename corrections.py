@@ -15,6 +15,9 @@ import common
 DEFAULT_IS_CAP = {"none": 2.0, "decoupled": 5.0, "pure_is": 5.0, "tis": 2.0, "mask": 5.0,  # none: what
                   "m2po": 5.0}  # async/is_truncated_frac counts against
 ESS_SUMS = "ess_sums"  # a micro-batch's (sum w, sum w^2, count), which merge_diagnostics turns into async/ess
+# the diagnostics of samples drawn by the weights that train them, and of a micro-batch with no real token
+NOTHING_STALE = {"async/mismatch_kl": 0.0, "async/is_ratio_mean": 1.0, "async/is_ratio_max": 1.0,
+                 "async/is_truncated_frac": 0.0}
 
 
 @dataclass
@@ -136,10 +139,6 @@ def off_policy_terms(new_logprobs, sampling_logprobs, start_logprobs, mask, corr
         diagnostics["async/m2po_masked_frac"] = 1 - kept.sum().item() / max(mask.sum().item(), 1)
     return OffPolicyTerms(anchor, weights, kept, correction != "m2po", diagnostics)
 
-
-# the diagnostics of samples drawn by the weights that train them, and of a micro-batch with no real token
-NOTHING_STALE = {"async/mismatch_kl": 0.0, "async/is_ratio_mean": 1.0, "async/is_ratio_max": 1.0,
-                 "async/is_truncated_frac": 0.0}
 
 
 def second_moment_mask(log_ratios: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from scripts import QUICK, assert_learns, read_metrics, run_script, toy_run
+from scripts import QUICK, assert_learns, load_policy_weights, read_metrics, run_script, toy_run
 
 import common
 import grpo
@@ -233,15 +233,23 @@ def test_grpo_learns_the_arithmetic_with_dapo(tmp_path):
 
 @pytest.mark.slow
 def test_mask_truncated_completions_leaves_the_truncated_completions_out_of_the_loss(tmp_path):
-    """Two tokens a completion: the toy's SFT policy, which lists key words before it stops, stops in none of the
-    first update's. With --mask_truncated_completions nothing is left in its loss (0), without it the same
-    samples train (the same seed and weights sample them). A mask that kept them, or kept only the others, fails."""
-    losses = {}
+    """Two tokens a completion at temperature 2: the toy's SFT policy, which lists key words before it stops, stops
+    in none of the first update's, and most groups' rewards differ (scored by the reward model: no missing-EOS
+    penalty, which would make every reward equal). With
+    --mask_truncated_completions no gradient is left: the update only decays the weights (AdamW's decoupled weight
+    decay, 0.01); without it the same samples train (the same seed and weights sample them). A mask that kept
+    them, or kept only the others, fails. (The loss's value is 0 either way: completions of equal length, whose
+    advantages sum to 0 in each group.)"""
+    from transformers import AutoModelForCausalLM
+
+    sft = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY).state_dict()
+    decayed = {name: value * (1 - grpo.Args().optimizer.learning_rate * 0.01) for name, value in sft.items()}
     for flag in ([], ["--mask_truncated_completions"]):
         out = tmp_path / ("masked" if flag else "unmasked")
-        run_script(*QUICK, "--total_episodes", "16", "--response_length", "2", "--eval_every", "0", *flag,
-                   "--output_dir", out, script="grpo.py")
+        run_script(*QUICK, "--total_episodes", "16", "--response_length", "2", "--temperature", "2",
+                   "--no_missing_eos_penalty", "--eval_every", "0", *flag, "--output_dir", out, script="grpo.py")
         [update] = [m for m in read_metrics(out) if "loss/policy_avg" in m]
-        assert update["val/num_eos_tokens"] == 0
-        losses[bool(flag)] = update["loss/policy_avg"]
-    assert losses[True] == 0 and losses[False] != 0, losses
+        assert update["val/num_eos_tokens"] == 0 and update["objective/zero_std_groups"] < 0.5
+        trained = load_policy_weights(out)
+        only_decayed = all(torch.allclose(trained[name], decayed[name], rtol=1e-6, atol=1e-9) for name in sft)
+        assert only_decayed == bool(flag), flag

@@ -147,7 +147,7 @@ def test_an_interrupted_eval_checkpoints_evaluates_only_the_rest_to_the_same_tab
 def test_eval_checkpoints_scores_a_given_model_folder_as_training_did(run, tmp_path):
     # --model_paths with no run: the folder's trained.json names its update (5), which seeds the evaluation
     out = tmp_path / "eval"
-    run_script("--model_paths", run / "policy", "--eval_num_prompts", "128", "--output_dir", out,
+    run_script("--model_paths", run / "policy", "--eval_num_prompts", "32", "--output_dir", out,
                script="eval_checkpoints.py")
     [row] = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     logged = [m for m in read_metrics(run) if "eval/gold_win_rate" in m][-1]
