@@ -19,12 +19,13 @@ import torch
 
 import common
 import data
+import inflight
 import lora
 import outputs
 import vllm_generator
 import vllm_placement
 import weight_transport
-from vllm_generator import AsyncArgs, sampling_version
+from vllm_generator import AsyncArgs, Batch, sampling_version
 from vllm_placement import EngineArgs
 
 
@@ -36,10 +37,6 @@ def check_flags(asynchronous: AsyncArgs, engine_args: EngineArgs, world_size: in
                     "shared (engine and trainer take turns there)")
     vllm_placement.check_placement(engine_args, world_size)
 
-
-# a batch's arrays of one entry per row, which each rank takes its share of; those that cross processes as numpy
-ROW_ARRAYS = ("responses", "logprobs", "scores", "token_versions",
-              "lengths", "contains_eos", "action_mask", "returns", "turns", "truncated")  # grpo_multiturn_vllm.py's
 
 ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
                "--resume continues from it")
@@ -61,12 +58,12 @@ class AsyncGenerator:
     def __init__(self, asynchronous: AsyncArgs, engine_args: EngineArgs, generation: common.GenerationArgs,
                  policy: data.DataArgs, run: outputs.RLRunArgs, bf16: bool, task: common.Task,
                  sampler: data.PromptSampler, state: outputs.OnlineTrainerState, num_updates: int, num_samples: int,
-                 process, dynamic_sampling: vllm_generator.DynamicSampling | None = None, episodes=None):
-        """`process`: what the generator process runs, vllm_generator.generate_ahead or
-        inflight.generate_inflight (looked up by the script at the call, so that tests can put a faulty one in
-        its place); `dynamic_sampling`: with --dynamic_sampling, how the process scores each round; `episodes`:
-        grpo_multiturn_vllm.py's EpisodeJob (its `task` an environments.EnvTask, whose rows the process plays
-        episodes from, in contexts of --max_episode_tokens)."""
+                 dynamic_sampling: vllm_generator.DynamicSampling | None = None,
+                 episodes: vllm_generator.SampleEpisodes | None = None):
+        """What the engine samples: k completions of each of `task`'s train prompts (with `dynamic_sampling`,
+        --dynamic_sampling's, scoring each round as the trainer would), or `episodes`: k episodes of each of an
+        environment task's rows (grpo_multiturn_vllm.py; `task` is then its environments.EnvTask, and the engine's
+        context --max_episode_tokens)."""
         self.asynchronous = asynchronous
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.num_updates, self.num_samples, self.save_every = num_updates, num_samples, run.save_every
@@ -77,14 +74,16 @@ class AsyncGenerator:
         self.engine_group, _ = torch.distributed.new_subgroups(
             engine_ranks, timeout=datetime.timedelta(seconds=vllm_generator.process_group_timeout(asynchronous)))
         self.prompts_per_rank = sampler.global_batch_size // world_size
-        self.sampled_ahead = collections.deque(state.pending_batches)
-        saved = [*self.sampled_ahead, *([state.engine_snapshot] if state.engine_snapshot else [])]
-        if any(batch["engine"] != self.share for batch in saved):
-            sampled_for = saved[0]["engine"]
+        # a checkpoint holds its batches as dicts (outputs.save_checkpoint)
+        self.sampled_ahead = collections.deque(Batch(**batch) for batch in state.pending_batches)
+        engines = [batch.engine for batch in self.sampled_ahead] + ([state.engine_snapshot["engine"]]
+                                                                   if state.engine_snapshot else [])
+        if any(tuple(engine) != self.share for engine in engines):
+            sampled_for = engines[0]
             common.fail(f"--resume: the checkpoint's sampled-ahead batches are engine {sampled_for[0]} of "
                         f"{sampled_for[1]}'s, and this rank's engine would be {self.share[0]} of {self.share[1]}: "
                         "resume with the nodes, ranks per node and engines per node of the interrupted run")
-        sampler.position = self.sampled_ahead[-1]["data_position"] if self.sampled_ahead else state.data_position
+        sampler.position = self.sampled_ahead[-1].data_position if self.sampled_ahead else state.data_position
         self.channels = self.process = self.placement = None
         self.store = self.channel = None  # over NCCL
         self.shared, self.free_shared = {}, []  # SharedWeights by handle, and those the generator handed back
@@ -104,19 +103,25 @@ class AsyncGenerator:
             self.channels = vllm_generator.Channels(context.Queue(), context.Queue(), context.Queue(), requests,
                                                     self.store.port if self.store else 0)
             first_update = state.update + len(self.sampled_ahead) + 1
+            if episodes is not None:  # what crosses processes: the environment class is loaded again there
+                sample = dataclasses.replace(episodes, task=dataclasses.replace(episodes.task, env_class=None,
+                                                                                eval_rows=None))
+            else:
+                sample = vllm_generator.SamplePrompts(task.train_prompts["input_ids"], dynamic_sampling and (
+                    dataclasses.replace(dynamic_sampling, task=dataclasses.replace(
+                        dynamic_sampling.task, reward_fn=None, eval_prompts=None, gold_score=None))))
             job = vllm_generator.GeneratorJob(
                 asynchronous=asynchronous, engine_args=engine_args, generation=generation,
                 policy_path=policy.model_name_or_path, bf16=bf16, seed=run.seed,
                 max_model_len=(episodes.env.max_episode_tokens if episodes else
                                policy.max_prompt_length + generation.response_length), save_every=run.save_every,
-                placement=self.placement, share=self.share,
-                prompts=[] if episodes else task.train_prompts["input_ids"], episodes=episodes,
+                placement=self.placement, share=self.share, sample=sample,
                 sampler=sampler, updates=range(first_update, num_updates + 1), first_version=state.update,
                 num_samples=num_samples, eos_ids=task.eos_ids, pad_token_id=task.tokenizer.pad_token_id,
-                channels=self.channels, snapshot=state.engine_snapshot, dynamic_sampling=dynamic_sampling and
-                dataclasses.replace(dynamic_sampling, task=dataclasses.replace(  # what crosses processes
-                    dynamic_sampling.task, reward_fn=None, eval_prompts=None, gold_score=None)))
-            self.process = vllm_placement.start_generator(self.placement, process, (job,))
+                channels=self.channels, snapshot=state.engine_snapshot)
+            # looked up now: a test may have put a faulty one in its place
+            target = inflight.generate_inflight if asynchronous.inflight_updates else vllm_generator.generate_ahead
+            self.process = vllm_placement.start_generator(self.placement, target, (job,))
             atexit.register(self.stop)  # however the trainer exits
             common.STOP_BEFORE_FAILING.append(self.stop)
             if self.placement.takes_turns:  # on the trainer's GPU, it measures its memory before the trainer's
@@ -140,7 +145,7 @@ class AsyncGenerator:
                 common.fail(f"generation failed: {item}")
             return item
 
-    def _next_batch(self) -> dict:
+    def _next_batch(self) -> Batch:
         """The next whole batch from the process (asked for first, when the engine shares the trainer's
         device), its arrays as tensors; the snapshots that come first are kept."""
         if self.placement.takes_turns:
@@ -153,15 +158,15 @@ class AsyncGenerator:
             pass
         return batch
 
-    def _next_message(self) -> dict | None:
-        """The next batch from the process, its arrays as tensors; None for a snapshot (--inflight_updates),
-        which is kept."""
+    def _next_message(self) -> Batch | None:
+        """The next batch from the process, its arrays as tensors; None for a snapshot (--inflight_updates: a
+        dict), which is kept."""
         timeout = self.asynchronous.generator_timeout
         item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
-        if "snapshot" in item:
+        if isinstance(item, dict):
             self.snapshots[item["snapshot"]] = item
             return None
-        return {**item, **{name: torch.from_numpy(item[name]) for name in ROW_ARRAYS if name in item}}
+        return item.as_tensors()
 
     def wait_for_engine(self):
         """Wait until the engine has started (it loads the model and warms up while the trainer sets up and
@@ -175,19 +180,14 @@ class AsyncGenerator:
                 self.channel = weight_transport.connect_weight_channel(self.store, self.process,
                                                                        self.asynchronous.generator_timeout)
 
-    def batch_for(self, update: int) -> dict:
-        """This rank's share of the batch sampled for `update`: the train split's "prompt_indices", then
-        per sample (each prompt's adjacent) "queries" (token lists), "responses" and the engine's "logprobs"
-        (N, R), with --inflight_updates each token's "token_versions" (N, R); the weight "version" it was sampled
-        with (in flight: its oldest token's), and its engine's timings."""
+    def batch_for(self, update: int) -> Batch:
+        """This rank's share of the batch sampled for `update` (vllm_generator.Batch, its arrays tensors)."""
         shares = None
         if self.leader:
             batch = self.sampled_ahead.popleft() if self.sampled_ahead else self._next_batch()
-            assert batch["update"] == update
-            prompts, rows = self.prompts_per_rank, self.prompts_per_rank * self.num_samples
-            shares = [{**batch, "prompt_indices": batch["prompt_indices"][r * prompts:(r + 1) * prompts],
-                       **{name: batch[name][r * rows:(r + 1) * rows]
-                          for name in ("queries", *ROW_ARRAYS) if name in batch}}
+            assert batch.update == update
+            rows = self.prompts_per_rank * self.num_samples
+            shares = [batch.rows(r * rows, (r + 1) * rows, self.num_samples)
                       for r in range(torch.distributed.get_world_size(self.engine_group))]
         received = [None]
         torch.distributed.scatter_object_list(received, shares, group=self.engine_group, group_src=0)
@@ -258,7 +258,7 @@ class AsyncGenerator:
         while True:  # past the batches it sampled ahead: _receive fails with its error, its death, or this
             self._receive(2.0, message)
 
-    def checkpoint_state(self, update: int) -> tuple[list[dict], dict | None]:
+    def checkpoint_state(self, update: int) -> tuple[list[Batch], dict | None]:
         """What a checkpoint after `update` saves (each leader's in its rank's state) so that a resumed run
         trains on exactly these samples: the batches for the updates after it that the process samples with
         weights older than update's (min(K, updates left)), waited for; with --inflight_updates, those it
@@ -279,7 +279,7 @@ class AsyncGenerator:
             if (batch := self._next_message()) is not None:
                 self.sampled_ahead.append(batch)
         snapshot = self.snapshots.pop(update)
-        return [batch for batch in self.sampled_ahead if batch["update"] < snapshot["update"]], snapshot
+        return [batch for batch in self.sampled_ahead if batch.update < snapshot["update"]], snapshot
 
     def stop(self):
         """Stop the process (SIGKILL: it ignores the preemption signals, and holds nothing that needs

@@ -131,7 +131,7 @@ def main(args: Args):
         # The policy's log-probs under the sampling weights, for the logged KL and entropy: the first
         # optimizer step's forward computes them for its best completions; one forward here for the rest.
         first_rows = best_rows[orders[0][:mini_batch_size]]
-        logprobs = common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)  # (N, R)
+        logprobs = common.start_logprobs_but_first_step(policy, rollout, args.generation, first_rows)  # (N, R)
         t2 = time.time()
 
         # Learn: num_epochs passes over the best completions, each num_mini_batches optimizer steps,

@@ -687,7 +687,7 @@ def rollout_logprobs(model, rollout: Rollout, generation: GenerationArgs, top_p:
 
 
 @torch.no_grad()
-def sampling_logprobs_but_first_step(policy, rollout: Rollout, generation: GenerationArgs,
+def start_logprobs_but_first_step(policy, rollout: Rollout, generation: GenerationArgs,
                                      first_step_rows: torch.Tensor) -> torch.Tensor:
     """(N, R) the policy's log-probs under the weights that sampled the rollout (its weights now, before
     training), but for `first_step_rows`, the rows of the update's first optimizer step: its own forward
@@ -704,7 +704,7 @@ def sampling_logprobs_but_first_step(policy, rollout: Rollout, generation: Gener
 def reuse_first_step_logprobs(logprobs: torch.Tensor, rows: torch.Tensor, new_logprobs: torch.Tensor, epoch: int,
                               step: int):
     """In the update's first optimizer step (epoch 0, step 0: still the weights that sampled the batch), write
-    its training forward's log-probs of `rows` into `logprobs` (sampling_logprobs_but_first_step's)."""
+    its training forward's log-probs of `rows` into `logprobs` (start_logprobs_but_first_step's)."""
     if epoch == step == 0:
         logprobs[rows] = new_logprobs.detach()
 
@@ -739,22 +739,25 @@ def groups_to_train(has_signal: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
-def sample_until_signal(first_scores: torch.Tensor, next_round, k: int, size: int, max_rounds: int,
-                        all_ranks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """DAPO's dynamic sampling: from the rewards (N,) of a first round of `size` groups of k samples, further
-    rounds (next_round() samples one and returns its rewards) until they hold `size` groups with unequal rewards
-    or there are `max_rounds` rounds; with `all_ranks`, until every rank's rounds hold that many (each rank
-    samples as many rounds: HF generate is collective under ZeRO-3). Returns whether each group of every round
-    has unequal rewards (groups,), and the groups to train on (groups_to_train)."""
-    has_signal, rounds = groups_with_signal(first_scores, k), 1
+def fill_with_signal(first_round: tuple, next_round, k: int, size: int, max_rounds: int,
+                     all_ranks: bool = False) -> tuple[list[tuple], torch.Tensor, dict]:
+    """DAPO's dynamic sampling: to a first round of `size` groups of k samples, further rounds (next_round() samples
+    one) until they hold `size` groups with unequal rewards or there are `max_rounds` rounds; with `all_ranks`,
+    until every rank's rounds hold that many (each rank samples as many rounds: HF generate is collective under
+    ZeRO-3). A round is a tuple whose last item is its rewards (N,). Returns every round, the groups to train on
+    (groups_to_train; numbered over the rounds' groups in order), and dynamic_sampling/*."""
+    rounds, has_signal = [first_round], groups_with_signal(first_round[-1], k)
     while True:
         shortfall = torch.tensor(float(max(size - has_signal.sum().item(), 0)), device=local_device())
         if all_ranks:
             torch.distributed.all_reduce(shortfall, torch.distributed.ReduceOp.MAX)
-        if shortfall.item() == 0 or rounds == max_rounds:
-            return has_signal, groups_to_train(has_signal, size)
-        has_signal = torch.cat([has_signal, groups_with_signal(next_round(), k).to(has_signal.device)])
-        rounds += 1
+        if shortfall.item() == 0 or len(rounds) == max_rounds:
+            break
+        rounds.append(next_round())
+        has_signal = torch.cat([has_signal, groups_with_signal(rounds[-1][-1], k).to(has_signal.device)])
+    groups = groups_to_train(has_signal, size)
+    scores = torch.cat([round_[-1] for round_ in rounds])
+    return rounds, groups, dynamic_sampling_metrics(len(rounds), has_signal, groups, scores)
 
 
 def dynamic_sampling_metrics(rounds: int, has_signal: torch.Tensor, groups, scores: torch.Tensor) -> dict:

@@ -1,5 +1,5 @@
 """The off-policy corrections of the scripts with a policy ratio (PPO, RLOO, GRPO and their vLLM twins), and
-their flags (CorrectionArgs; TokenCorrectionArgs where the loss is per token, with --is_level):
+their flags (CorrectionArgs; TokenCorrectionArgs where the loss is per token, with --correction_level):
 --off_policy_correction none, decoupled, pure_is, tis, mask or m2po makes the ratio's denominator, each policy
 term's weight and the tokens that count from the sampling, start-of-update and current log-probs, and every
 update logs the same diagnostics (ALGORITHMS.md, "Off-policy corrections")."""
@@ -66,9 +66,10 @@ class CorrectionArgs(common.FlagGroup):
 class TokenCorrectionArgs(CorrectionArgs):
     """Off-policy corrections: how the loss treats samples drawn with other weights than those it trains"""
 
-    is_level: Literal["token", "sequence"] = "token"
-    """importance weights per token, or per completion (sequence: exp of its summed log-ratio, on every token;
-    RLOO's loss, per completion, always weighs per completion)"""
+    correction_level: Literal["token", "sequence"] = "token"
+    """the correction's importance weights per token, or per completion (sequence: exp of its summed log-ratio,
+    on every token; RLOO's loss, per completion, always weighs per completion); GRPO's
+    --importance_sampling_level is the level of the loss's policy ratio (GSPO), not of these weights"""
 
 
 class OffPolicyTerms(NamedTuple):

@@ -9,7 +9,8 @@ The contract (README, "Multi-turn environments"): a class built with no argument
 Token in, token out: the ids the policy sampled are the ids it is trained on; each message the environment
 sends, and the chat template's tokens around it, are appended as tokens, and the history is never
 re-tokenized. The environment's tokens are masked out of everything the policy is trained or judged on
-(Episodes.mask). Resets and steps of different episodes run concurrently, each in a thread of its own, under
+(Episodes.mask). Every mode plays its episodes through one loop (EpisodeLoop), the only caller of `reset` and
+`step`. Resets and steps of different episodes run concurrently, each in a thread of its own, under
 --env_timeout; an environment that raises, hangs or answers with the wrong types stops the run with one line
 naming it, the episode and what was wrong.
 """
@@ -22,6 +23,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,7 +58,7 @@ class EnvArgs(common.FlagGroup):
 RESUME_MAY_CHANGE = ("env_timeout",)  # what a resumed run may change besides outputs.RESUME_MAY_CHANGE
 
 
-@functools.cache  # once a process: the generator process's sample_episodes asks for it every batch
+@functools.cache  # once a process: the generator process asks for it every batch (SampleEpisodes.loop)
 def load_env_class(spec: str):
     """The class --env names, `path/to/file.py:Class`, `module:Class` or `toy:NAME`; one built here with no
     arguments must have reset and step (one line otherwise, before the run writes anything)."""
@@ -164,8 +166,7 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
 # ----------------------------------------------------------------------------------------------
 class CallsInFlight:
     """Calls into environments, each in a daemon thread of its own under --env_timeout (a call that hangs does not
-    keep the process from exiting), collected as they finish: call_concurrently's, and the steps of episodes that need
-    not wait for each other's (grpo_multiturn_vllm.py's --continuous_episodes, inflight.InflightEpisodes)."""
+    keep the process from exiting), collected as they finish: call_concurrently's, and EpisodeLoop's steps."""
 
     def __init__(self, timeout: float):
         self.timeout, self.running, self.done = timeout, {}, queue.SimpleQueue()  # running: i -> deadline
@@ -242,86 +243,154 @@ def check_step(result, where: str) -> tuple[str | None, float, bool]:
 
 
 # ----------------------------------------------------------------------------------------------
-# An episode's tokens
+# An episode's tokens, and the loop that plays episodes
 # ----------------------------------------------------------------------------------------------
+class Turn(NamedTuple):
+    """A turn the policy sampled: its ids up to its stop token, whether it reached it, and with the vLLM engine the
+    engine's log-probs of the ids and, in flight, the weight version that sampled each."""
+
+    ids: list[int]
+    stopped: bool
+    logprobs: list[float] | None = None
+    versions: list[int] | None = None
+
+
 @dataclass
 class Episode:
     """One episode as tokens: the first message (`prompt_ids`), then every later token (`ids`), the policy's
     (`is_action` True) and the environment's, in the order they came."""
 
     env: object
-    where: str  # "--env NAME, episode I (row R, seed S)", for errors
+    number: int  # among the episodes started together: the key of its step in EpisodeLoop
+    where: str  # "--env NAME, episode I (seed S)", for errors
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
     is_action: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # the vLLM engine's, of the policy's tokens
+    logprobs: list[float] = field(default_factory=list)  # the vLLM engine's of the policy's ids, INVALID_LOGPROB after
+    versions: list[int] = field(default_factory=list)  # in flight: the version that sampled each policy id, -1 after
+    actions: list[Turn] = field(default_factory=list)  # every turn the environment has replied to (a replay's input)
+    pending: Turn | None = None  # the turn its environment is stepping on
     episode_return: float = 0.0
-    turns: int = 0
     ended: bool = False
     truncated: bool = False  # ended by --max_turns or --max_episode_tokens, not by the environment
     missed_stop: bool = False  # a turn ran out of tokens before its stop token
+
+    @property
+    def turns(self) -> int:
+        return len(self.actions)
 
     def budget(self, max_new_tokens: int, max_episode_tokens: int) -> int:
         """Tokens the next turn may sample: a turn's, or what is left of the context."""
         return min(max_new_tokens, max_episode_tokens - len(self.prompt_ids) - len(self.ids))
 
-    def add_turn(self, action: list[int], stopped: bool, reply: tuple[str | None, float, bool], task: EnvTask,
-                 max_turns: int, max_episode_tokens: int, logprobs: list[float] | None = None):
-        """The policy's `action` (the ids it sampled, up to its stop token; the engine's `logprobs` of them), then
-        the environment's `reply`: its reward counts; unless the episode ends, the message is appended as tokens
-        (after the stop token the turn ran out of tokens before, if it did)."""
+    def add_turn(self, turn: Turn, reply: tuple[str | None, float, bool], task: EnvTask, max_turns: int,
+                 max_episode_tokens: int):
+        """The policy's `turn`, then the environment's `reply`: its reward counts; unless the episode ends, the message
+        is appended as tokens (after the stop token the turn ran out of tokens before, if it did)."""
         message, reward, done = reply
-        self.ids += action
-        self.is_action += [True] * len(action)
-        self.logprobs += logprobs or []
+        self.ids += turn.ids
+        self.is_action += [True] * len(turn.ids)
+        self.logprobs += turn.logprobs or []
+        self.versions += turn.versions or []
+        self.actions.append(turn)
         self.episode_return += reward
-        self.turns += 1
-        self.missed_stop |= not stopped
+        self.missed_stop |= not turn.stopped
         if done:
             self.ended = True
             return
-        message_ids = ([] if stopped else [task.end_of_turn_id]) + task.message_ids(message)
+        message_ids = ([] if turn.stopped else [task.end_of_turn_id]) + task.message_ids(message)
         if self.turns == max_turns or len(self.prompt_ids) + len(self.ids) + len(message_ids) >= max_episode_tokens:
             self.ended = self.truncated = True  # the last message would teach nothing: it is not appended
             return
         self.ids += message_ids
         self.is_action += [False] * len(message_ids)
-        if logprobs is not None:
+        if turn.logprobs is not None:
             self.logprobs += [common.INVALID_LOGPROB] * len(message_ids)
+        if turn.versions is not None:
+            self.versions += [-1] * len(message_ids)
 
 
-def start_episodes(task: EnvTask, rows: dict, seeds: list[int], k: int, env_args: EnvArgs,
-                   first_episode: int = 0) -> list[Episode]:
-    """k episodes of each row ({column: values}) with its reset seed, each prompt's k adjacent: one environment
-    each, built and reset concurrently. `first_episode`: the first one's number in the global batch (errors)."""
-    columns = list(rows)
-    starts = [({name: rows[name][i] for name in columns}, seed) for i, seed in enumerate(seeds) for _ in range(k)]
-    where = [f"--env {task.env_name}, episode {first_episode + i} (seed {seed})" for i, (_, seed) in enumerate(starts)]
+class EpisodeLoop:
+    """Where every episode is played, whichever way its turns are sampled: with HF generate turn by turn
+    (grpo_multiturn*.py's play_episodes), in the vLLM engine K updates ahead, turn by turn or each episode at its
+    own pace (vllm_generator.SampleEpisodes), and in flight across weight loads (inflight.InflightEpisodes). The
+    mode samples each turn within Episode.budget and hands it over (take_turn); the loop owns the rest: the
+    environments' resets and steps (the only calls into an environment, each in a thread of its own under
+    --env_timeout, each reply checked), and every turn and reply appended to its episode as tokens (token in, token
+    out), with the rewards, --max_turns and the context limit."""
 
-    def start(i: int):
-        env = task.env_class()
-        return env, env.reset(*starts[i])
+    def __init__(self, task: EnvTask, env_args: EnvArgs):
+        self.task, self.env_args = task, env_args
+        self.steps = CallsInFlight(env_args.env_timeout)  # by episode number
+        self.stepping = {}  # number -> the episode whose step runs
 
-    started = call_concurrently([lambda i=i: start(i) for i in range(len(starts))], env_args.env_timeout,
-                                lambda i: f"{where[i]}: reset")
-    episodes = []
-    for i, (env, message) in enumerate(started):
-        if not isinstance(message, str):
-            common.fail(f"{where[i]}: reset returned {type(message).__name__} {message!r:.80}; it returns the first "
-                        "message, a str")
-        prompt_ids = task.first_message_ids(message)
-        if len(prompt_ids) >= env_args.max_episode_tokens:
-            common.fail(f"{where[i]}: the first message is {len(prompt_ids)} tokens, which leaves no room for a turn "
-                        f"in --max_episode_tokens {env_args.max_episode_tokens}")
-        episodes.append(Episode(env=env, where=where[i], prompt_ids=prompt_ids))
-    return episodes
+    def start(self, rows: dict, seeds: list[int], k: int, first_episode: int = 0) -> list[Episode]:
+        """k episodes of each row ({column: values}) with its reset seed, each row's k adjacent: one environment
+        each, built and reset concurrently. `first_episode`: the first one's number (unique among the episodes this
+        loop plays at once)."""
+        task, env_args = self.task, self.env_args
+        columns = list(rows)
+        starts = [({name: rows[name][i] for name in columns}, seed) for i, seed in enumerate(seeds) for _ in range(k)]
+        where = [f"--env {task.env_name}, episode {first_episode + i} (seed {seed})"
+                 for i, (_, seed) in enumerate(starts)]
 
+        def start(i: int):
+            env = task.env_class()
+            return env, env.reset(*starts[i])
 
-def step_episodes(episodes: list[Episode], actions: list[str], timeout: float) -> list[tuple[str | None, float, bool]]:
-    """Each episode's environment steps on its action (text), concurrently; the checked replies."""
-    replies = call_concurrently([lambda e=e, a=a: e.env.step(a) for e, a in zip(episodes, actions)], timeout,
-                                lambda i: f"{episodes[i].where}: step")
-    return [check_step(reply, f"{episode.where}: step") for episode, reply in zip(episodes, replies)]
+        started = call_concurrently([lambda i=i: start(i) for i in range(len(starts))], env_args.env_timeout,
+                                    lambda i: f"{where[i]}: reset")
+        episodes = []
+        for i, (env, message) in enumerate(started):
+            if not isinstance(message, str):
+                common.fail(f"{where[i]}: reset returned {type(message).__name__} {message!r:.80}; it returns the "
+                            "first message, a str")
+            prompt_ids = task.first_message_ids(message)
+            if len(prompt_ids) >= env_args.max_episode_tokens:
+                common.fail(f"{where[i]}: the first message is {len(prompt_ids)} tokens, which leaves no room for a "
+                            f"turn in --max_episode_tokens {env_args.max_episode_tokens}")
+            episodes.append(Episode(env=env, number=first_episode + i, where=where[i], prompt_ids=prompt_ids))
+        return episodes
+
+    def take_turn(self, episode: Episode, turn: Turn):
+        """The policy's `turn` of `episode`: its environment starts stepping on the turn's text."""
+        episode.pending, text = turn, action_text(self.task, turn.ids)
+        self.stepping[episode.number] = episode
+        self.steps.start(episode.number, lambda: episode.env.step(text), f"{episode.where}: step")
+
+    @property
+    def running(self) -> bool:
+        """Whether a step runs."""
+        return bool(self.stepping)
+
+    def replies(self, wait: float = 0.0, every_step: bool = False) -> list[Episode]:
+        """The episodes whose steps returned since the last call, waiting up to `wait` seconds for a first one (with
+        `every_step`, until none runs), in the order of their numbers: each with its turn and the reply appended,
+        ended or waiting for its next turn."""
+        done = self.steps.finished(wait)
+        while every_step and self.steps.running:
+            done += self.steps.finished(wait=0.05)
+        replied = []
+        for number, (reply, where) in sorted(self.steps.results(done).items()):
+            episode = self.stepping.pop(number)
+            episode.add_turn(episode.pending, check_step(reply, where), self.task, self.env_args.max_turns,
+                             self.env_args.max_episode_tokens)
+            episode.pending = None
+            replied.append(episode)
+        return replied
+
+    def play_turn_by_turn(self, episodes: list[Episode], sample_turn) -> list[Episode]:
+        """`episodes` played to their end (done, --max_turns, or the context limit), turn by turn: every turn, each
+        episode still playing samples one, sample_turn(episodes, turn) -> a Turn per episode (None for one that has
+        ended), and every environment's reply comes before the next turn."""
+        for turn in range(self.env_args.max_turns):
+            playing = [(episode, t) for episode, t in zip(episodes, sample_turn(episodes, turn)) if t is not None]
+            if not playing:
+                break
+            for episode, t in playing:
+                self.take_turn(episode, t)
+            self.replies(every_step=True)
+        return episodes
 
 
 def reset_seed(seed: int, position: int | str, index: int) -> int:
@@ -333,14 +402,14 @@ def reset_seed(seed: int, position: int | str, index: int) -> int:
 
 @torch.no_grad()
 def sample_actions(model, episodes: list[Episode], task: EnvTask, max_new_tokens: int, max_episode_tokens: int,
-                   temperature: float, top_p: float, chunk_size: int, seed_key: str, first_row: int):
-    """One turn of every episode still playing, with HF generate: (action ids, whether it stopped) per episode
-    (None for those that ended). Chunks of `chunk_size` episodes keep their members (ended ones sample too, and
-    are discarded) and are seeded by (`seed_key`, the chunk's first row in the global batch, `first_row` + i):
-    the actions depend on neither the ranks nor what else ended, as long as the chunk size divides each rank's
-    episodes. A turn samples at most its episode's budget (Episode.budget)."""
+                   temperature: float, top_p: float, chunk_size: int, seed_key: str, first_row: int) -> list:
+    """One turn of every episode still playing, with HF generate: a Turn per episode (None for those that ended).
+    Chunks of `chunk_size` episodes keep their members (ended ones sample too, and are discarded) and are seeded by
+    (`seed_key`, the chunk's first row in the global batch, `first_row` + i): the turns depend on neither the ranks
+    nor what else ended, as long as the chunk size divides each rank's episodes. A turn samples at most its
+    episode's budget (Episode.budget)."""
     pad, device = task.tokenizer.pad_token_id, common.local_device()
-    actions = [None] * len(episodes)
+    turns = [None] * len(episodes)
     for start in range(0, len(episodes), chunk_size):
         chunk = episodes[start:start + chunk_size]
         if all(episode.ended for episode in chunk):
@@ -355,8 +424,8 @@ def sample_actions(model, episodes: list[Episode], task: EnvTask, max_new_tokens
                 continue
             budget = episode.budget(max_new_tokens, max_episode_tokens)
             stop = next((t for t, token in enumerate(response[:budget]) if token in task.eos_ids), None)
-            actions[start + i] = (response[:budget] if stop is None else response[:stop + 1], stop is not None)
-    return actions
+            turns[start + i] = Turn(response[:budget] if stop is None else response[:stop + 1], stop is not None)
+    return turns
 
 
 def action_text(task: EnvTask, action: list[int]) -> str:
@@ -378,44 +447,54 @@ class Episodes(common.Rollout):
     turns: torch.Tensor = None  # (N,)
     truncated: torch.Tensor = None  # (N,) ended by --max_turns or the context limit
     engine_logprobs: torch.Tensor | None = None  # (N, R) the vLLM engine's (INVALID_LOGPROB but at the policy's tokens)
+    token_versions: torch.Tensor | None = None  # (N, R) in flight: the version of each policy token, -1 elsewhere
 
     @property
     def mask(self) -> torch.Tensor:
         return self.action_mask
 
     def as_arrays(self) -> dict:
-        """The batch as a generator process sends it: the first messages as token lists ("queries"), the rest
-        as numpy arrays (they cross processes by value)."""
+        """The batch as a generator process sends it, its fields of a vllm_generator.Batch: the first messages as
+        token lists, the rest as numpy arrays (they cross processes by value)."""
         queries = [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
-        return {"queries": queries, "logprobs": self.engine_logprobs.cpu().numpy(),
-                **{name: getattr(self, name).cpu().numpy() for name in ARRAYS}}
+        numpy = lambda tensor: None if tensor is None else tensor.cpu().numpy()  # noqa: E731
+        return {"queries": queries, "responses": numpy(self.responses), "logprobs": numpy(self.engine_logprobs),
+                "token_versions": numpy(self.token_versions), "lengths": numpy(self.lengths),
+                "contains_eos": numpy(self.contains_eos), "action_mask": numpy(self.action_mask),
+                "returns": numpy(self.returns), "turns": numpy(self.turns), "truncated": numpy(self.truncated)}
 
     @classmethod
-    def from_arrays(cls, batch: dict, pad_token_id: int, device) -> "Episodes":
-        """A batch as_arrays made, on `device` (its arrays as tensors already: AsyncGenerator.batch_for)."""
-        query_ids, query_mask = common.left_pad(batch["queries"], pad_token_id, device)
-        return cls(query_ids=query_ids, query_mask=query_mask, engine_logprobs=batch["logprobs"].to(device),
-                   **{name: batch[name].to(device) for name in ARRAYS})
-
-
-ARRAYS = ("responses", "lengths", "contains_eos", "action_mask", "returns", "turns", "truncated")  # Episodes' own
+    def from_batch(cls, batch, pad_token_id: int, device) -> "Episodes":
+        """This rank's share of a batch of episodes (a vllm_generator.Batch, its arrays tensors), on `device`."""
+        query_ids, query_mask = common.left_pad(batch.queries, pad_token_id, device)
+        on_device = lambda tensor: None if tensor is None else tensor.to(device)  # noqa: E731
+        return cls(query_ids=query_ids, query_mask=query_mask, responses=on_device(batch.responses),
+                   lengths=on_device(batch.lengths), contains_eos=on_device(batch.contains_eos),
+                   action_mask=on_device(batch.action_mask), returns=on_device(batch.returns),
+                   turns=on_device(batch.turns), truncated=on_device(batch.truncated),
+                   engine_logprobs=on_device(batch.logprobs), token_versions=on_device(batch.token_versions))
 
 
 def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
     """The episodes as one Episodes batch (right-padded responses) on `device`."""
     query_ids, query_mask = common.left_pad([e.prompt_ids for e in episodes], pad_token_id, device)
     width = max(1, max(len(e.ids) for e in episodes))
-    responses = torch.tensor([e.ids + [pad_token_id] * (width - len(e.ids)) for e in episodes], device=device)
-    action_mask = torch.tensor([e.is_action + [False] * (width - len(e.ids)) for e in episodes], device=device)
+
+    def padded(rows: list[list], value, dtype=None) -> torch.Tensor:  # (N, width)
+        return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=dtype, device=device)
+
     number = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
-    engine_logprobs = None
-    if any(e.logprobs for e in episodes):
-        engine_logprobs = number([e.logprobs + [common.INVALID_LOGPROB] * (width - len(e.logprobs)) for e in episodes])
-    return Episodes(engine_logprobs=engine_logprobs, query_ids=query_ids, query_mask=query_mask, responses=responses,
+    return Episodes(query_ids=query_ids, query_mask=query_mask,
+                    responses=padded([e.ids for e in episodes], pad_token_id),
                     lengths=number([len(e.ids) for e in episodes], torch.long),
-                    contains_eos=number([not e.missed_stop for e in episodes], torch.bool), action_mask=action_mask,
+                    contains_eos=number([not e.missed_stop for e in episodes], torch.bool),
+                    action_mask=padded([e.is_action for e in episodes], False),
                     returns=number([e.episode_return for e in episodes]),
-                    turns=number([e.turns for e in episodes]), truncated=number([e.truncated for e in episodes]))
+                    turns=number([e.turns for e in episodes]), truncated=number([e.truncated for e in episodes]),
+                    engine_logprobs=(padded([e.logprobs for e in episodes], common.INVALID_LOGPROB, torch.float32)
+                                     if any(e.logprobs for e in episodes) else None),
+                    token_versions=(padded([e.versions for e in episodes], -1, torch.long)
+                                    if any(e.versions for e in episodes) else None))
 
 
 def engine_logprob_diff(sampling_policy, episodes: Episodes, rows: list[int] | slice,

@@ -22,16 +22,18 @@ import common
 import data
 import evaluation
 import outputs
+import vllm_placement
 from cli import ConfigFiles
 from common import GenerationArgs
 from data import DataArgs, RewardArgs
 from evaluation import EvalArgs
+from vllm_placement import EngineSettings
 
 
 @dataclass
 class Args:
-    """What to evaluate and where, and the engine; the groups below hold the evaluation's settings, the RL
-    scripts' flags of the same names"""
+    """What to evaluate and where, and whether a vLLM engine samples; the groups below hold the evaluation's
+    settings and the engine's, the RL scripts' flags of the same names"""
 
     run_dir: str | None = None
     """a training run's output directory: its policies/update-N snapshots, its final policy and its SFT start
@@ -47,12 +49,6 @@ class Args:
     """generate the completions with a vLLM engine in this process (one engine, each policy's weights loaded
     into it) instead of HF `generate`: faster, and the same numbers in distribution (not the run's own
     samples); one process only, and the policies must have the SFT policy's architecture"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """with --vllm on a GPU: the share of its memory the engine may take (the HF models share the GPU)"""
-    vllm_enforce_eager: bool = False
-    """with --vllm on a GPU: run the engine without CUDA graphs (less memory, slower sampling)"""
-    vllm_cpu_kv_cache_gib: int = 1
-    """with --vllm on a CPU: GiB of memory for the engine's KV cache"""
     seed: int = 1
     """seed of the sampling (with --run_dir, the run's); each policy samples with the seed its run's evaluation
     of the same update had, so a run's own numbers come out again (on as many ranks)"""
@@ -64,6 +60,10 @@ class Args:
     reward: RewardArgs = cli.group(RewardArgs())
     evaluation: EvalArgs = cli.group(EvalArgs())
     generation: GenerationArgs = cli.group(GenerationArgs())
+
+    # the engine of --vllm, on this process's device (the vLLM scripts' flags of the same names, not the run's)
+    engine: EngineSettings = cli.group(EngineSettings())
+
     config_files: ConfigFiles = cli.group(ConfigFiles())
 
 
@@ -167,13 +167,12 @@ def engine_kernels():
 def start_engine(args: Args):
     """A vLLM engine for the SFT policy's architecture in this process, on this process's device (its GPU, or
     all its cores), as the RL scripts' `--vllm_device shared` places it."""
-    import vllm_placement
-
-    os.environ.update(vllm_placement.shared_device_environment(args.vllm_cpu_kv_cache_gib))
+    os.environ.update(vllm_placement.shared_device_environment(args.engine.vllm_cpu_kv_cache_gib))
     with engine_kernels():
         return vllm_placement.start_vllm(args.data.model_name_or_path, args.bf16, args.seed,
                                          args.data.max_prompt_length + args.generation.response_length,
-                                         args.vllm_enforce_eager, args.vllm_gpu_memory_utilization)
+                                         args.engine.vllm_enforce_eager,
+                                         args.engine.gpu_memory_utilization(shares_gpu=True))  # with the HF models
 
 
 def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torch.Tensor, torch.Tensor]:

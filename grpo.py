@@ -170,18 +170,9 @@ def sample_round(policy, reward_model, task: common.Task, sampler, args, update:
     return prompt_rows, rollout, final_scores(reward_model, rollout, prompt_rows, task, args, update)
 
 
-def fill_with_signal(first_round, next_round, args, task: common.Task):
-    """DAPO's dynamic sampling (common.sample_until_signal): to the round `first_round` (prompt_rows, rollout,
-    scores), add rounds of next_round() (on every rank as many: generate is collective under ZeRO-3); the batch
-    is then the groups it chose. Returns the batch as a round, and dynamic_sampling/*."""
-    rounds, k, size = [first_round], args.num_samples, len(first_round[0]["input_ids"])
-
-    def next_scores() -> torch.Tensor:
-        rounds.append(next_round())
-        return rounds[-1][2]
-
-    has_signal, groups = common.sample_until_signal(first_round[2], next_scores, k, size, args.max_sampling_rounds,
-                                                    all_ranks=True)  # (groups,), (B,)
+def gather_groups(rounds: list[tuple], groups: torch.Tensor, k: int, task: common.Task):
+    """The batch --dynamic_sampling chose (common.fill_with_signal): the groups `groups` of the rounds (prompt_rows,
+    rollout, scores), numbered over the rounds in order. Returns (prompt_rows, rollout, scores) as one round."""
     rows = (groups[:, None] * k + torch.arange(k)).flatten()  # (N,)
     pad = task.tokenizer.pad_token_id
     prompt_width = max(rollout.query_ids.shape[1] for _, rollout, _ in rounds)
@@ -193,10 +184,9 @@ def fill_with_signal(first_round, next_round, args, task: common.Task):
                            for _, r, _ in rounds])
     scores = torch.cat([scores for _, _, scores in rounds])
     prompt_rows = {name: [value for rows_of_round, _, _ in rounds for value in rows_of_round[name]]
-                   for name in first_round[0]}
-    metrics = common.dynamic_sampling_metrics(len(rounds), has_signal, groups, scores)
+                   for name in rounds[0][0]}
     return ({name: [values[g] for g in groups.tolist()] for name, values in prompt_rows.items()},
-            common.truncate_rollout(query_ids[rows], query_mask[rows], responses[rows], task), scores[rows], metrics)
+            common.truncate_rollout(query_ids[rows], query_mask[rows], responses[rows], task), scores[rows])
 
 
 def soft_overlong_punishment(lengths: torch.Tensor, response_length: int, cache: int) -> torch.Tensor:
@@ -217,29 +207,30 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str)
     return torch.exp(r) - r - 1
 
 
-def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, response_length: int,
+def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, max_tokens: int,
                   step_tokens: float) -> torch.Tensor:
     """The average that --loss_type names, of per-token `values` (n, R) over `mask`ed tokens of n rows:
-    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x
-    response_length; dapo and cispo, the sum over `step_tokens` (this rank's share of the completion tokens
-    of the whole optimizer step, all micro-batches and ranks: see main)."""
+    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x max_tokens
+    (--response_length, or --max_episode_tokens for episodes); dapo and cispo, the sum over `step_tokens` (this
+    rank's share of the completion tokens of the whole optimizer step, all micro-batches and ranks: see main)."""
     total = (values * mask).sum()
     if loss_type == "grpo":
         return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     if loss_type == "bnpo":
         return total / mask.sum().clamp(min=1)
     if loss_type == "dr_grpo":
-        return total / (values.shape[0] * response_length)
+        return total / (values.shape[0] * max_tokens)
     return total / max(step_tokens, 1e-9)
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, ref_logprobs=None,
-                entropy=None, weights=1.0, clip: bool = True):
-    """The GRPO-family loss of n rows: new_logprobs (the training forward), old_logprobs (those the ratio is
-    taken against), ref_logprobs (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages
-    (n,); weights, each policy term's importance weight (1, or those of --off_policy_correction:
-    corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio unclipped. Returns
-    (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, max_tokens: int,
+                ref_logprobs=None, entropy=None, weights=1.0, clip: bool = True):
+    """The GRPO-family loss of n rows (completions, or episodes), over the tokens of `mask` (an episode's: the
+    policy's): new_logprobs (the training forward), old_logprobs (those the ratio is taken against), ref_logprobs
+    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,); step_tokens and max_tokens,
+    the averages' denominators (token_average); weights, each policy term's importance weight (1, or those of
+    --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio
+    unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
@@ -259,10 +250,9 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
     per_token = weights * per_token  # the KL and entropy terms are not reweighted (as TRL's, slime's)
     if args.beta:
         per_token = per_token + args.beta * token_kl(new_logprobs, ref_logprobs, args.kl_estimator)
-    loss = token_average(per_token, mask, args.loss_type, args.generation.response_length, step_tokens)
+    loss = token_average(per_token, mask, args.loss_type, max_tokens, step_tokens)
     if args.entropy_coef:
-        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, args.generation.response_length,
-                                                        step_tokens)
+        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, max_tokens, step_tokens)
     clipfrac = common.masked_mean(clipped.expand_as(mask).float(), mask.bool())
     return loss, clipfrac, ratio
 
@@ -321,10 +311,12 @@ def main(args: Args):
         t0 = time.time()
         prompt_rows, rollout, scores = sample_round(policy, reward_model, task, sampler, args, update)
         sampling_metrics = {}
-        if args.dynamic_sampling:
-            prompt_rows, rollout, scores, sampling_metrics = fill_with_signal(
+        if args.dynamic_sampling:  # every rank samples as many rounds: HF generate is collective under ZeRO-3
+            rounds, groups, sampling_metrics = common.fill_with_signal(
                 (prompt_rows, rollout, scores),
-                functools.partial(sample_round, policy, reward_model, task, sampler, args, update), args, task)
+                functools.partial(sample_round, policy, reward_model, task, sampler, args, update), k,
+                local_batch_size, args.max_sampling_rounds, all_ranks=True)
+            prompt_rows, rollout, scores = gather_groups(rounds, groups, k, task)
         t1 = time.time()
         common.check_rewards(scores, update)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation) if args.beta else None  # (N, R)
@@ -332,7 +324,7 @@ def main(args: Args):
         # (N, R) the sampling weights' log-probs, the ratios' denominator: the first optimizer step's forward
         # computes them for its rows (under the same weights); one forward here for every other row
         first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
-        logprobs = common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
+        logprobs = common.start_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
         start_logprobs = logprobs  # the sampler is the trainer, at the start of the update
 
         # Advantages: each reward against its group's; the tokens that count in the loss.
@@ -360,11 +352,13 @@ def main(args: Args):
                     if not args.entropy_coef:  # logged only: its graph, (n, R, vocab), goes before the backward
                         entropy = entropy.detach()
                     common.reuse_first_step_logprobs(logprobs, rows, new_logprobs, epoch, step)
-                    terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
-                                                         args.corrections, args.corrections.is_level == "sequence")
+                    terms = corrections.off_policy_terms(
+                        new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows], args.corrections,
+                        args.corrections.correction_level == "sequence")
                     loss, clipfrac, ratio = policy_loss(
                         new_logprobs, terms.anchor, advantages[rows], mask[rows], args, step_tokens,
-                        ref_logprobs[rows] if args.beta else None, entropy, terms.token_weights, terms.clip)
+                        args.generation.response_length, ref_logprobs[rows] if args.beta else None, entropy,
+                        terms.token_weights, terms.clip)
                     stats["off_policy"].append(terms.diagnostics)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch

@@ -135,24 +135,19 @@ def play_episodes(model, task: environments.EnvTask, rows: dict, seeds: list[int
                   seed_key: str, first_row: int) -> environments.Episodes:
     """k episodes of each row ({column: values}) from its reset seed, each row's k adjacent, played by `model` (a
     policy whose parameters are whole) to their end: done, --max_turns, or the context limit. Every turn, the
-    episodes still playing sample an action each (at `temperature`), the environments step on them concurrently,
-    and each action and reply is appended as tokens. `seed_key`, `first_row`: the sampling's seeds
-    (environments.sample_actions)."""
+    episodes still playing sample a turn each (at `temperature`), the environments step on them concurrently, and
+    each turn and reply is appended as tokens (environments.EpisodeLoop). `seed_key`, `first_row`: the sampling's
+    seeds (environments.sample_actions)."""
     env, generation = args.env, args.generation
-    episodes = environments.start_episodes(task, rows, seeds, k, env, first_row)
-    for turn in range(env.max_turns):
-        actions = environments.sample_actions(model, episodes, task, generation.response_length, env.max_episode_tokens,
-                                              temperature, generation.top_p,
-                                              generation.local_rollout_forward_batch_size, f"{seed_key}/{turn}",
-                                              first_row)  # (ids, stopped) per episode still playing, else None
-        playing = [i for i, action in enumerate(actions) if action is not None]
-        if not playing:
-            break
-        replies = environments.step_episodes([episodes[i] for i in playing],
-                                             [environments.action_text(task, actions[i][0]) for i in playing],
-                                             env.env_timeout)
-        for i, reply in zip(playing, replies):  # token in, token out: the sampled ids, then the reply's tokens
-            episodes[i].add_turn(*actions[i], reply, task, env.max_turns, env.max_episode_tokens)
+    loop = environments.EpisodeLoop(task, env)
+    episodes = loop.start(rows, seeds, k, first_row)
+
+    def sample_turn(episodes: list[environments.Episode], turn: int) -> list:  # a Turn per episode still playing
+        return environments.sample_actions(model, episodes, task, generation.response_length, env.max_episode_tokens,
+                                           temperature, generation.top_p, generation.local_rollout_forward_batch_size,
+                                           f"{seed_key}/{turn}", first_row)
+
+    loop.play_turn_by_turn(episodes, sample_turn)
     return environments.collate(episodes, task.tokenizer.pad_token_id, common.local_device())
 
 
@@ -205,29 +200,30 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str)
     return torch.exp(r) - r - 1
 
 
-def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, max_episode_tokens: int,
+def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, max_tokens: int,
                   step_tokens: float) -> torch.Tensor:
     """The average that --loss_type names, of per-token `values` (n, R) over `mask`ed tokens of n rows:
-    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x
-    max_episode_tokens; dapo and cispo, the sum over `step_tokens` (this rank's share of the completion tokens
-    of the whole optimizer step, all micro-batches and ranks: see main)."""
+    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x max_tokens
+    (--response_length, or --max_episode_tokens for episodes); dapo and cispo, the sum over `step_tokens` (this
+    rank's share of the completion tokens of the whole optimizer step, all micro-batches and ranks: see main)."""
     total = (values * mask).sum()
     if loss_type == "grpo":
         return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     if loss_type == "bnpo":
         return total / mask.sum().clamp(min=1)
     if loss_type == "dr_grpo":
-        return total / (values.shape[0] * max_episode_tokens)
+        return total / (values.shape[0] * max_tokens)
     return total / max(step_tokens, 1e-9)
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, ref_logprobs=None,
-                entropy=None, weights=1.0, clip: bool = True):
-    """The GRPO-family loss of n episodes, over the policy's tokens (`mask`): new_logprobs (the training
-    forward), old_logprobs (those the ratio is taken against), ref_logprobs (with --beta), entropy (with
-    --entropy_coef) and mask, all (n, R); advantages (n,); weights, each policy term's importance weight (1, or
-    those of --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes
-    the ratio unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, max_tokens: int,
+                ref_logprobs=None, entropy=None, weights=1.0, clip: bool = True):
+    """The GRPO-family loss of n rows (completions, or episodes), over the tokens of `mask` (an episode's: the
+    policy's): new_logprobs (the training forward), old_logprobs (those the ratio is taken against), ref_logprobs
+    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,); step_tokens and max_tokens,
+    the averages' denominators (token_average); weights, each policy term's importance weight (1, or those of
+    --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio
+    unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
@@ -247,10 +243,9 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
     per_token = weights * per_token  # the KL and entropy terms are not reweighted (as TRL's, slime's)
     if args.beta:
         per_token = per_token + args.beta * token_kl(new_logprobs, ref_logprobs, args.kl_estimator)
-    loss = token_average(per_token, mask, args.loss_type, args.env.max_episode_tokens, step_tokens)
+    loss = token_average(per_token, mask, args.loss_type, max_tokens, step_tokens)
     if args.entropy_coef:
-        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, args.env.max_episode_tokens,
-                                                        step_tokens)
+        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, max_tokens, step_tokens)
     clipfrac = common.masked_mean(clipped.expand_as(mask).float(), mask.bool())
     return loss, clipfrac, ratio
 
@@ -310,7 +305,7 @@ def main(args: Args):
         # (N, R) the sampling weights' log-probs, the ratios' denominator: the first optimizer step's forward
         # computes them for its rows (under the same weights); one forward here for every other row
         first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
-        logprobs = common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
+        logprobs = common.start_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
         start_logprobs = logprobs  # the sampler is the trainer, at the start of the update
 
         # Advantages: each return against its group's; the tokens that count in the loss (the policy's).
@@ -338,11 +333,13 @@ def main(args: Args):
                     if not args.entropy_coef:  # logged only: its graph, (n, R, vocab), goes before the backward
                         entropy = entropy.detach()
                     common.reuse_first_step_logprobs(logprobs, rows, new_logprobs, epoch, step)
-                    terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
-                                                         args.corrections, args.corrections.is_level == "sequence")
+                    terms = corrections.off_policy_terms(
+                        new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows], args.corrections,
+                        args.corrections.correction_level == "sequence")
                     loss, clipfrac, ratio = policy_loss(
                         new_logprobs, terms.anchor, advantages[rows], mask[rows], args, step_tokens,
-                        ref_logprobs[rows] if args.beta else None, entropy, terms.token_weights, terms.clip)
+                        args.env.max_episode_tokens, ref_logprobs[rows] if args.beta else None, entropy,
+                        terms.token_weights, terms.clip)
                     stats["off_policy"].append(terms.diagnostics)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch

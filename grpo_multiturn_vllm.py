@@ -3,11 +3,12 @@ grpo_multiturn.py is its synchronous twin (`diff grpo_multiturn.py grpo_multitur
 part); ALGORITHMS.md has every formula, README "Multi-turn environments" the environment contract.
 
 Batch t is played with exactly the weights after update t-1-K (`--async_steps K`; 0 is synchronous): the
-generator process beside the engine runs `sample_episodes`, this script's episode loop, turn by turn in the
-engine. The ratios are taken against the engine's log-probs of the policy's tokens, which async/logprob_diff
-checks against the trainer's model under the same weights. With --inflight_updates the engine instead keeps a
-batch's worth of episodes in flight and takes each new version between two decode steps (inflight.InflightEpisodes):
-an episode spans weight versions, and every policy token records its own.
+generator process beside the engine plays its episodes turn by turn in the engine (vllm_generator.SampleEpisodes,
+through the episode loop play_episodes here uses, environments.EpisodeLoop). The ratios are taken against the
+engine's log-probs of the policy's tokens, which async/logprob_diff checks against the trainer's model under the
+same weights. With --inflight_updates the engine instead keeps a batch's worth of episodes in flight and takes
+each new version between two decode steps (inflight.InflightEpisodes): an episode spans weight versions, and every
+policy token records its own.
 
     python grpo_multiturn_vllm.py                              # guess-the-number: trainer on a core, vLLM on the other
     python grpo_multiturn_vllm.py --env toy:guess_number_slow  # steps of 50 ms, as a tool call
@@ -15,10 +16,7 @@ an episode spans weight versions, and every policy token records its own.
     deepspeed --num_gpus 3 grpo_multiturn_vllm.py --bf16 ...   # GPU node: 3 training GPUs, vLLM on cuda:3
 """
 
-import dataclasses
-import functools
 import math
-import random
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -86,9 +84,9 @@ class Args:
     """weight of an entropy bonus: the loss minus entropy_coef times the policy's mean token entropy"""
     continuous_episodes: bool = False
     """the engine takes each episode's next turn as soon as its environment's step returns, instead of every
-    episode's turn waiting for the turn's slowest step (play_continuously): shorter batches with slow or uneven
-    environments, but the engine's batching then depends on the steps' timing, so a resumed run is no longer bit for
-    bit the uninterrupted one (the staleness stays exactly K)"""
+    episode's turn waiting for the turn's slowest step (vllm_generator.play_continuously): shorter batches with slow
+    or uneven environments, but the engine's batching then depends on the steps' timing, so a resumed run is no
+    longer bit for bit the uninterrupted one (the staleness stays exactly K)"""
 
     # the flags every RL script shares, by kind (flat names on the command line: --learning_rate)
     env: EnvArgs = cli.group(EnvArgs())
@@ -156,114 +154,24 @@ def group_advantages(rewards: torch.Tensor, k: int, scale_rewards: str) -> torch
     return advantages.flatten()
 
 
-def play_episodes(episodes: list[environments.Episode], sample_turn, task: environments.EnvTask,
-                  env: environments.EnvArgs) -> list[environments.Episode]:
-    """`episodes` played to their end: done, --max_turns, or the context limit. Every turn, the episodes still
-    playing sample an action each, sample_turn(episodes, turn) -> per episode (ids, stopped, the engine's log-probs
-    or None), None for one that has ended; the environments step on them concurrently, and each action and reply is
-    appended as tokens."""
-    for turn in range(env.max_turns):
-        actions = sample_turn(episodes, turn)
-        playing = [i for i, action in enumerate(actions) if action is not None]
-        if not playing:
-            break
-        replies = environments.step_episodes([episodes[i] for i in playing],
-                                             [environments.action_text(task, actions[i][0]) for i in playing],
-                                             env.env_timeout)
-        for i, reply in zip(playing, replies):  # token in, token out: the sampled ids, then the reply's tokens
-            ids, stopped, logprobs = actions[i]
-            episodes[i].add_turn(ids, stopped, reply, task, env.max_turns, env.max_episode_tokens, logprobs)
-    return episodes
+def play_episodes(model, task: environments.EnvTask, rows: dict, seeds: list[int], k: int, args, temperature: float,
+                  seed_key: str, first_row: int) -> environments.Episodes:
+    """k episodes of each row ({column: values}) from its reset seed, each row's k adjacent, played by `model` (a
+    policy whose parameters are whole) to their end: done, --max_turns, or the context limit. Every turn, the
+    episodes still playing sample a turn each (at `temperature`), the environments step on them concurrently, and
+    each turn and reply is appended as tokens (environments.EpisodeLoop). `seed_key`, `first_row`: the sampling's
+    seeds (environments.sample_actions)."""
+    env, generation = args.env, args.generation
+    loop = environments.EpisodeLoop(task, env)
+    episodes = loop.start(rows, seeds, k, first_row)
 
+    def sample_turn(episodes: list[environments.Episode], turn: int) -> list:  # a Turn per episode still playing
+        return environments.sample_actions(model, episodes, task, generation.response_length, env.max_episode_tokens,
+                                           temperature, generation.top_p, generation.local_rollout_forward_batch_size,
+                                           f"{seed_key}/{turn}", first_row)
 
-def play_continuously(llm, episodes: list[environments.Episode], task: environments.EnvTask, env: environments.EnvArgs,
-                      generation, eos_ids: list[int], turn_seed) -> list[environments.Episode]:
-    """`episodes` played to their end in the engine, each at its own pace (--continuous_episodes): an episode's next
-    turn goes into the engine as soon as its environment's step returns, and its step starts as soon as its turn is
-    sampled, while the engine samples the other episodes' turns. turn_seed(i, turn): the seed of episode i's turn."""
-    from vllm.inputs import TokensPrompt
-
-    engine, steps, actions = llm.llm_engine, environments.CallsInFlight(env.env_timeout), {}
-
-    def next_turn(i: int):
-        episode = episodes[i]
-        params = vllm_generator.sampling_params(generation, eos_ids, turn_seed(i, episode.turns),
-                                                episode.budget(generation.response_length, env.max_episode_tokens))
-        engine.add_request(f"{i}/{episode.turns}", TokensPrompt(prompt_token_ids=episode.prompt_ids + episode.ids),
-                           params)
-
-    for i in range(len(episodes)):
-        next_turn(i)
-    while engine.has_unfinished_requests() or steps.running:
-        for output in engine.step() if engine.has_unfinished_requests() else []:
-            if output.finished:  # a turn sampled: its environment steps on it, in a thread of its own
-                i, completion = int(output.request_id.split("/")[0]), output.outputs[0]
-                ids = list(completion.token_ids)
-                actions[i] = (ids, bool(ids) and ids[-1] in eos_ids, list(completion.logprobs.logprobs))
-                text = environments.action_text(task, ids)
-                steps.start(i, lambda env=episodes[i].env, text=text: env.step(text), f"{episodes[i].where}: step")
-        done = steps.finished(wait=0.0 if engine.has_unfinished_requests() else 0.005)
-        for i, (reply, where) in steps.results(done).items():
-            ids, stopped, logprobs = actions.pop(i)  # token in, token out, as in play_episodes
-            reply = environments.check_step(reply, where)
-            episodes[i].add_turn(ids, stopped, reply, task, env.max_turns, env.max_episode_tokens, logprobs)
-            if not episodes[i].ended:
-                next_turn(i)
-    return episodes
-
-
-@dataclasses.dataclass
-class EpisodeJob:
-    """What the generator process needs to play episodes (vllm_generator.GeneratorJob.episodes): the task without
-    its environment class, which sample_episodes loads again from --env there, the environment's flags, and
-    --continuous_episodes."""
-
-    task: environments.EnvTask
-    env: environments.EnvArgs
-    continuous: bool
-
-
-def sample_episodes(llm, sampling_policy, indices: list[int], update: int, job) -> dict:
-    """In the generator process (vllm_generator.generate_ahead calls it once the weights that sampling_version(update)
-    names are loaded): k episodes of each of this engine's rows `indices` of the global batch, from the rows' reset
-    seeds, played in the engine turn by turn (play_episodes; with --continuous_episodes, each at its own pace:
-    play_continuously), every episode's turn seeded by (seed, update, its row in the global batch, turn).
-    Returns the batch as Episodes.as_arrays makes it, with its "prompt_indices" and "metrics": time/generate, and on
-    checked batches (vllm_generator.logprob_checked) async/logprob_diff over the policy's tokens of the first
-    --logprob_check_rows episodes, against `sampling_policy`, an HF model that holds the engine's weights."""
-    task = dataclasses.replace(job.episodes.task, env_class=environments.load_env_class(job.episodes.env.env))
-    env, generation, k = job.episodes.env, job.generation, job.num_samples
-    first_prompt = job.share[0] * len(indices)  # this engine's rows in the global batch
-    seeds = [environments.reset_seed(job.seed, job.sampler.position, first_prompt + i) for i in range(len(indices))]
-    t0 = time.time()
-    episodes = environments.start_episodes(task, task.train_rows[indices], seeds, k, env, first_prompt * k)
-
-    def turn_seed(i: int, turn: int) -> int:
-        return random.Random(f"{job.seed}/{update}/{first_prompt * k + i}/{turn}").getrandbits(63)
-
-    def engine_turn(episodes: list[environments.Episode], turn: int) -> list:
-        playing = [i for i, episode in enumerate(episodes) if not episode.ended]
-        sampled = vllm_generator.vllm_sample(
-            llm, [episodes[i].prompt_ids + episodes[i].ids for i in playing], [turn_seed(i, turn) for i in playing],
-            generation, job.eos_ids, [episodes[i].budget(generation.response_length, env.max_episode_tokens)
-                                      for i in playing])
-        actions = [None] * len(episodes)
-        for i, (ids, logprobs) in zip(playing, sampled):
-            actions[i] = (ids, bool(ids) and ids[-1] in job.eos_ids, logprobs)
-        return actions
-
-    if job.episodes.continuous:
-        episodes = play_continuously(llm, episodes, task, env, generation, job.eos_ids, turn_seed)
-    else:
-        episodes = play_episodes(episodes, engine_turn, task, env)
-    batch = environments.collate(episodes, job.pad_token_id, "cpu")
-    t1 = time.time()
-    metrics = {"time/generate": t1 - t0}
-    if vllm_generator.logprob_checked(update, job.asynchronous):
-        rows = slice(0, job.asynchronous.logprob_check_rows)
-        logprob_diff = environments.engine_logprob_diff(sampling_policy, batch, rows, generation)
-        metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
-    return {"update": update, "prompt_indices": indices, **batch.as_arrays(), "metrics": metrics}
+    loop.play_turn_by_turn(episodes, sample_turn)
+    return environments.collate(episodes, task.tokenizer.pad_token_id, common.local_device())
 
 
 def final_scores(episodes: environments.Episodes, args) -> torch.Tensor:
@@ -282,18 +190,9 @@ def evaluate(policy, task: environments.EnvTask, args, update: int) -> dict[str,
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     indices = list(range(rank, len(task.eval_rows), world_size))
     seeds = [environments.reset_seed(args.run.seed, -1, i) for i in indices]
-    generation, env = args.generation, args.env
-    episodes = environments.start_episodes(task, task.eval_rows[indices], seeds, 1, env, rank)
     with evaluation.eval_mode(policy), common.full_parameters(policy) as model:
-
-        def sample_turn(episodes: list[environments.Episode], turn: int) -> list:
-            return [action and (*action, None) for action in environments.sample_actions(
-                model, episodes, task, generation.response_length, env.max_episode_tokens,
-                args.evaluation.eval_temperature, generation.top_p, generation.local_rollout_forward_batch_size,
-                f"{args.run.seed}/eval/{update}/{turn}", rank)]
-
-        episodes = environments.collate(play_episodes(episodes, sample_turn, task, env), task.tokenizer.pad_token_id,
-                                        policy.device)
+        episodes = play_episodes(model, task, task.eval_rows[indices], seeds, 1, args,
+                                 args.evaluation.eval_temperature, f"{args.run.seed}/eval/{update}", rank)
     totals = torch.tensor([float(len(indices)), episodes.returns.sum().item(), episodes.turns.sum().item(),
                            episodes.truncated.sum().item()], dtype=torch.float64, device=common.local_device())
     torch.distributed.all_reduce(totals)
@@ -313,29 +212,30 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str)
     return torch.exp(r) - r - 1
 
 
-def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, max_episode_tokens: int,
+def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, max_tokens: int,
                   step_tokens: float) -> torch.Tensor:
     """The average that --loss_type names, of per-token `values` (n, R) over `mask`ed tokens of n rows:
-    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x
-    max_episode_tokens; dapo and cispo, the sum over `step_tokens` (this rank's share of the completion tokens
-    of the whole optimizer step, all micro-batches and ranks: see main)."""
+    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x max_tokens
+    (--response_length, or --max_episode_tokens for episodes); dapo and cispo, the sum over `step_tokens` (this
+    rank's share of the completion tokens of the whole optimizer step, all micro-batches and ranks: see main)."""
     total = (values * mask).sum()
     if loss_type == "grpo":
         return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     if loss_type == "bnpo":
         return total / mask.sum().clamp(min=1)
     if loss_type == "dr_grpo":
-        return total / (values.shape[0] * max_episode_tokens)
+        return total / (values.shape[0] * max_tokens)
     return total / max(step_tokens, 1e-9)
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, ref_logprobs=None,
-                entropy=None, weights=1.0, clip: bool = True):
-    """The GRPO-family loss of n episodes, over the policy's tokens (`mask`): new_logprobs (the training
-    forward), old_logprobs (those the ratio is taken against), ref_logprobs (with --beta), entropy (with
-    --entropy_coef) and mask, all (n, R); advantages (n,); weights, each policy term's importance weight (1, or
-    those of --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes
-    the ratio unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, max_tokens: int,
+                ref_logprobs=None, entropy=None, weights=1.0, clip: bool = True):
+    """The GRPO-family loss of n rows (completions, or episodes), over the tokens of `mask` (an episode's: the
+    policy's): new_logprobs (the training forward), old_logprobs (those the ratio is taken against), ref_logprobs
+    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,); step_tokens and max_tokens,
+    the averages' denominators (token_average); weights, each policy term's importance weight (1, or those of
+    --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio
+    unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
@@ -355,10 +255,9 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
     per_token = weights * per_token  # the KL and entropy terms are not reweighted (as TRL's, slime's)
     if args.beta:
         per_token = per_token + args.beta * token_kl(new_logprobs, ref_logprobs, args.kl_estimator)
-    loss = token_average(per_token, mask, args.loss_type, args.env.max_episode_tokens, step_tokens)
+    loss = token_average(per_token, mask, args.loss_type, max_tokens, step_tokens)
     if args.entropy_coef:
-        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, args.env.max_episode_tokens,
-                                                        step_tokens)
+        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, max_tokens, step_tokens)
     clipfrac = common.masked_mean(clipped.expand_as(mask).float(), mask.bool())
     return loss, clipfrac, ratio
 
@@ -401,19 +300,14 @@ def main(args: Args):
     logger = outputs.MetricsLogger(args.run, cli.flag_values(args), num_updates, state.update,
                                   ("loss/policy_avg", "rollout/return_mean", "async/staleness", "eval/return_mean"))
     logger.log(state.update, parameter_counts)
-    # The generator process beside rank 0 holds the engine and plays each batch's episodes there (sample_episodes);
-    # it starts while the trainer evaluates. A resumed run first trains on the batches its checkpoint had played
-    # ahead (with older weights), and plays from the checkpoint's weights after them.
-    episode_job = EpisodeJob(dataclasses.replace(task, env_class=None, eval_rows=None), args.env,  # what crosses
-                             args.continuous_episodes)
-    # With --inflight_updates the engine plays episodes in flight (inflight.InflightEpisodes): each turn sampled
-    # with the weights loaded then, a batch the next groups to end.
-    process = (functools.partial(inflight.generate_inflight, generation_class=inflight.InflightEpisodes)
-               if args.asynchronous.inflight_updates else
-               functools.partial(vllm_generator.generate_ahead, sample=sample_episodes))
+    # The generator process beside rank 0 holds the engine and plays each batch's episodes there; it starts while the
+    # trainer evaluates. A resumed run first trains on the batches its checkpoint had played ahead (with older
+    # weights), and plays from the checkpoint's weights after them. With --inflight_updates the engine plays
+    # episodes in flight (inflight.InflightEpisodes): each turn sampled with the weights loaded then.
+    episodes = vllm_generator.SampleEpisodes(task, args.env, args.continuous_episodes)
     generator = async_generator.AsyncGenerator(
         args.asynchronous, args.vllm, args.generation, args.data, args.run, args.distributed.bf16, task, sampler, state,
-        num_updates, args.num_samples, process, episodes=episode_job)
+        num_updates, args.num_samples, episodes=episodes)
     if state.update == 0 and args.run.eval_every:
         logger.log_evaluation(0, 0, evaluate(policy, task, args, 0))
     generator.wait_for_engine()
@@ -425,10 +319,10 @@ def main(args: Args):
     start_time, start_episode = time.time(), state.episode
     for update in range(state.update + 1, num_updates + 1):
         # Rollout: this rank's share of the episodes the engine played for this update, K updates ago with
-        # older weights (sample_episodes); then the details as in the synchronous twin.
+        # older weights; then the details as in the synchronous twin.
         t0 = time.time()
-        batch = generator.batch_for(update)
-        rollout = environments.Episodes.from_arrays(batch, pad, policy.device)  # rollout.mask: the policy's tokens
+        batch = generator.batch_for(update)  # vllm_generator.Batch
+        rollout = environments.Episodes.from_batch(batch, pad, policy.device)  # rollout.mask: the policy's tokens
         t1 = time.time()
         scores = final_scores(rollout, args)  # (N,)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation) if args.beta else None  # (N, R)
@@ -440,7 +334,7 @@ def main(args: Args):
         # ratio against: the first optimizer step's forward computes them for its rows; one forward here for
         # every other row (none and pure_is never read them: a copy stands in)
         first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
-        start_logprobs = (common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
+        start_logprobs = (common.start_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
                           if args.corrections.reads_start_logprobs else logprobs.clone())
 
         # Advantages: each return against its group's; the tokens that count in the loss (the policy's).
@@ -468,11 +362,13 @@ def main(args: Args):
                     if not args.entropy_coef:  # logged only: its graph, (n, R, vocab), goes before the backward
                         entropy = entropy.detach()
                     common.reuse_first_step_logprobs(start_logprobs, rows, new_logprobs, epoch, step)
-                    terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
-                                                         args.corrections, args.corrections.is_level == "sequence")
+                    terms = corrections.off_policy_terms(
+                        new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows], args.corrections,
+                        args.corrections.correction_level == "sequence")
                     loss, clipfrac, ratio = policy_loss(
                         new_logprobs, terms.anchor, advantages[rows], mask[rows], args, step_tokens,
-                        ref_logprobs[rows] if args.beta else None, entropy, terms.token_weights, terms.clip)
+                        args.env.max_episode_tokens, ref_logprobs[rows] if args.beta else None, entropy,
+                        terms.token_weights, terms.clip)
                     stats["off_policy"].append(terms.diagnostics)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
@@ -490,7 +386,7 @@ def main(args: Args):
         ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         # the generator has drawn ahead; the rows drawn up to this batch
-        state.update, state.episode, state.data_position = update, state.episode + batch_size, batch["data_position"]
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, batch.data_position
         rollout_stats = common.rollout_metrics(rollout, logprobs, None, scores)
         if args.beta:
             rollout_stats["objective/kl"] = common.masked_sum(logprobs - ref_logprobs, rollout.mask).mean().item()
@@ -510,14 +406,14 @@ def main(args: Args):
             "time/score": t2 - t1,
             "time/train": t3 - t2,
             "time/weight_send": t4 - t3,  # the trainer waits for it
-            "time/weight_sync": t4 - t3 + batch["metrics"]["time/weight_load"],
+            "time/weight_sync": t4 - t3 + batch.metrics["time/weight_load"],
             # its engine's, averaged over the engines: time/generate (the episodes: sampling and the environment's
             # steps), time/weight_load (before the batch), and on checked batches async/logprob_diff and its cost
-            **batch["metrics"],
+            **batch.metrics,
         })
         metrics.update({
             # updates between the sampling weights and the trained ones
-            "async/staleness": vllm_generator.staleness(update, batch["version"]),
+            "async/staleness": vllm_generator.staleness(update, batch.version),
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         if args.asynchronous.inflight_updates:  # each policy token's staleness

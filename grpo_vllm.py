@@ -190,29 +190,30 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str)
     return torch.exp(r) - r - 1
 
 
-def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, response_length: int,
+def token_average(values: torch.Tensor, mask: torch.Tensor, loss_type: str, max_tokens: int,
                   step_tokens: float) -> torch.Tensor:
     """The average that --loss_type names, of per-token `values` (n, R) over `mask`ed tokens of n rows:
-    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x
-    response_length; dapo and cispo, the sum over `step_tokens` (this rank's share of the completion tokens
-    of the whole optimizer step, all micro-batches and ranks: see main)."""
+    grpo, each row's mean, then their mean; bnpo, over these tokens; dr_grpo, the sum over rows x max_tokens
+    (--response_length, or --max_episode_tokens for episodes); dapo and cispo, the sum over `step_tokens` (this
+    rank's share of the completion tokens of the whole optimizer step, all micro-batches and ranks: see main)."""
     total = (values * mask).sum()
     if loss_type == "grpo":
         return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     if loss_type == "bnpo":
         return total / mask.sum().clamp(min=1)
     if loss_type == "dr_grpo":
-        return total / (values.shape[0] * response_length)
+        return total / (values.shape[0] * max_tokens)
     return total / max(step_tokens, 1e-9)
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, ref_logprobs=None,
-                entropy=None, weights=1.0, clip: bool = True):
-    """The GRPO-family loss of n rows: new_logprobs (the training forward), old_logprobs (those the ratio is
-    taken against), ref_logprobs (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages
-    (n,); weights, each policy term's importance weight (1, or those of --off_policy_correction:
-    corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio unclipped. Returns
-    (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens: float, max_tokens: int,
+                ref_logprobs=None, entropy=None, weights=1.0, clip: bool = True):
+    """The GRPO-family loss of n rows (completions, or episodes), over the tokens of `mask` (an episode's: the
+    policy's): new_logprobs (the training forward), old_logprobs (those the ratio is taken against), ref_logprobs
+    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,); step_tokens and max_tokens,
+    the averages' denominators (token_average); weights, each policy term's importance weight (1, or those of
+    --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio
+    unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
@@ -232,10 +233,9 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
     per_token = weights * per_token  # the KL and entropy terms are not reweighted (as TRL's, slime's)
     if args.beta:
         per_token = per_token + args.beta * token_kl(new_logprobs, ref_logprobs, args.kl_estimator)
-    loss = token_average(per_token, mask, args.loss_type, args.generation.response_length, step_tokens)
+    loss = token_average(per_token, mask, args.loss_type, max_tokens, step_tokens)
     if args.entropy_coef:
-        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, args.generation.response_length,
-                                                        step_tokens)
+        loss = loss - args.entropy_coef * token_average(entropy, mask, args.loss_type, max_tokens, step_tokens)
     clipfrac = common.masked_mean(clipped.expand_as(mask).float(), mask.bool())
     return loss, clipfrac, ratio
 
@@ -285,14 +285,13 @@ def main(args: Args):
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them: whole batches, or in flight. With --dynamic_sampling
     # the generator process scores each round of samples as final_scores does here.
-    process = inflight.generate_inflight if args.asynchronous.inflight_updates else vllm_generator.generate_ahead
     dynamic_sampling = None
     if args.dynamic_sampling:
         dynamic_sampling = vllm_generator.DynamicSampling(functools.partial(final_scores, args=args), task, args.reward,
                                                           args.max_sampling_rounds)
     generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
                                                args.distributed.bf16, task, sampler, state, num_updates,
-                                               args.num_samples, process, dynamic_sampling)
+                                               args.num_samples, dynamic_sampling)
     if state.update == 0 and args.run.eval_every:
         logger.log_evaluation(0, 0, evaluate(policy, ref_policy, reward_model, 0))
     generator.wait_for_engine()
@@ -307,26 +306,26 @@ def main(args: Args):
         # with older weights; then the details as in the synchronous twin.
         t0 = time.time()
         batch = generator.batch_for(update)
-        prompt_rows = task.train_prompts[batch["prompt_indices"]]  # {column: values}
-        query_ids, query_mask = common.left_pad(batch["queries"], pad, policy.device)  # (N, P)
-        responses = batch["responses"].to(policy.device)  # (N, R)
+        prompt_rows = task.train_prompts[batch.prompt_indices]  # {column: values}
+        query_ids, query_mask = common.left_pad(batch.queries, pad, policy.device)  # (N, P)
+        responses = batch.responses.to(policy.device)  # (N, R)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation) if args.beta else None  # (N, R)
         if args.dynamic_sampling:  # the engine's process scored every round to choose the groups
-            scores = batch["scores"].to(policy.device)  # (N,)
+            scores = batch.scores.to(policy.device)  # (N,)
         else:
             scores = final_scores(reward_model, rollout, prompt_rows, task, args, update)  # (N,)
         common.check_rewards(scores, update)
         # (N, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
         # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
-        logprobs = batch["logprobs"][:, :rollout.responses.shape[1]].to(policy.device)
+        logprobs = batch.logprobs[:, :rollout.responses.shape[1]].to(policy.device)
         orders = [torch.randperm(local_batch_size) for _ in range(args.optimizer.num_epochs)]  # (B,) prompts each
         # (N, R) the trainer's log-probs at the start of the update, which decoupled, tis, mask and m2po take the
         # ratio against: the first optimizer step's forward computes them for its rows; one forward here for
         # every other row (none and pure_is never read them: a copy stands in)
         first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
-        start_logprobs = (common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
+        start_logprobs = (common.start_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
                           if args.corrections.reads_start_logprobs else logprobs.clone())
 
         # Advantages: each reward against its group's; the tokens that count in the loss.
@@ -354,11 +353,13 @@ def main(args: Args):
                     if not args.entropy_coef:  # logged only: its graph, (n, R, vocab), goes before the backward
                         entropy = entropy.detach()
                     common.reuse_first_step_logprobs(start_logprobs, rows, new_logprobs, epoch, step)
-                    terms = corrections.off_policy_terms(new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows],
-                                                         args.corrections, args.corrections.is_level == "sequence")
+                    terms = corrections.off_policy_terms(
+                        new_logprobs, logprobs[rows], start_logprobs[rows], mask[rows], args.corrections,
+                        args.corrections.correction_level == "sequence")
                     loss, clipfrac, ratio = policy_loss(
                         new_logprobs, terms.anchor, advantages[rows], mask[rows], args, step_tokens,
-                        ref_logprobs[rows] if args.beta else None, entropy, terms.token_weights, terms.clip)
+                        args.generation.response_length, ref_logprobs[rows] if args.beta else None, entropy,
+                        terms.token_weights, terms.clip)
                     stats["off_policy"].append(terms.diagnostics)
                     policy.backward(loss)
                     policy.step()  # DeepSpeed steps the optimizer after the mini-batch's last micro-batch
@@ -376,7 +377,7 @@ def main(args: Args):
         ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         # the generator has drawn ahead; the prompts drawn up to this batch (several rounds with --dynamic_sampling)
-        state.update, state.episode, state.data_position = update, state.episode + batch_size, batch["data_position"]
+        state.update, state.episode, state.data_position = update, state.episode + batch_size, batch.data_position
         rollout_stats = common.rollout_metrics(rollout, logprobs, None, scores)
         if args.beta:
             rollout_stats["objective/kl"] = common.masked_sum(logprobs - ref_logprobs, rollout.mask).mean().item()
@@ -395,14 +396,14 @@ def main(args: Args):
             "time/score": t2 - t1,
             "time/train": t3 - t2,
             "time/weight_send": t4 - t3,  # the trainer waits for it
-            "time/weight_sync": t4 - t3 + batch["metrics"]["time/weight_load"],
+            "time/weight_sync": t4 - t3 + batch.metrics["time/weight_load"],
             # its engine's, averaged over the engines: time/generate, time/weight_load (before the batch), and on
             # checked batches async/logprob_diff and its cost, time/logprob_check
-            **batch["metrics"],
+            **batch.metrics,
         })
         metrics.update({
             # updates between the sampling weights and the trained ones
-            "async/staleness": vllm_generator.staleness(update, batch["version"]),
+            "async/staleness": vllm_generator.staleness(update, batch.version),
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         if args.asynchronous.inflight_updates:  # each token's staleness

@@ -19,14 +19,14 @@ t, the engine samples on only with the weights after update t-K, waiting for the
 (async/dropped_groups) and the next finished group takes its place in the batch: the engine never waits for
 the trainer because of it, and the batch keeps its size.
 
-grpo_multiturn_vllm.py's groups are k episodes of an environment (InflightEpisodes): an episode's turns are
-requests of their own, its environment steps between them, and it goes on across weight loads.
+grpo_multiturn_vllm.py's groups are k episodes of an environment (InflightEpisodes, played through
+environments.EpisodeLoop): an episode's turns are requests of their own, its environment steps between them, and
+it goes on across weight loads.
 """
 
 import collections
 import contextlib
 import copy
-import dataclasses
 import multiprocessing
 import queue
 import random
@@ -39,7 +39,7 @@ import common
 import environments
 import vllm_generator
 import weight_transport
-from vllm_generator import GeneratorJob
+from vllm_generator import Batch, GeneratorJob
 
 
 def sample_seed(seed: int, engine: int, serial: int, sample: int, tokens_done: int = 0) -> int:
@@ -48,7 +48,7 @@ def sample_seed(seed: int, engine: int, serial: int, sample: int, tokens_done: i
     return random.Random(f"{seed}/{engine}/{serial}/{sample}/{tokens_done}").getrandbits(63)
 
 
-class InflightGeneration:
+class InflightCompletions:
     """What one generator process's engine does in flight, driven step by step: this engine's share of a batch
     of prompt groups in flight at all times, each sample's tokens with their engine log-probs and versions."""
 
@@ -57,7 +57,7 @@ class InflightGeneration:
         self.receiver, self.sampling_policy, self.checked = receiver, sampling_policy, checked
         self.capacity = len(vllm_generator.engine_share(range(job.sampler.global_batch_size), job.share))
         self.loaded = 0  # the engine starts with the SFT weights, version 0
-        self.groups = {}  # serial -> group in flight: {"prompt_index", "samples": [{"tokens", "logprobs", ...}]}
+        self.groups = {}  # serial -> group in flight: {"serial", "prompt_index", "samples": [new_samples' dicts]}
         self.finished = collections.deque()  # groups whose k samples are done, in the order they finished
         self.accepted = []  # finished groups of the batch being put together
         self.prompts = collections.deque()  # this engine's share of the global batches drawn, not admitted yet
@@ -84,14 +84,13 @@ class InflightGeneration:
     def new_samples(self, group: dict) -> list[dict]:
         """The k samples of a new group: the tokens of its request so far, their engine log-probs and versions,
         whether it is done, and "request", the engine's id of its request while one runs."""
-        return [{"tokens": [], "logprobs": [], "versions": [], "done": False, "request": None}
-                for _ in range(self.job.num_samples)]
+        return [new_request_state() for _ in range(self.job.num_samples)]
 
     def context(self, group: dict, state: dict) -> tuple[list[int], int, int]:
         """A sample's request: (the ids it continues, the tokens it sampled so far that seed its draws, the
         tokens it may still sample)."""
         done = len(state["tokens"])
-        return (self.job.prompts[group["prompt_index"]] + state["tokens"], done,
+        return (self.job.sample.prompts[group["prompt_index"]] + state["tokens"], done,
                 self.job.generation.response_length - done)
 
     def add_request(self, serial: int, sample: int):
@@ -149,7 +148,7 @@ class InflightGeneration:
             self.load(version)
         return arrived
 
-    def next_batch(self, update: int, poll) -> dict | None:
+    def next_batch(self, update: int, poll) -> Batch | None:
         """The batch of `update`: the next groups to finish, but those with a token more than --max_lag
         versions behind the weights that train on it (update - 1); None when the trainer is gone."""
         while len(self.accepted) < self.capacity:
@@ -185,9 +184,9 @@ class InflightGeneration:
                 "time/engine_idle": self.window["idle"], "time/weight_load": self.window["weight_load"],
                 "async/dropped_groups": self.window["dropped"]}
 
-    def batch(self, update: int) -> dict:
-        """The accepted groups as a batch of the kit's layout (rows: each group's k samples, adjacent), with
-        "token_versions" (N, R), -1 at pads, and the engine's metrics."""
+    def batch(self, update: int) -> Batch:
+        """The accepted groups as a batch (rows: each group's k samples, adjacent), with each token's version
+        (token_versions, -1 at pads) and the engine's metrics."""
         k = self.job.num_samples
         samples = [sample for group in self.accepted for sample in group["samples"]]
         shape = (len(samples), self.job.generation.response_length)
@@ -199,7 +198,7 @@ class InflightGeneration:
             responses[row, :length], logprobs[row, :length] = sample["tokens"], sample["logprobs"]
             versions[row, :length] = sample["versions"]
         prompt_indices = [group["prompt_index"] for group in self.accepted]
-        queries = [self.job.prompts[index] for index in prompt_indices for _ in range(k)]
+        queries = [self.job.sample.prompts[index] for index in prompt_indices for _ in range(k)]
         metrics = self.window_metrics()
         # async/logprob_diff on the rows sampled wholly with the loaded weights, which the sampling policy holds
         current = [row for row, sample in enumerate(samples) if set(sample["versions"]) == {self.loaded}]
@@ -211,9 +210,10 @@ class InflightGeneration:
                 torch.from_numpy(logprobs[checked]), self.job)
             vllm_generator.check_engine_took_weights(logprob_diff, self.loaded, self.job)
             metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t0})
-        return {"update": update, "prompt_indices": prompt_indices, "queries": queries, "responses": responses,
-                "logprobs": logprobs, "token_versions": versions, "version": int(versions[versions >= 0].min()),
-                "engine": self.job.share, "data_position": self.job.sampler.position, "metrics": metrics}
+        return Batch(update=update, prompt_indices=prompt_indices, queries=queries, responses=responses,
+                     logprobs=logprobs, token_versions=versions, metrics=metrics,
+                     version=int(versions[versions >= 0].min()), engine=self.job.share,
+                     data_position=self.job.sampler.position)
 
     def snapshot(self, update: int, next_update: int) -> dict:
         """What a checkpoint after `update` needs to continue this engine: the groups in flight with their
@@ -262,43 +262,40 @@ class InflightGeneration:
         self.prefill_anew()
 
 
-class InflightEpisodes(InflightGeneration):
+class InflightEpisodes(InflightCompletions):
     """--inflight_updates in grpo_multiturn_vllm.py: each group in flight is k episodes of a dataset row from one
-    reset seed (job.episodes, the script's EpisodeJob), each turn of an episode a request. Once a turn is sampled,
-    its environment steps on it in a thread of its own (environments.CallsInFlight) while the engine samples the
-    other episodes' turns; the reply's tokens are appended and the episode's next turn goes into the engine, its
-    context prefilled with the weights loaded then. Every policy token records the version that sampled it, the
-    environment's tokens -1. With --inflight_deterministic the steps that a decode step's turns started are
+    reset seed (job.sample, a vllm_generator.SampleEpisodes), played through environments.EpisodeLoop, each turn of
+    an episode a request. Once a turn is sampled, its environment steps on it (the loop's thread) while the engine
+    samples the other episodes' turns; the reply's tokens are appended and the episode's next turn goes into the
+    engine, its context prefilled with the weights loaded then. Every policy token records the version that sampled
+    it, the environment's tokens -1. With --inflight_deterministic the steps that a decode step's turns started are
     waited for before the next decode step, so that the engine's batches do not depend on the steps' timing.
 
     A snapshot keeps each episode's tokens and the turns the policy sampled, not its environment object: a
     resumed run rebuilds the environment of each episode in flight from its row and reset seed and steps it on
-    the same turns again (the contract's environments are deterministic given both), then checks that it
-    answers with the same tokens."""
+    the same turns again, through the same loop (the contract's environments are deterministic given both), then
+    checks that it answers with the same tokens."""
 
     def __init__(self, job: GeneratorJob, llm, receiver, sampling_policy, checked):
         super().__init__(job, llm, receiver, sampling_policy, checked)
-        self.env = job.episodes.env
-        self.task = dataclasses.replace(job.episodes.task, env_class=environments.load_env_class(self.env.env))
-        self.steps = environments.CallsInFlight(self.env.env_timeout)  # by (serial, sample)
+        self.loop = job.sample.loop()
+        self.env = self.loop.env_args
 
     def new_samples(self, group: dict) -> list[dict]:
-        """The k episodes of a new group, reset from its row and seed. Besides the request's tokens so far,
-        each holds its "episode" (environments.Episode), "turns", the policy's turns sampled (ids, stopped,
-        log-probs, versions), and "id_versions", the version of each of the episode's ids."""
+        """The k episodes of a new group, reset from its row and seed: each sample's "episode"
+        (environments.Episode), beside the request's state (the turn sampled so far)."""
         group["reset_seed"] = environments.reset_seed(self.job.seed, f"engine {self.job.share[0]}", group["serial"])
-        return [self.new_state(episode) for episode in self.start(group, self.job.num_samples)]
-
-    @staticmethod
-    def new_state(episode: environments.Episode) -> dict:
-        return {"episode": episode, "turns": [], "id_versions": [], "tokens": [], "logprobs": [], "versions": [],
-                "done": False, "request": None}
+        return [new_request_state() | {"episode": episode} for episode in self.start(group, self.job.num_samples)]
 
     def start(self, group: dict, count: int) -> list[environments.Episode]:
-        """`count` episodes of the group's row, reset with its seed."""
-        rows = self.task.train_rows[[group["prompt_index"]]]
-        return environments.start_episodes(self.task, rows, [group["reset_seed"]], count, self.env,
-                                           (group["serial"] - 1) * self.job.num_samples)
+        """`count` episodes of the group's row, reset with its seed, numbered by (group, sample)."""
+        rows = self.loop.task.train_rows[[group["prompt_index"]]]
+        return self.loop.start(rows, [group["reset_seed"]], count, (group["serial"] - 1) * self.job.num_samples)
+
+    def place(self, episode: environments.Episode) -> tuple[int, int]:
+        """(the serial of the episode's group, its sample), from its number (start's)."""
+        group, sample = divmod(episode.number, self.job.num_samples)
+        return group + 1, sample
 
     def context(self, group: dict, state: dict) -> tuple[list[int], int, int]:
         """The episode so far and its turn's tokens so far; what is left of the turn's budget."""
@@ -310,59 +307,42 @@ class InflightEpisodes(InflightGeneration):
         """A turn sampled: its environment steps on it."""
         state = group["samples"][sample]
         ids = state["tokens"]
-        state["turns"].append((ids, bool(ids) and ids[-1] in self.job.eos_ids, state["logprobs"], state["versions"]))
+        turn = environments.Turn(ids, bool(ids) and ids[-1] in self.job.eos_ids, state["logprobs"], state["versions"])
         state["tokens"], state["logprobs"], state["versions"] = [], [], []
-        self.start_step(group["serial"], sample)
-
-    def start_step(self, serial: int, sample: int):
-        """The environment of the episode steps on its last turn sampled."""
-        state = self.groups[serial]["samples"][sample]
-        episode, text = state["episode"], environments.action_text(self.task, state["turns"][-1][0])
-        self.steps.start((serial, sample), lambda: episode.env.step(text), f"{episode.where}: step")
+        self.loop.take_turn(state["episode"], turn)
 
     def step(self):
-        """The environments' replies that came (with --inflight_deterministic, every step running), each appended
-        to its episode, whose next turn goes into the engine unless it ended; then one engine step, when a turn is
-        running. The turns go in right before the step, so that no weights load between: the cache salt of their
-        prefill names the weights that compute it."""
+        """The environments' replies that came (with --inflight_deterministic, once every step running has),
+        each appended to its episode, whose next turn goes into the engine unless it ended; then one engine step,
+        when a turn is running. The turns go in right before the step, so that no weights load between: the
+        cache salt of their prefill names the weights that compute it."""
         busy = self.llm_engine.has_unfinished_requests()
-        done = self.steps.finished(wait=0.0 if busy else 0.005)
-        while self.asynchronous.inflight_deterministic and self.steps.running:
-            done += self.steps.finished(wait=0.05)
-        for (serial, sample), (reply, where) in sorted(self.steps.results(done).items()):
+        for episode in self.loop.replies(wait=0.0 if busy else 0.005,
+                                         every_step=self.asynchronous.inflight_deterministic):
+            serial, sample = self.place(episode)
             group = self.groups[serial]
-            state = group["samples"][sample]
-            self.add_reply(state, environments.check_step(reply, where))
-            if state["episode"].ended:
-                state["done"] = True
+            if episode.ended:
+                group["samples"][sample]["done"] = True
                 self.group_done(group)
             else:
                 self.add_request(serial, sample)
         if self.llm_engine.has_unfinished_requests():
             super().step()
 
-    def add_reply(self, state: dict, reply: tuple[str | None, float, bool]):
-        """The episode's last turn sampled and the environment's reply to it, as tokens (token in, token out)."""
-        episode, (ids, stopped, logprobs, versions) = state["episode"], state["turns"][-1]
-        before = len(episode.ids)
-        episode.add_turn(ids, stopped, reply, self.task, self.env.max_turns, self.env.max_episode_tokens, logprobs)
-        state["id_versions"] += versions + [-1] * (len(episode.ids) - before - len(ids))
-
     @staticmethod
     def oldest_version(group: dict) -> int:
-        return min(v for state in group["samples"] for v in state["id_versions"] if v >= 0)
+        return min(v for state in group["samples"] for v in state["episode"].versions if v >= 0)
 
-    def batch(self, update: int) -> dict:
-        """The accepted groups' episodes as a batch of Episodes.as_arrays' layout, with "token_versions" (N, R),
-        -1 at the environment's tokens and pads, and the engine's metrics."""
-        states = [state for group in self.accepted for state in group["samples"]]
-        episodes = environments.collate([state["episode"] for state in states], self.job.pad_token_id, "cpu")
-        versions = numpy.full(tuple(episodes.responses.shape), -1, dtype=numpy.int64)
-        for row, state in enumerate(states):
-            versions[row, :len(state["id_versions"])] = state["id_versions"]
+    def batch(self, update: int) -> Batch:
+        """The accepted groups' episodes as a batch, with each policy token's version (token_versions; -1 at the
+        environment's tokens and pads) and the engine's metrics."""
+        episodes = environments.collate([state["episode"] for group in self.accepted for state in group["samples"]],
+                                        self.job.pad_token_id, "cpu")
+        versions = episodes.token_versions
         metrics = self.window_metrics()
         # async/logprob_diff on the episodes sampled wholly with the loaded weights, which the sampling policy holds
-        current = [row for row, state in enumerate(states) if set(versions[row][versions[row] >= 0]) == {self.loaded}]
+        current = [row for row, row_versions in enumerate(versions.tolist())
+                   if {v for v in row_versions if v >= 0} == {self.loaded}]
         checked = current[:self.asynchronous.logprob_check_rows]
         if vllm_generator.logprob_checked(update, self.asynchronous) and checked:
             t0 = time.time()
@@ -370,9 +350,9 @@ class InflightEpisodes(InflightGeneration):
                                                             self.job.generation)
             vllm_generator.check_engine_took_weights(logprob_diff, self.loaded, self.job)
             metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t0})
-        return {"update": update, "prompt_indices": [group["prompt_index"] for group in self.accepted],
-                **episodes.as_arrays(), "token_versions": versions, "version": int(versions[versions >= 0].min()),
-                "engine": self.job.share, "data_position": self.job.sampler.position, "metrics": metrics}
+        return Batch(update=update, prompt_indices=[group["prompt_index"] for group in self.accepted], metrics=metrics,
+                     version=int(versions[versions >= 0].min()), engine=self.job.share,
+                     data_position=self.job.sampler.position, **episodes.as_arrays())
 
     @staticmethod
     def portable(group: dict) -> dict:
@@ -383,82 +363,89 @@ class InflightEpisodes(InflightGeneration):
         return group | {"samples": [state | {"episode": fields(state["episode"])} for state in group["samples"]]}
 
     def restored(self, group: dict) -> dict:
-        """The group's episodes: those in flight with their environments rebuilt by replaying the turns they had
-        replies to (restore starts a step the snapshot caught running again), the others as they were."""
-        playing = [state for state in group["samples"] if not state["episode"]["ended"]]
+        """The group's episodes: those in flight with their environments rebuilt by replaying, through the loop,
+        the turns they had replies to (restore starts again a step the snapshot caught running), the others as
+        they were."""
+        saved = [state["episode"] for state in group["samples"]]
+        playing = [episode for episode in saved if not episode["ended"]]
         replayed = self.start(group, len(playing))
-        for turn in range(max((state["episode"]["turns"] for state in playing), default=0)):
-            stepping = [(episode, state) for episode, state in zip(replayed, playing)
-                        if turn < state["episode"]["turns"]]
-            replies = environments.step_episodes(
-                [episode for episode, _ in stepping],
-                [environments.action_text(self.task, state["turns"][turn][0]) for _, state in stepping],
-                self.env.env_timeout)
-            for (episode, state), reply in zip(stepping, replies):
-                ids, stopped, logprobs, _ = state["turns"][turn]
-                episode.add_turn(ids, stopped, reply, self.task, self.env.max_turns, self.env.max_episode_tokens,
-                                 logprobs)
-        by_state = {id(state): episode for episode, state in zip(replayed, playing)}
+        for episode, before in zip(replayed, playing):
+            episode.number, episode.where = before["number"], before["where"]
+
+        def saved_turn(episodes: list[environments.Episode], turn: int) -> list:
+            return [environments.Turn(*before["actions"][turn]) if turn < len(before["actions"]) else None
+                    for before in playing]
+
+        self.loop.play_turn_by_turn(replayed, saved_turn)
+        by_number = {episode.number: episode for episode in replayed}
         samples = []
-        for state in group["samples"]:
-            saved = state["episode"]
-            episode = by_state.get(id(state)) or environments.Episode(env=None, **saved)
+        for state, before in zip(group["samples"], saved):
+            episode = by_number.get(before["number"]) or environments.Episode(env=None, **before)
             if (episode.prompt_ids, episode.ids, episode.episode_return) != (
-                    saved["prompt_ids"], saved["ids"], saved["episode_return"]):
-                common.fail(f"--resume: {saved['where']}, replayed from its row and reset seed, answers otherwise than "
-                            "in the interrupted run; an environment must act the same given its row and seed for a "
-                            "run to resume with --inflight_updates")
-            episode.where = saved["where"]
+                    before["prompt_ids"], before["ids"], before["episode_return"]):
+                common.fail(f"--resume: {before['where']}, replayed from its row and reset seed, answers otherwise "
+                            "than in the interrupted run; an environment must act the same given its row and seed for "
+                            "a run to resume with --inflight_updates")
+            episode.pending = before["pending"] and environments.Turn(*before["pending"])
             samples.append(state | {"episode": episode})
         return group | {"samples": samples}
 
     def restore(self, snapshot: dict):
-        """As InflightGeneration's, and the steps the snapshot caught running start again."""
+        """As InflightCompletions's, and the steps the snapshot caught running start again."""
         super().restore(snapshot)
-        for serial, group in self.groups.items():
-            for sample, state in enumerate(group["samples"]):
-                if len(state["turns"]) > state["episode"].turns:
-                    self.start_step(serial, sample)
+        for group in self.groups.values():
+            for state in group["samples"]:
+                if state["episode"].pending is not None:
+                    self.loop.take_turn(state["episode"], state["episode"].pending)
 
 
-def generate_inflight(job: GeneratorJob, generation_class=InflightGeneration):
+def new_request_state() -> dict:
+    """A sample's request in the engine: the tokens it sampled so far (with episodes, of the turn running), their
+    engine log-probs and versions, whether the sample is done, and "request", the engine's id of its request while
+    one runs."""
+    return {"tokens": [], "logprobs": [], "versions": [], "done": False, "request": None}
+
+
+def generate_inflight(job: GeneratorJob):
     """The generator process with --inflight_updates (see the module's docstring): ENGINE_STARTED, then the
     batch of each update in `job.updates`, and the snapshots a checkpoint takes (the engine's own at each
     deterministic swap to a --save_every version, vllm_generator.proactive_snapshot, or as the trainer asks on
     the channel `requests`), go to the channel `batches`. After the last batch it answers snapshot requests
-    until the trainer stops it. `generation_class`: what the engine plays in flight, InflightGeneration's
-    completions or InflightEpisodes' episodes."""
+    until the trainer stops it. The engine plays in flight InflightCompletions' completions, or with
+    vllm_generator.SampleEpisodes InflightEpisodes' episodes."""
     channels = job.channels
     try:
         llm, sampling_policy, checked, receiver = vllm_generator.start_engine(job)
-        generation = generation_class(job, llm, receiver, sampling_policy, checked)
+        episodes = isinstance(job.sample, vllm_generator.SampleEpisodes)
+        in_flight_class = InflightEpisodes if episodes else InflightCompletions
+        in_flight = in_flight_class(job, llm, receiver, sampling_policy, checked)
         channels.batches.put(vllm_generator.ENGINE_STARTED)
         next_update = job.updates.start
 
         def answer_snapshot_requests():
             with contextlib.suppress(queue.Empty):
-                channels.batches.put(generation.snapshot(channels.requests.get_nowait(), next_update))
+                channels.batches.put(in_flight.snapshot(channels.requests.get_nowait(), next_update))
 
         if job.snapshot is not None and len(job.updates):  # a resumed run: its weights first
-            if not generation.wait_and_load(job.first_version, answer_snapshot_requests):
+            if not in_flight.wait_and_load(job.first_version, answer_snapshot_requests):
                 return
-            generation.restore(job.snapshot)
+            in_flight.restore(job.snapshot)
         for update in job.updates:
             next_update = update
-            batch = generation.next_batch(update, answer_snapshot_requests)
+            batch = in_flight.next_batch(update, answer_snapshot_requests)
             if batch is None:
                 return  # no trainer: free the engine's device
             channels.batches.put(batch)
             # once the batch of update t is finished, the engine samples on with the weights after update t-K
             next_update, version = update + 1, vllm_generator.sampling_version(update + 1, job.asynchronous.async_steps)
-            if update == job.updates.stop - 1 or version <= generation.loaded:
+            if update == job.updates.stop - 1 or version <= in_flight.loaded:
                 continue
-            if not generation.wait_and_load(version, answer_snapshot_requests):
+            if not in_flight.wait_and_load(version, answer_snapshot_requests):
                 return
             if vllm_generator.swaps_with_snapshot(job.asynchronous, job.save_every, version):
-                channels.batches.put(generation.snapshot(version, next_update))
-                generation.prefill_anew()
-        generation.llm_engine.abort_request(generation.running_requests())
+                channels.batches.put(in_flight.snapshot(version, next_update))
+                in_flight.prefill_anew()
+        in_flight.llm_engine.abort_request(in_flight.running_requests())
         while multiprocessing.parent_process().is_alive():
             answer_snapshot_requests()
             time.sleep(0.1)
@@ -466,12 +453,12 @@ def generate_inflight(job: GeneratorJob, generation_class=InflightGeneration):
         channels.batches.put(vllm_generator.failure_text(error))
 
 
-def inflight_metrics(batch: dict, mask: torch.Tensor, update: int) -> dict:
+def inflight_metrics(batch: Batch, mask: torch.Tensor, update: int) -> dict:
     """The staleness of this update's tokens, over every rank: async/token_staleness_mean and _max (versions
     between the weights that sampled a token and those that train on it, vllm_generator.staleness), and
     async/multi_version_share, the share of completions sampled by more than one version.
     mask: (N, R) the rollout's response tokens"""
-    versions = batch["token_versions"][:, :mask.shape[1]].to(mask.device)  # (N, R)
+    versions = batch.token_versions[:, :mask.shape[1]].to(mask.device)  # (N, R)
     staleness = vllm_generator.staleness(update, versions).float()
     metrics = common.all_reduce_masked_means({"async/token_staleness_mean": staleness}, mask)
     oldest = torch.where(mask.bool(), staleness, 0.0).max().to(common.local_device(), torch.float64)

@@ -155,7 +155,7 @@ def main(args: Args):
         # optimizer step's forward computes them for its pairs; one forward here for every other row.
         first_pairs = orders[0][:mini_batch_size]
         first_rows = torch.cat([chosen_rows[first_pairs], rejected_rows[first_pairs]])
-        logprobs = common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)  # (N, R)
+        logprobs = common.start_logprobs_but_first_step(policy, rollout, args.generation, first_rows)  # (N, R)
         t2 = time.time()
 
         # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th

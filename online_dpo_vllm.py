@@ -140,10 +140,9 @@ def main(args: Args):
     # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them: whole batches, or in flight.
-    process = inflight.generate_inflight if args.asynchronous.inflight_updates else vllm_generator.generate_ahead
     generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
                                                args.distributed.bf16, task, sampler, state, num_updates,
-                                               args.num_samples, process)
+                                               args.num_samples)
     if state.update == 0 and args.run.eval_every:
         logger.log_evaluation(0, 0, evaluate(policy, ref_policy, reward_model, 0))
     generator.wait_for_engine()
@@ -158,9 +157,9 @@ def main(args: Args):
         # with older weights; then the details as in the synchronous twin.
         t0 = time.time()
         batch = generator.batch_for(update)
-        prompt_rows = task.train_prompts[batch["prompt_indices"]]  # {column: values}
-        query_ids, query_mask = common.left_pad(batch["queries"], pad, policy.device)  # (N, P)
-        responses = batch["responses"].to(policy.device)  # (N, R)
+        prompt_rows = task.train_prompts[batch.prompt_indices]  # {column: values}
+        query_ids, query_mask = common.left_pad(batch.queries, pad, policy.device)  # (N, P)
+        responses = batch.responses.to(policy.device)  # (N, R)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation)  # (N, R)
@@ -170,7 +169,7 @@ def main(args: Args):
             scores = torch.where(rollout.contains_eos, scores, args.generation.penalty_reward_value)
         common.check_rewards(scores, update)
         # (N, R) the engine's, under the weights that sampled them
-        logprobs = batch["logprobs"][:, :rollout.responses.shape[1]].to(policy.device)
+        logprobs = batch.logprobs[:, :rollout.responses.shape[1]].to(policy.device)
         ref_seq_logps = common.masked_sum(ref_logprobs, rollout.mask)  # (N,)
 
         # Pairs: best (chosen) vs worst (rejected) of each prompt's k samples.
@@ -235,14 +234,14 @@ def main(args: Args):
             "time/score": t2 - t1,
             "time/train": t3 - t2,
             "time/weight_send": t4 - t3,  # the trainer waits for it
-            "time/weight_sync": t4 - t3 + batch["metrics"]["time/weight_load"],
+            "time/weight_sync": t4 - t3 + batch.metrics["time/weight_load"],
             # its engine's, averaged over the engines: time/generate, time/weight_load (before the batch), and on
             # checked batches async/logprob_diff and its cost, time/logprob_check
-            **batch["metrics"],
+            **batch.metrics,
         })
         metrics.update({
             # updates between the sampling weights and the trained ones
-            "async/staleness": vllm_generator.staleness(update, batch["version"]),
+            "async/staleness": vllm_generator.staleness(update, batch.version),
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         if args.asynchronous.inflight_updates:  # each token's staleness

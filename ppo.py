@@ -262,7 +262,7 @@ def main(args: Args):
                     micro_mask = mask[micro_batch]
                     terms = corrections.off_policy_terms(
                         new_logprobs, logprobs[micro_batch], start_logprobs[micro_batch], micro_mask,
-                        args.corrections, args.corrections.is_level == "sequence")
+                        args.corrections, args.corrections.correction_level == "sequence")
                     pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, terms.anchor, advantages[micro_batch],
                                                               micro_mask, args.cliprange, step_tokens,
                                                               terms.token_weights, terms.clip)

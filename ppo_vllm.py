@@ -220,10 +220,8 @@ def main(args: Args):
     # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them: whole batches, or in flight.
-    process = inflight.generate_inflight if args.asynchronous.inflight_updates else vllm_generator.generate_ahead
     generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
-                                               args.distributed.bf16, task, sampler, state, num_updates,
-                                               1, process)
+                                               args.distributed.bf16, task, sampler, state, num_updates, 1)
     if state.update == 0 and args.run.eval_every:
         logger.log_evaluation(0, 0, evaluate(agent, ref_policy, reward_model, 0, part="policy"))
     generator.wait_for_engine()
@@ -238,9 +236,9 @@ def main(args: Args):
         # with older weights; then the details as in the synchronous twin.
         t0 = time.time()
         batch = generator.batch_for(update)
-        prompt_rows = task.train_prompts[batch["prompt_indices"]]  # {column: values}
-        query_ids, query_mask = common.left_pad(batch["queries"], pad, agent.device)  # (B, P)
-        responses = batch["responses"].to(agent.device)  # (B, R)
+        prompt_rows = task.train_prompts[batch.prompt_indices]  # {column: values}
+        query_ids, query_mask = common.left_pad(batch.queries, pad, agent.device)  # (B, P)
+        responses = batch.responses.to(agent.device)  # (B, R)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation)  # (B, R)
@@ -256,7 +254,7 @@ def main(args: Args):
                 args.generation.local_rollout_forward_batch_size, *rows)  # (B, R)
         # (B, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
         # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
-        logprobs = batch["logprobs"][:, :rollout.responses.shape[1]].to(agent.device)
+        logprobs = batch.logprobs[:, :rollout.responses.shape[1]].to(agent.device)
 
         # Advantages: per-token KL penalty plus the score at the last real token, then GAE.
         mask = rollout.mask.float()  # (B, R)
@@ -284,7 +282,7 @@ def main(args: Args):
                     micro_mask = mask[micro_batch]
                     terms = corrections.off_policy_terms(
                         new_logprobs, logprobs[micro_batch], start_logprobs[micro_batch], micro_mask,
-                        args.corrections, args.corrections.is_level == "sequence")
+                        args.corrections, args.corrections.correction_level == "sequence")
                     pg_loss, pg_clipfrac, ratio = policy_loss(new_logprobs, terms.anchor, advantages[micro_batch],
                                                               micro_mask, args.cliprange, step_tokens,
                                                               terms.token_weights, terms.clip)
@@ -328,14 +326,14 @@ def main(args: Args):
             "time/score": t2 - t1,
             "time/train": t3 - t2,
             "time/weight_send": t4 - t3,  # the trainer waits for it
-            "time/weight_sync": t4 - t3 + batch["metrics"]["time/weight_load"],
+            "time/weight_sync": t4 - t3 + batch.metrics["time/weight_load"],
             # its engine's, averaged over the engines: time/generate, time/weight_load (before the batch), and on
             # checked batches async/logprob_diff and its cost, time/logprob_check
-            **batch["metrics"],
+            **batch.metrics,
         })
         metrics.update({
             # updates between the sampling weights and the trained ones
-            "async/staleness": vllm_generator.staleness(update, batch["version"]),
+            "async/staleness": vllm_generator.staleness(update, batch.version),
             "lr": agent.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         if args.asynchronous.inflight_updates:  # each token's staleness

@@ -135,10 +135,9 @@ def main(args: Args):
     # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them: whole batches, or in flight.
-    process = inflight.generate_inflight if args.asynchronous.inflight_updates else vllm_generator.generate_ahead
     generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
                                                args.distributed.bf16, task, sampler, state, num_updates,
-                                               args.num_samples, process)
+                                               args.num_samples)
     if state.update == 0 and args.run.eval_every:
         logger.log_evaluation(0, 0, evaluate(policy, ref_policy, reward_model, 0))
     generator.wait_for_engine()
@@ -153,9 +152,9 @@ def main(args: Args):
         # with older weights; then the details as in the synchronous twin.
         t0 = time.time()
         batch = generator.batch_for(update)
-        prompt_rows = task.train_prompts[batch["prompt_indices"]]  # {column: values}
-        query_ids, query_mask = common.left_pad(batch["queries"], pad, policy.device)  # (N, P)
-        responses = batch["responses"].to(policy.device)  # (N, R)
+        prompt_rows = task.train_prompts[batch.prompt_indices]  # {column: values}
+        query_ids, query_mask = common.left_pad(batch.queries, pad, policy.device)  # (N, P)
+        responses = batch.responses.to(policy.device)  # (N, R)
         t1 = time.time()
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
         ref_logprobs = common.rollout_logprobs(ref_policy, rollout, args.generation)  # (N, R)
@@ -166,13 +165,13 @@ def main(args: Args):
         common.check_rewards(scores, update)
         # (N, R) the old policy's: the engine's log-probs under the weights that sampled the batch, which the
         # trainer no longer holds when K > 0 (async/logprob_diff shows they equal its model's)
-        logprobs = batch["logprobs"][:, :rollout.responses.shape[1]].to(policy.device)
+        logprobs = batch.logprobs[:, :rollout.responses.shape[1]].to(policy.device)
         orders = [torch.randperm(local_batch_size) for _ in range(args.optimizer.num_epochs)]  # (B,) prompts each
         # (N, R) the trainer's log-probs at the start of the update, which decoupled, tis, mask and m2po take the
         # ratio against: the first optimizer step's forward computes them for its rows; one forward here for
         # every other row (none and pure_is never read them: a copy stands in)
         first_rows = (orders[0][:mini_batch_size, None] * k + torch.arange(k)).flatten()
-        start_logprobs = (common.sampling_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
+        start_logprobs = (common.start_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
                           if args.corrections.reads_start_logprobs else logprobs.clone())
 
         # Advantages: the KL-penalised sequence reward, baselined by the other samples of its prompt.
@@ -233,14 +232,14 @@ def main(args: Args):
             "time/score": t2 - t1,
             "time/train": t3 - t2,
             "time/weight_send": t4 - t3,  # the trainer waits for it
-            "time/weight_sync": t4 - t3 + batch["metrics"]["time/weight_load"],
+            "time/weight_sync": t4 - t3 + batch.metrics["time/weight_load"],
             # its engine's, averaged over the engines: time/generate, time/weight_load (before the batch), and on
             # checked batches async/logprob_diff and its cost, time/logprob_check
-            **batch["metrics"],
+            **batch.metrics,
         })
         metrics.update({
             # updates between the sampling weights and the trained ones
-            "async/staleness": vllm_generator.staleness(update, batch["version"]),
+            "async/staleness": vllm_generator.staleness(update, batch.version),
             "lr": policy.get_lr()[0], "episode": state.episode,
             "eps": (state.episode - start_episode) / (time.time() - start_time)})
         if args.asynchronous.inflight_updates:  # each token's staleness

@@ -1,10 +1,11 @@
 """The generator process of the asynchronous scripts (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py,
-grpo_vllm.py, and grpo_multiturn_vllm.py, whose episodes it plays with the script's own sample_episodes): the vLLM
-engine that samples their batches, K updates ahead of the trainer. Its flags
-(AsyncArgs), the staleness rule (sampling_version, staleness), what a generator process is given
-(GeneratorJob), and the process itself (generate_ahead: whole batches; inflight.generate_inflight takes new
-weights between two decode steps). The trainer's side of it is async_generator.AsyncGenerator; where it runs is
-vllm_placement's, how the weights reach it weight_transport's. Nothing here imports vLLM until an engine starts.
+grpo_vllm.py, grpo_multiturn_vllm.py): the vLLM engine that samples their batches, K updates ahead of the trainer.
+Its flags (AsyncArgs), the staleness rule (sampling_version, staleness), the batch it hands the trainer (Batch),
+what it samples (SamplePrompts, or SampleEpisodes: episodes of an environment, played through
+environments.EpisodeLoop), what a generator process is given (GeneratorJob), and the process itself
+(generate_ahead: whole batches; inflight.generate_inflight takes new weights between two decode steps). The
+trainer's side of it is async_generator.AsyncGenerator; where it runs is vllm_placement's, how the weights reach
+it weight_transport's. Nothing here imports vLLM until an engine starts.
 """
 
 import contextlib
@@ -14,13 +15,14 @@ import multiprocessing
 import queue
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy
 import torch
 
 import common
 import data
+import environments
 import vllm_placement
 import weight_transport
 
@@ -134,6 +136,46 @@ class Channels:
 
 
 @dataclass
+class Batch:
+    """What an engine hands the trainer for one update (each rank takes its share: AsyncGenerator.batch_for): N
+    rows, each group's k adjacent, and how they were sampled. Its arrays are numpy while they cross processes
+    (torch tensors would be shared, and vanish with the process that made them), tensors once received."""
+
+    update: int
+    prompt_indices: list[int]  # the train split's rows the groups start from, one per group
+    queries: list[list[int]]  # (N,) each row's prompt (an episode's first message) as token ids
+    responses: object  # (N, R) right-padded: a completion, or every token of an episode after its first message
+    logprobs: object  # (N, R) the engine's log-probs of the policy's tokens, INVALID_LOGPROB elsewhere
+    metrics: dict[str, float] = field(default_factory=dict)  # the engine's: time/*, async/logprob_diff, ...
+    version: int = 0  # the weights that sampled it (in flight: those of its oldest token)
+    engine: tuple[int, int] = (0, 1)  # the engine that sampled it: (index, engines)
+    data_position: int = 0  # the global batches drawn up to it
+    scores: object | None = None  # (N,) --dynamic_sampling: the rewards the engine chose the groups by
+    token_versions: object | None = None  # (N, R) --inflight_updates: the version of each policy token, -1 elsewhere
+    # grpo_multiturn_vllm.py's episodes (environments.Episodes.from_batch)
+    lengths: object | None = None  # (N,) tokens after the first message
+    contains_eos: object | None = None  # (N,) every turn reached its stop token
+    action_mask: object | None = None  # (N, R) the policy's tokens
+    returns: object | None = None  # (N,)
+    turns: object | None = None  # (N,)
+    truncated: object | None = None  # (N,)
+
+    ROWS = ("queries", "responses", "logprobs", "scores", "token_versions", "lengths", "contains_eos", "action_mask",
+            "returns", "turns", "truncated")  # a value per row
+
+    def rows(self, start: int, stop: int, group_size: int) -> "Batch":
+        """Rows start..stop (whole groups of `group_size`) as a batch of their own."""
+        fields = {name: getattr(self, name)[start:stop] for name in self.ROWS if getattr(self, name) is not None}
+        return dataclasses.replace(self, prompt_indices=self.prompt_indices[start // group_size:stop // group_size],
+                                   **fields)
+
+    def as_tensors(self) -> "Batch":
+        """The batch with its numpy arrays as tensors (sharing their memory)."""
+        return dataclasses.replace(self, **{name: torch.from_numpy(getattr(self, name)) for name in self.ROWS
+                                            if isinstance(getattr(self, name), numpy.ndarray)})
+
+
+@dataclass
 class DynamicSampling:
     """--dynamic_sampling in the generator process: it scores each round as the trainer would, and samples
     more rounds of prompts while too few groups have unequal rewards."""
@@ -154,21 +196,116 @@ class GeneratorJob:
     policy_path: str  # the starting policy the engine loads
     bf16: bool
     seed: int
-    max_model_len: int  # --max_prompt_length + --response_length
+    max_model_len: int  # the engine's context: --max_prompt_length + --response_length, or --max_episode_tokens
     save_every: int  # --save_every: with --inflight_deterministic, the versions the engine takes a snapshot at
     placement: vllm_placement.Placement
     share: tuple[int, int]  # (index, engines): this engine samples the index-th of `engines` equal shares of each batch
-    prompts: list[list[int]]  # the train split's prompts, as token ids
-    sampler: object  # data.PromptSampler: the global batches' prompts, from the first one not sampled yet
+    sample: "SamplePrompts | SampleEpisodes"  # what a batch is
+    sampler: object  # data.PromptSampler: the global batches' rows, from the first one not sampled yet
     updates: range  # the updates whose batches it samples
     first_version: int  # the weights the run starts from: 0, or a resumed run's checkpoint's update
-    num_samples: int  # completions per prompt
+    num_samples: int  # k: completions or episodes per row
     eos_ids: list[int]
     pad_token_id: int
     channels: Channels
-    dynamic_sampling: DynamicSampling | None = None
     snapshot: dict | None = None  # --inflight_updates: the engine state a resumed run continues from
-    episodes: object | None = None  # grpo_multiturn_vllm.py: what its episodes need (its EpisodeJob)
+
+
+@dataclass
+class SamplePrompts:
+    """The single-turn scripts' batches: k completions of each of the train split's prompts the sampler draws."""
+
+    prompts: list[list[int]]  # the train split's prompts, as token ids
+    dynamic_sampling: DynamicSampling | None = None  # --dynamic_sampling: how the engine scores each round
+
+    def sample(self, llm, sampling_policy, indices: list[int], update: int, job: GeneratorJob) -> Batch:
+        """generate_ahead's batch of `update`: k completions of each of the prompts `indices` (this engine's share
+        of the global batch), seeded by their rows in it (sample_batch)."""
+        queries = [self.prompts[i] for i in indices for _ in range(job.num_samples)]
+        rows = range(job.share[0] * len(queries), (job.share[0] + 1) * len(queries))  # in the global batch
+        return sample_batch(llm, sampling_policy, indices, queries, row_seeds(job.seed, update, rows), update, job)
+
+
+@dataclass
+class SampleEpisodes:
+    """grpo_multiturn_vllm.py's batches: k episodes of each of an environment task's rows the sampler draws, from
+    the row's reset seed, played in the engine through environments.EpisodeLoop: turn by turn (every episode's next
+    turn waits for the turn's slowest step) or, `continuous`, each episode at its own pace (play_continuously)."""
+
+    task: environments.EnvTask  # without its environment class, which sample loads again from --env
+    env: environments.EnvArgs
+    continuous: bool  # --continuous_episodes
+
+    def loop(self) -> environments.EpisodeLoop:
+        """An episode loop in the generator process, the environment class loaded there."""
+        task = dataclasses.replace(self.task, env_class=environments.load_env_class(self.env.env))
+        return environments.EpisodeLoop(task, self.env)
+
+    def sample(self, llm, sampling_policy, indices: list[int], update: int, job: GeneratorJob) -> Batch:
+        """generate_ahead's batch of `update`: k episodes of each of this engine's rows `indices` of the global
+        batch, every turn seeded by (seed, update, the episode's row in the global batch, turn); on checked batches
+        (logprob_checked) async/logprob_diff over the policy's tokens of the first --logprob_check_rows episodes,
+        against `sampling_policy`, an HF model that holds the engine's weights."""
+        loop, k, generation = self.loop(), job.num_samples, job.generation
+        first_prompt = job.share[0] * len(indices)  # this engine's rows in the global batch
+        seeds = [environments.reset_seed(job.seed, job.sampler.position, first_prompt + i) for i in range(len(indices))]
+        t0 = time.time()
+        episodes = loop.start(loop.task.train_rows[indices], seeds, k, first_prompt * k)
+
+        def turn_seed(episode: environments.Episode) -> int:
+            return random.Random(f"{job.seed}/{update}/{episode.number}/{episode.turns}").getrandbits(63)
+
+        def engine_turn(episodes: list[environments.Episode], turn: int) -> list:
+            playing = [episode for episode in episodes if not episode.ended]
+            sampled = vllm_sample(llm, [e.prompt_ids + e.ids for e in playing], [turn_seed(e) for e in playing],
+                                  generation, job.eos_ids,
+                                  [e.budget(generation.response_length, self.env.max_episode_tokens) for e in playing])
+            turns = {e.number: environments.Turn(ids, bool(ids) and ids[-1] in job.eos_ids, logprobs)
+                     for e, (ids, logprobs) in zip(playing, sampled)}
+            return [turns.get(episode.number) for episode in episodes]
+
+        if self.continuous:
+            play_continuously(llm, loop, episodes, generation, job.eos_ids, turn_seed)
+        else:
+            loop.play_turn_by_turn(episodes, engine_turn)
+        rollout = environments.collate(episodes, job.pad_token_id, "cpu")
+        t1 = time.time()
+        metrics = {"time/generate": t1 - t0}
+        if logprob_checked(update, job.asynchronous):
+            rows = slice(0, job.asynchronous.logprob_check_rows)
+            logprob_diff = environments.engine_logprob_diff(sampling_policy, rollout, rows, generation)
+            metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
+        return Batch(update=update, prompt_indices=indices, metrics=metrics, **rollout.as_arrays())
+
+
+def play_continuously(llm, loop: environments.EpisodeLoop, episodes: list[environments.Episode],
+                      generation: common.GenerationArgs, eos_ids: list[int], turn_seed):
+    """`episodes` played to their end in the engine, each at its own pace (--continuous_episodes): an episode's next
+    turn goes into the engine as soon as its environment's step returns, and its step starts as soon as its turn is
+    sampled, while the engine samples the other episodes' turns. turn_seed(episode): the seed of its next turn."""
+    from vllm.inputs import TokensPrompt
+
+    engine, by_number = llm.llm_engine, {episode.number: episode for episode in episodes}
+    max_episode_tokens = loop.env_args.max_episode_tokens
+
+    def next_turn(episode: environments.Episode):
+        params = sampling_params(generation, eos_ids, turn_seed(episode),
+                                 episode.budget(generation.response_length, max_episode_tokens))
+        engine.add_request(f"{episode.number}/{episode.turns}",
+                           TokensPrompt(prompt_token_ids=episode.prompt_ids + episode.ids), params)
+
+    for episode in episodes:
+        next_turn(episode)
+    while engine.has_unfinished_requests() or loop.running:
+        for output in engine.step() if engine.has_unfinished_requests() else []:
+            if output.finished:  # a turn sampled: its environment steps on it
+                episode, completion = by_number[int(output.request_id.split("/")[0])], output.outputs[0]
+                ids = list(completion.token_ids)
+                loop.take_turn(episode, environments.Turn(ids, bool(ids) and ids[-1] in eos_ids,
+                                                          list(completion.logprobs.logprobs)))
+        for episode in loop.replies(wait=0.0 if engine.has_unfinished_requests() else 0.005):
+            if not episode.ended:
+                next_turn(episode)
 
 
 def sampling_params(generation: common.GenerationArgs, eos_ids, seed: int, max_tokens: int, delta: bool = False):
@@ -230,25 +367,23 @@ def logprob_checked(update: int, asynchronous: AsyncArgs) -> bool:
 
 
 @torch.no_grad()
-def sample_batch(llm, sampling_policy, queries: list[list[int]], seeds: list[int], update: int,
-                 job: GeneratorJob) -> dict:
-    """One completion per row of `queries` from the engine (row_seeds), and its engine's "metrics": the
-    time it took and, where logprob_checked, async/logprob_diff with its cost, time/logprob_check: the mean
-    |engine log-prob - trainer log-prob| over the first --logprob_check_rows rows, the trainer's recomputed
-    with `sampling_policy`, an HF model that holds the weights the engine sampled with. Arrays are numpy:
-    they cross processes by value (torch tensors would be shared, and vanish with the process that made
-    them).
-    """
+def sample_batch(llm, sampling_policy, prompt_indices: list[int], queries: list[list[int]], seeds: list[int],
+                 update: int, job: GeneratorJob) -> Batch:
+    """One completion per row of `queries` (those of the groups of `prompt_indices`) from the engine (row_seeds),
+    and its engine's metrics: the time it took and, where logprob_checked, async/logprob_diff with its cost,
+    time/logprob_check: the mean |engine log-prob - trainer log-prob| over the first --logprob_check_rows rows,
+    the trainer's recomputed with `sampling_policy`, an HF model that holds the weights the engine sampled with.
+    Its arrays are numpy (Batch)."""
     t0 = time.time()
     responses, logprobs = vllm_generate(llm, queries, seeds, job.generation, job.eos_ids, job.pad_token_id)  # (N, R)
     t1 = time.time()
-    batch = {"update": update, "queries": queries, "responses": responses.numpy(), "logprobs": logprobs.numpy(),
-             "metrics": {"time/generate": t1 - t0}}
+    batch = Batch(update=update, prompt_indices=prompt_indices, queries=queries, responses=responses.numpy(),
+                  logprobs=logprobs.numpy(), metrics={"time/generate": t1 - t0})
     if not logprob_checked(update, job.asynchronous):
         return batch
     checked = slice(0, job.asynchronous.logprob_check_rows)
     logprob_diff = engine_logprob_diff(sampling_policy, queries[checked], responses[checked], logprobs[checked], job)
-    batch["metrics"].update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
+    batch.metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
     return batch
 
 
@@ -290,7 +425,8 @@ def group_scorer(job: GeneratorJob, device):
     """--dynamic_sampling in the generator process: a function (batch, update) -> (N,) rewards of the batch's
     rows, as the trainer computes them (the script's score function), with the run's reward model (a copy on
     `device`) or --reward_fn."""
-    dynamic, reward = job.dynamic_sampling, job.dynamic_sampling.reward
+    dynamic = job.sample.dynamic_sampling
+    reward = dynamic.reward
     reward_fn = data.load_python_object(reward.reward_fn, "--reward_fn", "function") if reward.reward_fn else None
     task = dataclasses.replace(dynamic.task, reward_fn=reward_fn)
     reward_model = None
@@ -299,46 +435,43 @@ def group_scorer(job: GeneratorJob, device):
         reward_model = data.load_reward_model(reward.reward_model_path, dtype).to(device).eval()
 
     @torch.no_grad()
-    def score(batch: dict, update: int) -> torch.Tensor:
-        query_ids, query_mask = common.left_pad(batch["queries"], job.pad_token_id, device)
-        responses = torch.from_numpy(batch["responses"]).to(device)
+    def score(batch: Batch, update: int) -> torch.Tensor:
+        query_ids, query_mask = common.left_pad(batch.queries, job.pad_token_id, device)
+        responses = torch.from_numpy(batch.responses).to(device)
         rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
-        rows = task.train_prompts[batch["prompt_indices"]]
+        rows = task.train_prompts[batch.prompt_indices]
         return dynamic.score(reward_model, rollout, rows, task, update=update).cpu()
 
     return score
 
 
-def fill_with_signal(job: GeneratorJob, llm, batch: dict, update: int, score) -> dict:
-    """DAPO's dynamic sampling (common.sample_until_signal) in this engine: to `batch` (its first round), add
-    rounds of this engine's share of the sampler's next global batches, sampled with the same weights; the
-    batch is then the groups it chose, with their rewards ("scores") and dynamic_sampling/* in its metrics."""
-    k, t0 = job.num_samples, time.time()
-    rounds = [{**batch, "scores": score(batch, update)}]
+def sample_with_signal(job: GeneratorJob, llm, batch: Batch, update: int, score) -> Batch:
+    """--dynamic_sampling in this engine (common.fill_with_signal): `batch` is the first round; further rounds are
+    this engine's share of the sampler's next global batches, sampled with the same weights. The batch is then the
+    groups chosen, with their rewards (`scores`) and dynamic_sampling/* in its metrics."""
+    k, t0, sampled = job.num_samples, time.time(), [batch]
 
-    def next_round() -> torch.Tensor:
+    def next_round() -> tuple[Batch, torch.Tensor]:
         indices = engine_share(job.sampler.next_indices(), job.share)
-        queries = [job.prompts[i] for i in indices for _ in range(k)]
+        queries = [job.sample.prompts[i] for i in indices for _ in range(k)]
         rows = range(job.share[0] * len(queries), (job.share[0] + 1) * len(queries))  # in the global batch
-        responses, logprobs = vllm_generate(llm, queries, row_seeds(job.seed, update, rows, len(rounds)),
+        responses, logprobs = vllm_generate(llm, queries, row_seeds(job.seed, update, rows, len(sampled)),
                                             job.generation, job.eos_ids, job.pad_token_id)
-        extra = {"prompt_indices": indices, "queries": queries, "responses": responses.numpy(),
-                 "logprobs": logprobs.numpy()}
-        rounds.append({**extra, "scores": score(extra, update)})
-        return rounds[-1]["scores"]
+        sampled.append(Batch(update, indices, queries, responses.numpy(), logprobs.numpy()))
+        return sampled[-1], score(sampled[-1], update)
 
-    has_signal, groups = common.sample_until_signal(rounds[0]["scores"], next_round, k,
-                                                    len(batch["prompt_indices"]), job.dynamic_sampling.max_rounds)
+    rounds, groups, metrics = common.fill_with_signal((batch, score(batch, update)), next_round, k,
+                                                      len(batch.prompt_indices), job.sample.dynamic_sampling.max_rounds)
     groups = groups.tolist()
     rows = [group * k + sample for group in groups for sample in range(k)]
-    prompt_indices = [index for r in rounds for index in r["prompt_indices"]]
-    queries = [query for r in rounds for query in r["queries"]]
-    scores = torch.cat([r["scores"] for r in rounds])
-    metrics = {**common.dynamic_sampling_metrics(len(rounds), has_signal, groups, scores),
-               "time/dynamic_sampling": time.time() - t0}  # scoring every round, sampling the further ones
-    return {**batch, "prompt_indices": [prompt_indices[g] for g in groups], "queries": [queries[r] for r in rows],
-            **{name: numpy.concatenate([r[name] for r in rounds])[rows] for name in ("responses", "logprobs")},
-            "scores": scores[rows].numpy(), "metrics": {**batch["metrics"], **metrics}}
+    prompt_indices = [index for round_batch, _ in rounds for index in round_batch.prompt_indices]
+    queries = [query for round_batch, _ in rounds for query in round_batch.queries]
+    every = lambda name: numpy.concatenate([getattr(round_batch, name) for round_batch, _ in rounds])[rows]  # noqa: E731
+    return dataclasses.replace(
+        batch, prompt_indices=[prompt_indices[g] for g in groups], queries=[queries[r] for r in rows],
+        responses=every("responses"), logprobs=every("logprobs"),
+        scores=torch.cat([scores for _, scores in rounds])[rows].numpy(),
+        metrics={**batch.metrics, **metrics, "time/dynamic_sampling": time.time() - t0})  # scoring, further rounds
 
 
 def start_engine(job: GeneratorJob):
@@ -381,20 +514,10 @@ def start_engine(job: GeneratorJob):
     return llm, sampling_policy, checked, receiver
 
 
-def sample_prompts(llm, sampling_policy, indices: list[int], update: int, job: GeneratorJob) -> dict:
-    """generate_ahead's batch of `update` by default: k completions of each of the train split's prompts `indices`
-    (this engine's share of the global batch), seeded by their rows in it (sample_batch)."""
-    queries = [job.prompts[i] for i in indices for _ in range(job.num_samples)]
-    rows = range(job.share[0] * len(queries), (job.share[0] + 1) * len(queries))  # in the global batch
-    batch = sample_batch(llm, sampling_policy, queries, row_seeds(job.seed, update, rows), update, job)
-    return {**batch, "prompt_indices": indices}
-
-
-def generate_ahead(job: GeneratorJob, sample=sample_prompts):
+def generate_ahead(job: GeneratorJob):
     """The generator process of engine `job.share` = (index, engines), beside the first of its ranks, which
     holds the vLLM engine: for update t it samples its ranks' share of the global batch, with exactly the
-    weights sampling_version(t) names: sample(llm, sampling_policy, prompt indices, t, job) -> the batch
-    (sample_prompts; grpo_multiturn_vllm.py's plays episodes).
+    weights sampling_version(t) names: job.sample's batch (SamplePrompts' completions, SampleEpisodes' episodes).
 
     The trainer announces each weight version on the queue `published`, written to a shared buffer (handed
     back on `released` once loaded) or sent over NCCL (weight_transport.WeightReceiver); ENGINE_STARTED, then
@@ -406,7 +529,8 @@ def generate_ahead(job: GeneratorJob, sample=sample_prompts):
     channels, async_steps = job.channels, job.asynchronous.async_steps
     try:
         llm, sampling_policy, checked, receiver = start_engine(job)
-        score = group_scorer(job, sampling_policy.device) if job.dynamic_sampling is not None else None
+        dynamic_sampling = isinstance(job.sample, SamplePrompts) and job.sample.dynamic_sampling is not None
+        score = group_scorer(job, sampling_policy.device) if dynamic_sampling else None
         loaded = 0  # the engine starts with the SFT weights, version 0
         if job.placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
             sleep_until(job.updates.start, llm, loaded, async_steps, job.first_version)
@@ -431,17 +555,17 @@ def generate_ahead(job: GeneratorJob, sample=sample_prompts):
                 llm.wake_up(tags=["kv_cache"])
             weight_load = time.time() - t0
             indices = engine_share(job.sampler.next_indices(), job.share)  # of the global batch's prompts
-            batch = sample(llm, sampling_policy, indices, update, job)
-            if version != loaded and "async/logprob_diff" in batch["metrics"]:  # and the layers it cannot see
-                check_engine_took_weights(batch["metrics"]["async/logprob_diff"], version, job)
+            batch = job.sample.sample(llm, sampling_policy, indices, update, job)
+            if version != loaded and "async/logprob_diff" in batch.metrics:  # and the layers it cannot see
+                check_engine_took_weights(batch.metrics["async/logprob_diff"], version, job)
             if score is not None:
-                batch = fill_with_signal(job, llm, batch, update, score)
+                batch = sample_with_signal(job, llm, batch, update, score)
             loaded = version
             if job.placement.sleeps_between_turns:
                 sleep_until(update + 1, llm, loaded, async_steps, job.first_version)
-            batch["metrics"]["time/weight_load"] = weight_load
-            channels.batches.put({**batch, "engine": job.share, "version": version,
-                                  "data_position": job.sampler.position})  # the global batches drawn so far
+            batch.metrics["time/weight_load"] = weight_load
+            channels.batches.put(dataclasses.replace(batch, engine=job.share, version=version,
+                                                     data_position=job.sampler.position))  # global batches drawn
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         channels.batches.put(failure_text(error))
 

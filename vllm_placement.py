@@ -18,7 +18,35 @@ import common
 
 
 @dataclass
-class EngineArgs(common.FlagGroup):
+class EngineSettings(common.FlagGroup):
+    """The vLLM engine's own settings: its memory and CUDA graphs"""
+
+    vllm_cpu_kv_cache_gib: int = 1
+    """CPU only: GiB of RAM reserved for the engine's KV cache"""
+    vllm_gpu_memory_utilization: float | None = None
+    """GPU only: share of the engine's GPU memory vLLM may take (weights, activations, KV cache); default: on a
+    GPU of its own, all that stays free beside what the generator process holds there (the copy of the policy
+    that checks async/logprob_diff, the K+1 weight versions it may receive before loading them, NCCL's
+    buffers), rounded down; 0.3 on a GPU it shares, the rest left to the trainer (--vllm_device shared, where
+    the engine frees its memory while the trainer trains) or to eval_checkpoints.py's HF models. Checked
+    against the GPU's free memory before the engine starts"""
+    vllm_enforce_eager: bool = False
+    """GPU only: run the engine without CUDA graphs (less memory and a shorter start, slower sampling); an
+    engine on a CPU always runs eagerly"""
+
+    def gpu_memory_utilization(self, shares_gpu: bool) -> float | None:
+        """--vllm_gpu_memory_utilization, or its default: 0.3 on a GPU the engine shares with a trainer or HF
+        models (they need the rest), else None (engine_memory_share: all that stays free)."""
+        return self.vllm_gpu_memory_utilization or (0.3 if shares_gpu else None)
+
+    def check(self):
+        if self.vllm_gpu_memory_utilization is not None and not 0 < self.vllm_gpu_memory_utilization <= 1:
+            common.fail(f"--vllm_gpu_memory_utilization is a share of the GPU's memory, in (0, 1], got "
+                        f"{self.vllm_gpu_memory_utilization}")
+
+
+@dataclass
+class EngineArgs(EngineSettings):
     """The vLLM engine: where it runs, and its memory"""
 
     vllm_device: str | None = None
@@ -33,22 +61,6 @@ class EngineArgs(common.FlagGroup):
     the --vllm_cpu_threads cores"""
     vllm_cpu_threads: int = 1
     """CPU only: cores given to the engine (the last ones); the trainer keeps the rest"""
-    vllm_cpu_kv_cache_gib: int = 1
-    """CPU only: RAM reserved for the engine's KV cache"""
-    vllm_gpu_memory_utilization: float | None = None
-    """GPU only: share of the engine's GPU memory vLLM may take (weights, activations, KV cache); default: on a
-    GPU of its own, all that stays free beside what the generator process holds there (the copy of the policy
-    that checks async/logprob_diff, the K+1 weight versions it may receive before loading them, NCCL's
-    buffers), rounded down; 0.3 with --vllm_device shared (the rest is the trainer's; there the engine frees
-    its memory while the trainer trains). Checked against the GPU's free memory before the engine starts"""
-    vllm_enforce_eager: bool = False
-    """GPU only: run the engine without CUDA graphs (less memory and a shorter start, slower sampling); an
-    engine on a CPU always runs eagerly"""
-
-    def check(self):
-        if self.vllm_gpu_memory_utilization is not None and not 0 < self.vllm_gpu_memory_utilization <= 1:
-            common.fail(f"--vllm_gpu_memory_utilization is a share of the GPU's memory, in (0, 1], got "
-                        f"{self.vllm_gpu_memory_utilization}")
 
 
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in its process: no further processes, no polling
@@ -201,8 +213,7 @@ def engine_placement(engine_args: EngineArgs, world_size: int, engine: int = 0) 
         engine_cores = list(range(os.cpu_count()))
     else:
         common.fail(f"--vllm_device {device!r} is none of 'cpu', 'cuda:<index>' and 'shared'")
-    # beside a trainer on the same GPU the engine gets less by default: the trainer needs the rest
-    utilization = engine_args.vllm_gpu_memory_utilization or (0.3 if device == "shared" else None)
+    utilization = engine_args.gpu_memory_utilization(shares_gpu=device == "shared")
     return Placement(device, environment, engine_cores, trainer_cores, utilization)
 
 

@@ -6,8 +6,8 @@ task (final gold win-rate and KL), a few seeds; the score a quarter of the way t
 learn. At K = 0 decoupled, tis and mask equal none (the tests prove it: the ratio is taken against the same
 log-probs, every weight is 1), so K = 0 runs none, pure_is and m2po (which differ when an update takes several
 optimizer steps), and none's runs stand for the other three. `--extra` adds flags to every run, named in the
-output (the runs that tell why a correction collapses: `--extra="--is_level sequence"`, `--extra="--num_epochs 1
---learning_rate 1e-4"`).
+output (the runs that tell why a correction collapses: `--extra="--correction_level sequence"`,
+`--extra="--num_epochs 1 --learning_rate 1e-4"`).
 
 Every run is the script's own preset (toy-math) or default (TL;DR) with only --async_steps,
 --off_policy_correction and --seed changed; a finished run (its `done` marker) is not run again, so an
@@ -97,7 +97,7 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
 
 
 def extra_suffix(args) -> str:
-    """What --extra adds to a run's and a result file's name: `_is_level-sequence`."""
+    """What --extra adds to a run's and a result file's name: `_correction_level-sequence`."""
     return "".join(f"_{word.lstrip('-')}" if word.startswith("--") else f"-{word}" for word in shlex.split(args.extra))
 
 

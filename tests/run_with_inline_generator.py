@@ -6,6 +6,7 @@ on one rank and compares its losses with the real generator process's.
     PYTHONPATH=. python tests/run_with_inline_generator.py online_dpo_vllm --async_steps 0 ...
 """
 
+import dataclasses
 import importlib
 import os
 import shutil
@@ -29,7 +30,7 @@ class InlineGenerator:
     update t-1 (the definition of K=0), in this process, with the same per-row seeds."""
 
     def __init__(self, asynchronous, engine_args, generation, policy, run, bf16, task, sampler, state, num_updates,
-                 num_samples, process, dynamic_sampling=None):
+                 num_samples, dynamic_sampling=None):
         assert asynchronous.async_steps == 0 and state.update == 0 and torch.distributed.get_world_size() == 1
         self.engine_args, self.policy, self.seed, self.bf16 = engine_args, policy, run.seed, bf16
         self.task, self.sampler, self.num_samples = task, sampler, num_samples
@@ -57,7 +58,7 @@ class InlineGenerator:
                 self.engine_args.vllm_enforce_eager, placement.gpu_memory_utilization)
         self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.policy.model_name_or_path).eval()
 
-    def batch_for(self, update: int) -> dict:
+    def batch_for(self, update: int) -> vllm_generator.Batch:
         if self.version != update - 1:  # through a folder: this engine runs in processes of its own
             self.version = update - 1
             folder = os.path.join(self.published, f"version-{self.version}")
@@ -68,10 +69,9 @@ class InlineGenerator:
         indices = self.sampler.next_indices()
         queries = [prompts[i] for i in indices for _ in range(self.num_samples)]
         seeds = vllm_generator.row_seeds(self.seed, update, range(len(queries)))
-        batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, queries, seeds, update, self.job)
-        batch["metrics"]["time/weight_load"] = 0.0
-        return {**batch, "prompt_indices": indices, "version": self.version,
-                "responses": torch.from_numpy(batch["responses"]), "logprobs": torch.from_numpy(batch["logprobs"])}
+        batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, indices, queries, seeds, update, self.job)
+        batch.metrics["time/weight_load"] = 0.0
+        return dataclasses.replace(batch.as_tensors(), version=self.version)
 
     def publish_weights(self, policy, version: int, part: str | None = None):
         with common.full_parameters(policy, part) as model:

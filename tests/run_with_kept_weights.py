@@ -28,14 +28,14 @@ if __name__ == "__main__":
     generator_class = async_generator.AsyncGenerator
     batch_for, publish_weights = generator_class.batch_for, generator_class.publish_weights
 
-    def keeping_batch_for(generator, update: int) -> dict:
+    def keeping_batch_for(generator, update: int):
         batch = batch_for(generator, update)
         if leader:
-            kept["batches"][update] = {name: batch[name] for name in ("queries", "responses", "logprobs", "version",
-                                                                      "token_versions", "lengths", "action_mask")
-                                       if name in batch}  # the last two: grpo_multiturn_vllm.py's episodes
+            kept["batches"][update] = {name: getattr(batch, name) for name in (
+                "queries", "responses", "logprobs", "version", "token_versions", "lengths", "action_mask")
+                if getattr(batch, name) is not None}  # the last two: grpo_multiturn_vllm.py's episodes
             with open(os.path.join(args.run.output_dir, "trained_prompts.jsonl"), "a") as file:
-                file.write(json.dumps({"update": update, "prompt_indices": list(batch["prompt_indices"])}) + "\n")
+                file.write(json.dumps({"update": update, "prompt_indices": list(batch.prompt_indices)}) + "\n")
         return batch
 
     def keeping_publish_weights(generator, policy, version: int, part: str | None = None):

@@ -35,20 +35,38 @@ def script(request):
     return request.param
 
 
+MAX_TOKENS = 3  # completions (the multi-turn scripts' episodes) of 3 tokens at most: dr_grpo's denominator
+
+
 def grpo_args(script, **overrides):
     """`script`'s flags, its defaults but `overrides` (dapo, clip [0.8, 1.2], token ratios, no KL, no entropy
-    bonus), completions (the multi-turn scripts' episodes) of 3 tokens at most."""
-    args = script.Args(**overrides)
-    if hasattr(args, "env"):
-        args.env.max_episode_tokens = 3
-    else:
-        args.generation.response_length = 3
-    return args
+    bonus)."""
+    return script.Args(**overrides)
 
 
 def loss_of(script, mask=MASK, new=NEW, step_tokens=9.0, ref=None, entropy=None, **overrides):
     args = grpo_args(script, **overrides)
-    return script.policy_loss(new, new - LOG_RATIO, ADVANTAGES, mask, args, step_tokens, ref, entropy)[0].item()
+    return script.policy_loss(new, new - LOG_RATIO, ADVANTAGES, mask, args, step_tokens, MAX_TOKENS, ref,
+                              entropy)[0].item()
+
+
+def test_the_four_grpo_scripts_hold_the_same_loss():
+    """Each GRPO script keeps its algorithm in itself (a script reads alone), and the four copies of its loss are
+    the same, byte for byte: a change to one is made to all four (README, "The map")."""
+    import ast
+
+    def shared_functions(module) -> dict[str, str]:
+        source = open(module.__file__).read()
+        return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
+                if isinstance(node, ast.FunctionDef) and node.name in SHARED_LOSS}
+
+    reference = shared_functions(grpo)
+    assert sorted(reference) == sorted(SHARED_LOSS)
+    for module in GRPO_SCRIPTS[1:]:
+        assert shared_functions(module) == reference, module.__name__
+
+
+SHARED_LOSS = ("upper_clip", "group_advantages", "token_kl", "token_average", "policy_loss")
 
 
 @pytest.mark.parametrize(("loss_type", "expected"), [
@@ -90,7 +108,7 @@ def test_cispo_is_reinforce_weighted_by_the_capped_ratio_with_no_gradient_throug
     assert loss_of(script, loss_type="cispo", epsilon_high=1.3) == pytest.approx(3.41 / 9, abs=1e-6)
     new = NEW.clone().requires_grad_()
     args = grpo_args(script, loss_type="cispo", epsilon_high=1.3)
-    script.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
+    script.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0, MAX_TOKENS)[0].backward()
     # the capped weight, with no derivative of its own: also where the cap does not bind (ratio 0.5, logp -1)
     assert new.grad[0, :2].tolist() == pytest.approx([-1.3 / 9, -0.5 / 9])
 
@@ -98,7 +116,7 @@ def test_cispo_is_reinforce_weighted_by_the_capped_ratio_with_no_gradient_throug
 def test_the_clipped_tokens_get_no_gradient(script):
     new = NEW.clone().requires_grad_()
     args = grpo_args(script, loss_type="bnpo")
-    script.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0)[0].backward()
+    script.policy_loss(new, (new - LOG_RATIO).detach(), ADVANTAGES, MASK, args, 9.0, MAX_TOKENS)[0].backward()
     assert new.grad[0, 0].item() == 0  # ratio 1.5 > 1.2 with A > 0: clipped
     assert new.grad[0, 1].item() == pytest.approx(-0.5 / 9)  # ratio 0.5, A = 1: d(-ratio A)/dlogp / 9
 
@@ -124,7 +142,7 @@ def loss_gradients(script, ref=None, entropy=None, **overrides) -> tuple[torch.T
     new = NEW.clone().requires_grad_()
     entropy = None if entropy is None else entropy.clone().requires_grad_()
     args = grpo_args(script, **overrides)
-    script.policy_loss(new, NEW - LOG_RATIO, ADVANTAGES, MASK, args, 9.0, ref, entropy)[0].backward()
+    script.policy_loss(new, NEW - LOG_RATIO, ADVANTAGES, MASK, args, 9.0, MAX_TOKENS, ref, entropy)[0].backward()
     return new.grad, None if entropy is None else entropy.grad
 
 

@@ -75,7 +75,8 @@ def test_the_environments_tokens_never_reach_the_loss(guess_task, one_rank_group
         for shift in (0.0, 3.0):
             new = (logprobs + shift * environment_tokens).requires_grad_()  # the environment's tokens moved
             old = logprobs - 0.1 * episodes.mask  # ratios of 1.1 on the policy's tokens
-            loss, clipfrac, _ = grpo_multiturn.policy_loss(new, old, advantages, episodes.mask.float(), args, 50.0)
+            loss, clipfrac, _ = grpo_multiturn.policy_loss(new, old, advantages, episodes.mask.float(), args, 50.0,
+                                                           args.env.max_episode_tokens)
             loss.backward()
             results.append((loss.item(), clipfrac, new.grad))
         (loss_a, clip_a, grad_a), (loss_b, clip_b, grad_b) = results
@@ -100,9 +101,10 @@ def test_trained_ids_are_the_sampled_ids_even_where_the_text_would_tokenize_othe
     canonical = tokenizer(" the cat sat", add_special_tokens=False)["input_ids"]
     spelled = [token for word in (" the", " c", "at", " sat") for token in tokenizer(word)["input_ids"]]
     assert tokenizer.decode(spelled) == " the cat sat" and spelled != canonical  # the text would re-tokenize
-    episode = environments.Episode(env=None, where="e", prompt_ids=task.first_message_ids("hello"))
-    episode.add_turn(spelled + [stop], True, ("dog ?", 0.5, False), task, 3, 100)
-    episode.add_turn(spelled[:2], False, ("mat", 0.25, False), task, 3, 100)  # ran out of tokens: a stop is added
+    episode = environments.Episode(env=None, number=0, where="e", prompt_ids=task.first_message_ids("hello"))
+    episode.add_turn(environments.Turn(spelled + [stop], True), ("dog ?", 0.5, False), task, 3, 100)
+    # ran out of tokens: a stop is added
+    episode.add_turn(environments.Turn(spelled[:2], False), ("mat", 0.25, False), task, 3, 100)
     message = tokenizer(" dog ?", add_special_tokens=False)["input_ids"]
     assert episode.ids == [*spelled, stop, *before, *tokenizer("dog ?")["input_ids"], *after,
                            *spelled[:2], stop, *before, *tokenizer("mat")["input_ids"], *after]
@@ -122,9 +124,9 @@ def test_an_episode_ends_at_done_max_turns_or_the_context_limit():
     guess = tokenizer("7 <eos>")["input_ids"]
 
     def episode_after(replies, max_turns=4, max_tokens=33):  # a first message of 1 token
-        episode = environments.Episode(env=None, where="e", prompt_ids=[1])
+        episode = environments.Episode(env=None, number=0, where="e", prompt_ids=[1])
         for reply in replies:
-            episode.add_turn(guess, True, reply, task, max_turns, max_tokens)
+            episode.add_turn(environments.Turn(guess, True), reply, task, max_turns, max_tokens)
         return episode
 
     done = episode_after([("higher :", 0.0, False), (None, 1.0, True)])

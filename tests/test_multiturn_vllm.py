@@ -295,8 +295,9 @@ def test_max_lag_keeps_every_policy_token_of_an_episode_within_it(tmp_path):
 def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environment_that_answers_otherwise():
     """InflightEpisodes' snapshot of a group (one episode two turns in and ended, one a turn in with its second step
     still running) keeps no environment object; restoring it rebuilds the episode in flight from its row and reset
-    seed, stepping it on its turns again (the same tokens; the running step left to start again), keeps the ended
-    one as it was, and stops on one line when the environment answers otherwise than in the interrupted run."""
+    seed, stepping it on its turns again through the episode loop (the same tokens; the running step left to start
+    again), keeps the ended one as it was, and stops on one line when the environment answers otherwise than in the
+    interrupted run."""
     import dataclasses
     import types
 
@@ -307,38 +308,39 @@ def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environmen
     task = environments.load_env_task(args.data, args.env, 64, None, 0, evaluate=False)
 
     def engine_state(env: str) -> inflight.InflightEpisodes:  # what restoring reads, without an engine
-        generation = object.__new__(inflight.InflightEpisodes)
-        generation.env, generation.job = args.env, types.SimpleNamespace(seed=1, share=(0, 1), num_samples=2)
-        generation.task = dataclasses.replace(task, env_class=environments.load_env_class(env))
-        return generation
+        in_flight = object.__new__(inflight.InflightEpisodes)
+        in_flight.env, in_flight.job = args.env, types.SimpleNamespace(seed=1, share=(0, 1), num_samples=2)
+        in_flight.loop = environments.EpisodeLoop(
+            dataclasses.replace(task, env_class=environments.load_env_class(env)), args.env)
+        return in_flight
 
-    generation = engine_state(args.env.env)
+    in_flight = engine_state(args.env.env)
     secret = task.train_rows[0]["secret"]
     miss = 1 if secret != 1 else 2
     group = {"serial": 1, "prompt_index": 0}
-    group["samples"] = generation.new_samples(group)
+    group["samples"] = in_flight.new_samples(group)
     for state, guesses, replied in zip(group["samples"], ([miss, secret], [miss, secret]), (2, 1)):
         for turn, guess in enumerate(guesses):
             ids = task.tokenizer(str(guess), add_special_tokens=False)["input_ids"] + [task.eos_ids[0]]
-            state["turns"].append((ids, True, [-0.5] * len(ids), [turn] * len(ids)))
+            in_flight.loop.take_turn(state["episode"], environments.Turn(ids, True, [-0.5] * len(ids),
+                                                                         [turn] * len(ids)))
             if turn < replied:
-                reply = environments.check_step(state["episode"].env.step(str(guess)), "step")
-                generation.add_reply(state, reply)
-    ended, running = group["samples"]
-    assert ended["episode"].ended and not running["episode"].ended
-    reply_tokens = len(running["episode"].ids) - 2
-    assert ended["id_versions"] == [0, 0] + [-1] * reply_tokens + [1, 1] and reply_tokens > 0
-    saved = generation.portable(group)
+                assert in_flight.loop.replies(every_step=True) == [state["episode"]]
+    ended, running = (state["episode"] for state in group["samples"])
+    assert ended.ended and not running.ended and running.pending is not None
+    reply_tokens = len(running.ids) - 2
+    assert ended.versions == [0, 0] + [-1] * reply_tokens + [1, 1] and reply_tokens > 0
+    saved = in_flight.portable(group)
     assert all("env" not in state["episode"] for state in saved["samples"])
-    restored = generation.restored(saved)
-    for before, after in zip(group["samples"], restored["samples"]):
-        assert vars(after["episode"]) | {"env": None} == vars(before["episode"]) | {"env": None}
+    restored = engine_state(args.env.env).restored(saved)
+    for before, after in zip((ended, running), (state["episode"] for state in restored["samples"])):
+        assert vars(after) | {"env": None} == vars(before) | {"env": None}
     assert restored["samples"][0]["episode"].env is None and restored["samples"][1]["episode"].env is not None
-    assert len(restored["samples"][1]["turns"]) == restored["samples"][1]["episode"].turns + 1  # to step again
+    assert restored["samples"][1]["episode"].pending == running.pending  # to step again
     with pytest.raises(SystemExit) as stopped:
         engine_state("tests/envs.py:AnswersOtherwise").restored(saved)
     assert str(stopped.value) == (
-        f"error: --resume: {running['episode'].where}, replayed from its row and reset seed, answers otherwise than in "
+        f"error: --resume: {running.where}, replayed from its row and reset seed, answers otherwise than in "
         "the interrupted run; an environment must act the same given its row and seed for a run to resume with "
         "--inflight_updates")
 

@@ -213,9 +213,8 @@ def test_rloo_and_grpo_weight_their_terms_the_same_way():
     loss = rloo.sequence_policy_loss(new_seq, old_seq, advantage, 0.2, made.weights.flatten())[0]
     assert loss.item() == pytest.approx(-2.0 * 0.9375)
     args = grpo.Args(loss_type="bnpo")
-    args.generation.response_length = 4
     made = terms("tis")
-    loss = grpo.policy_loss(STEP, made.anchor, ADVANTAGES[0, :1].repeat(1), MASK, args, 3.0,
+    loss = grpo.policy_loss(STEP, made.anchor, ADVANTAGES[0, :1].repeat(1), MASK, args, 3.0, 4,
                             weights=made.token_weights)[0]
     # A = 1 on every token: -1.2 (clipped), -0.625, -1.2 (clipped at 1.2), weighted 1.2, 0.8, 2
     assert loss.item() == pytest.approx((1.2 * -1.2 + 0.8 * -0.625 + 2.0 * -1.2) / 3)

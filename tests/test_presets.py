@@ -28,6 +28,7 @@ import reward_model
 import rloo
 import rloo_vllm
 import sft
+import vllm_placement
 
 SCRIPTS = {"online_dpo.py": online_dpo, "online_dpo_vllm.py": online_dpo_vllm, "ppo.py": ppo, "rloo.py": rloo,
            "rloo_vllm.py": rloo_vllm, "ppo_vllm.py": ppo_vllm,
@@ -264,6 +265,22 @@ def test_eval_checkpoints_takes_the_runs_evaluation_settings(tmp_path):
     assert (args.eval_num_prompts, args.seed, args.run_dir) == (64, 3, str(tmp_path))
 
 
+def test_eval_checkpoints_takes_the_engines_settings_not_where_it_runs(monkeypatch):
+    """Its engine runs in its own process, on its own device: the vLLM scripts' engine settings under their
+    names, none of their placement flags; by default the engine leaves the HF models 0.7 of a GPU."""
+    kv_caches, started = [], []
+    monkeypatch.setattr(vllm_placement, "shared_device_environment",
+                        lambda kv_cache_gib: kv_caches.append(kv_cache_gib) or {})
+    monkeypatch.setattr(vllm_placement, "start_vllm", lambda *args: started.append(args[-2:]))  # eager, GPU share
+    eval_checkpoints.start_engine(parse(eval_checkpoints, "--vllm"))
+    eval_checkpoints.start_engine(parse(eval_checkpoints, "--vllm", "--vllm_cpu_kv_cache_gib", "2",
+                                        "--vllm_enforce_eager", "--vllm_gpu_memory_utilization", "0.5"))
+    assert (kv_caches, started) == ([1, 2], [(False, 0.3), (True, 0.5)])
+    for placement in ("--vllm_device", "--vllm_engines_per_node", "--vllm_cpu_threads"):
+        with pytest.raises(SystemExit, match=f"Unrecognized options: {placement}"):
+            parse(eval_checkpoints, placement, "1")
+
+
 def test_a_config_file_sits_between_the_preset_and_the_flags(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("learning_rate: 3e-5  # YAML reads this as text: the flag's own parser makes it a float\n"
@@ -311,6 +328,31 @@ def test_decoupled_in_a_file_written_before_it_became_areals_keeps_its_meaning(t
         parse(grpo_vllm, "--config", str(config))
     config.write_text("flags_format: 2\noff_policy_correction: decoupled\n")
     assert parse(grpo_vllm, "--config", str(config)).corrections.off_policy_correction == "decoupled"
+
+
+def test_a_renamed_flag_in_an_older_file_reads_as_its_new_name(tmp_path, monkeypatch):
+    """--is_level is --correction_level now (cli.RENAMED): a run's args.json or a YAML file that says is_level
+    replays as --correction_level, and resuming that run under the new name changes nothing; typed, the old
+    name points to the new."""
+    recorded = cli.flag_values(parse(ppo, "--off_policy_correction", "tis"))
+    recorded["is_level"] = "sequence"
+    del recorded["correction_level"]
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"args": recorded, "ranks": 1, "flags_format": 2, "versions": {}, "argv": []}))
+    assert parse(ppo, "--config", str(path)).corrections.correction_level == "sequence"
+    config = tmp_path / "run.yaml"
+    config.write_text("is_level: sequence\n")
+    assert parse(ppo, "--config", str(config)).corrections.correction_level == "sequence"
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    (tmp_path / "checkpoints" / "update-2").mkdir(parents=True)
+    resumed = parse(ppo, "--config", str(path), "--output_dir", str(tmp_path), "--resume")
+    outputs.prepare_output_dir(resumed.run, cli.flag_values(resumed))
+    changed = parse(ppo, "--config", str(path), "--correction_level", "token", "--output_dir", str(tmp_path),
+                    "--resume")
+    with pytest.raises(SystemExit, match="--correction_level 'sequence' -> 'token'"):
+        outputs.prepare_output_dir(changed.run, cli.flag_values(changed))
+    with pytest.raises(SystemExit, match="--is_level is now --correction_level"):
+        parse(ppo, "--is_level", "sequence")
 
 
 @pytest.mark.parametrize(("text", "message"), [
