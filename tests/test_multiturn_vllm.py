@@ -259,7 +259,7 @@ def test_deterministic_in_flight_episodes_resume_exactly_after_a_kill_mid_episod
     snapshot = torch.load(whole / "checkpoints" / "update-8" / "trainer_state_rank0.pt",
                           weights_only=False)["engine_snapshot"]
     mid_episode = [state for group in snapshot["groups"] for state in group["samples"]
-                   if state["episode"]["turns"] > 0 and not state["episode"]["ended"]]
+                   if state["episode"]["actions"] and not state["episode"]["ended"]]
     assert mid_episode, snapshot["groups"]
 
 
