@@ -16,14 +16,18 @@ naming it, the episode and what was wrong.
 """
 
 import functools
+import inspect
+import itertools
+import json
 import math
 import os
 import queue
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -49,7 +53,16 @@ class EnvArgs(common.FlagGroup):
     episode that would outgrow it is truncated (rollout/truncated_episodes), a first message that leaves no room
     for a turn stops the run. Also dr_grpo's constant denominator, and the vLLM engine's context length"""
     env_timeout: float = 60.0
-    """seconds a reset or a step may take before the run stops with an error naming the episode"""
+    """seconds a reset, a step or a turn's tool calls may take (past it: --env_failure)"""
+    env_failure: Literal["stop", "error_message", "drop_group"] = "stop"
+    """what an exception or a timeout in a step or a tool does: stop, the run stops with one line naming the
+    episode; error_message, the error goes to the policy as the environment's reply (a tool's as its tool message)
+    and the episode goes on; drop_group, the episode ends there and its group leaves the loss (rollout/dropped_groups).
+    A reset's failure, or a reply that breaks the contract, always stops the run"""
+    chat_template_path: str | None = None
+    """a chat template (a .jinja file) that replaces the tokenizer's for the episodes (implies --chat_template): e.g.
+    a training template that keeps earlier turns as they were sampled, where the model's own rewrites history
+    (Qwen3's drops an earlier turn's <think> block once a user message follows), which the run refuses"""
 
     def check(self):
         common.check_signs(self, ("max_turns", "max_episode_tokens", "env_timeout"))
@@ -81,8 +94,8 @@ def load_env_class(spec: str):
 
 @dataclass
 class EnvTask:
-    """What a multi-turn run loads (load_env_task): the policy's tokenizer and stop tokens, the environment, the
-    dataset rows episodes start from, and the tokens the chat template puts around a message."""
+    """What a multi-turn run loads (load_env_task): the policy's tokenizer and stop tokens, the environment and its
+    tools, the dataset rows episodes start from, and how the chat template renders a message after a turn."""
 
     tokenizer: object
     eos_ids: list[int]
@@ -94,31 +107,55 @@ class EnvTask:
     end_of_turn_id: int  # the stop token appended to a turn that ran out of tokens before its own
     before_message: list[int]  # the template's tokens between the policy's stop token and a message
     after_message: list[int]  # and between the message and the policy's next turn
+    tools: list[dict] = field(default_factory=list)  # the environment's tools' JSON schemas (the template renders them)
+    probe: str = ""  # the template's rendering of a short conversation (template_around_message)
+    end_of_action: str = ""  # the template's text after an assistant turn's stop token
 
-    def first_message_ids(self, text: str) -> list[int]:
-        """The first message as tokens: through the chat template as a user message with --chat_template."""
+    def first_message_ids(self, message: str | list[dict]) -> list[int]:
+        """The first message (or messages: a system prompt, then the user's) as tokens: through the chat template,
+        as a user message and with the tools' schemas, with --chat_template."""
         if self.chat_template:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+            messages = [{"role": "user", "content": message}] if isinstance(message, str) else message
+            return self.tokenizer.apply_chat_template(messages, tools=self.tools or None, add_generation_prompt=True,
                                                       tokenize=True, return_dict=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(message, add_special_tokens=False)["input_ids"]
 
-    def message_ids(self, text: str) -> list[int]:
-        """A later message as the tokens appended after the policy's turn (its stop token included)."""
-        return self.before_message + self.tokenizer(text, add_special_tokens=False)["input_ids"] + self.after_message
+    def message_ids(self, message: str | list[dict]) -> list[int]:
+        """A later message as the tokens appended after the policy's turn (its stop token included): a user
+        message's text between the template's tokens around it, or a list of messages (tool results, user
+        messages) as the template renders them after an assistant turn."""
+        encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        if isinstance(message, str):
+            return self.before_message + encode(message) + self.after_message
+        rendered = self.tokenizer.apply_chat_template(PROBE + message, tools=self.tools or None, tokenize=False,
+                                                      add_generation_prompt=True)
+        if not rendered.startswith(self.probe):
+            common.fail(f"the chat template renders an episode differently once the messages {message!r:.120} are "
+                        "added; the turns of an episode must be appended as they were sampled: give a template that "
+                        "keeps them, --chat_template_path FILE.jinja")
+        return encode(self.end_of_action + rendered[len(self.probe):])
 
 
-def template_around_message(tokenizer, eos_ids: list[int], model: str) -> tuple[int, list[int], list[int]]:
+ACTION, THINKING = "\x00ACTION\x00", "\x00THINKING\x00"
+# a conversation the template renders: an assistant turn with a reasoning block, which a template that rewrites
+# history (Qwen3's) drops once a user message follows
+PROBE = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": f"<think>{THINKING}</think>{ACTION}"}]
+
+
+def template_around_message(tokenizer, eos_ids: list[int], model: str, tools: list[dict]):
     """(the stop token that ends an assistant turn, the template's tokens from there to a user message's text, and
-    from its text to the next assistant turn), read off the template's rendering of a short conversation."""
+    from its text to the next assistant turn, the probe's rendering, the template's text after the stop token),
+    read off the template's rendering of a short conversation. A template that renders the conversation otherwise
+    once a message is added is refused."""
     marker = "\x00MESSAGE\x00"
-    probe = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\x00ACTION\x00"}]
-    before = tokenizer.apply_chat_template(probe, tokenize=False)
-    after = tokenizer.apply_chat_template(probe + [{"role": "user", "content": marker}], tokenize=False,
-                                          add_generation_prompt=True)
+    before = tokenizer.apply_chat_template(PROBE, tools=tools or None, tokenize=False)
+    after = tokenizer.apply_chat_template(PROBE + [{"role": "user", "content": marker}], tools=tools or None,
+                                          tokenize=False, add_generation_prompt=True)
     if not after.startswith(before) or marker not in after:
-        common.fail(f"the chat template of {model!r} renders a conversation differently once a message is added; "
-                    "the turns of an episode must be appended, so it cannot be used with --chat_template")
-    end_of_action = before[before.index("\x00ACTION\x00") + len("\x00ACTION\x00"):]
+        common.fail(f"the chat template of {model!r} renders a conversation differently once a message is added (it "
+                    "rewrites earlier turns); the turns of an episode must be appended as they were sampled: give a "
+                    "template that keeps them, --chat_template_path FILE.jinja")
+    end_of_action = before[before.index(ACTION) + len(ACTION):]
     stop_id = eos_ids[0]
     for eos in eos_ids:  # the template's own end of an assistant turn, when it is a stop token
         if end_of_action.startswith(tokenizer.decode([eos])):
@@ -126,7 +163,24 @@ def template_around_message(tokenizer, eos_ids: list[int], model: str) -> tuple[
             break
     prefix, suffix = after[len(before):].split(marker)
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
-    return stop_id, encode(end_of_action + prefix), encode(suffix)
+    return stop_id, encode(end_of_action + prefix), encode(suffix), before, end_of_action
+
+
+def tool_schemas(env_class: type, spec: str) -> list[dict]:
+    """The JSON schemas of the tools an environment lists in its `tools` attribute (read off one built with no
+    arguments), by transformers' get_json_schema: type hints and a Google-style docstring (one line otherwise)."""
+    from transformers.utils import get_json_schema
+
+    schemas = []
+    for tool in getattr(env_class(), "tools", None) or []:
+        if not callable(tool):
+            common.fail(f"--env {spec!r}: its tools must be callables (functions or methods), got {tool!r:.80}")
+        try:
+            schemas.append(get_json_schema(tool))
+        except Exception as error:
+            common.fail(f"--env {spec!r}: tool {getattr(tool, '__name__', tool)!r} has no JSON schema ({error}); a "
+                        "tool needs type hints and a Google-style docstring with an Args: section")
+    return schemas
 
 
 def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows: int, lora_args, rank: int,
@@ -141,11 +195,23 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
     if lora_args is not None:
         lora.check_targets(lora_args, data_args.model_name_or_path)
     env_class = load_env_class(env_args.env)
-    if data_args.chat_template and tokenizer.chat_template is None:
+    chat_template = data_args.chat_template or env_args.chat_template_path is not None
+    if env_args.chat_template_path is not None:
+        try:
+            with open(env_args.chat_template_path) as file:
+                tokenizer.chat_template = file.read()
+        except OSError as error:
+            common.fail(f"--chat_template_path {env_args.chat_template_path!r}: {error.strerror}")
+    if chat_template and tokenizer.chat_template is None:
         common.fail(f"--chat_template was given but the tokenizer of {data_args.model_name_or_path!r} has no chat "
                     "template")
-    end_of_turn, before, after = (template_around_message(tokenizer, eos_ids, data_args.model_name_or_path)
-                                  if data_args.chat_template else (eos_ids[0], [], []))
+    tools = tool_schemas(env_class, env_args.env)
+    if tools and not chat_template:
+        common.fail(f"--env {env_args.env!r} has tools, which reach the policy through a chat template: give "
+                    "--chat_template (or --chat_template_path)")
+    end_of_turn, before, after, probe, end_of_action = (
+        template_around_message(tokenizer, eos_ids, data_args.model_name_or_path, tools) if chat_template else
+        (eos_ids[0], [], [], "", ""))
     train_rows = data.load_split(data_args.dataset_name, data_args.train_split)
     eval_rows = None
     if data_args.eval_split not in data.split_names(data_args.dataset_name):  # held out even without evaluation
@@ -157,36 +223,43 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
         if rows is not None and len(rows) == 0:
             common.fail(f"dataset {data_args.dataset_name!r} has no {name} rows")
     return EnvTask(tokenizer=tokenizer, eos_ids=eos_ids, env_class=env_class, env_name=env_args.env,
-                   train_rows=train_rows, eval_rows=eval_rows, chat_template=data_args.chat_template,
-                   end_of_turn_id=end_of_turn, before_message=before, after_message=after)
+                   train_rows=train_rows, eval_rows=eval_rows, chat_template=chat_template,
+                   end_of_turn_id=end_of_turn, before_message=before, after_message=after, tools=tools, probe=probe,
+                   end_of_action=end_of_action)
 
 
 # ----------------------------------------------------------------------------------------------
 # Calls into the environment: concurrent, timed, checked
 # ----------------------------------------------------------------------------------------------
+class CallTimeout(Exception):
+    """A call into an environment that ran past --env_timeout."""
+
+
 class CallsInFlight:
     """Calls into environments, each in a daemon thread of its own under --env_timeout (a call that hangs does not
     keep the process from exiting), collected as they finish: call_concurrently's, and EpisodeLoop's steps."""
 
     def __init__(self, timeout: float):
-        self.timeout, self.running, self.done = timeout, {}, queue.SimpleQueue()  # running: i -> deadline
-        self.where = {}  # i -> what names call i in errors, until results() hands it over
+        self.timeout, self.done, self.serials = timeout, queue.SimpleQueue(), itertools.count()
+        self.running = {}  # serial -> (key, where, deadline)
 
-    def start(self, i, call, where: str):
-        """`call` (no arguments) as call i (any key); `where` names it in errors."""
+    def start(self, key, call, where: str):
+        """`call` (no arguments) under `key` (comparable: results come in its order); `where` names it in errors."""
+        serial = next(self.serials)
 
         def run():
             try:
-                self.done.put((i, call(), None))
+                self.done.put((serial, call(), None))
             except BaseException as error:  # the environment's code: every error is reported
-                self.done.put((i, None, error))
+                self.done.put((serial, None, error))
 
-        self.where[i], self.running[i] = where, time.monotonic() + self.timeout
+        self.running[serial] = (key, where, time.monotonic() + self.timeout)
         threading.Thread(target=run, daemon=True).start()
 
-    def finished(self, wait: float) -> list[tuple[int, object, BaseException | None]]:
-        """The calls finished since the last time, as (i, result, error), waiting up to `wait` seconds for a first
-        one; a call still running past its timeout stops the run (the first started of them)."""
+    def finished(self, wait: float) -> list[tuple]:
+        """The calls finished since the last time, as (key, where, result, error) in the order of their keys,
+        waiting up to `wait` seconds for a first one; a call past its timeout finishes with a CallTimeout (its
+        result, should it come later, is dropped)."""
         done = []
         try:
             done.append(self.done.get(timeout=wait) if wait > 0 else self.done.get_nowait())
@@ -194,52 +267,146 @@ class CallsInFlight:
                 done.append(self.done.get_nowait())
         except queue.Empty:
             pass
-        for i, _, _ in done:
-            del self.running[i]
+        finished = [(*self.running.pop(serial)[:2], result, error) for serial, result, error in done
+                    if serial in self.running]
         now = time.monotonic()
-        for i, deadline in self.running.items():
+        for serial, (key, where, deadline) in list(self.running.items()):
             if now > deadline:
-                common.fail(f"{self.where[i]} did not return within --env_timeout {self.timeout:g} s")
-        return done
+                del self.running[serial]
+                timeout = CallTimeout(f"did not return within --env_timeout {self.timeout:g} s")
+                finished.append((key, where, None, timeout))
+        return sorted(finished, key=lambda call: call[0])
 
-    def results(self, done: list) -> dict:
-        """The (result, where) of `done` (finished's) by call, or the run stops on the error of the first call that
-        raised. Their `where`s are forgotten here: a long run's keys never pile up."""
-        errors = sorted((i, error) for i, _, error in done if error is not None)
-        if errors:
-            i, error = errors[0]
-            common.fail(f"{self.where[i]} raised {type(error).__name__}: {error}")
-        return {i: (result, self.where.pop(i)) for i, result, _ in done}
+
+def failure_line(where: str, error: BaseException) -> str:
+    """What a failed call says: `where`, then how it failed."""
+    if isinstance(error, CallTimeout):
+        return f"{where} {error}"
+    return f"{where} raised {type(error).__name__}: {error}"
 
 
 def call_concurrently(calls: list, timeout: float, describe) -> list:
     """Each of `calls` (no-argument functions) in a thread of its own, all at once (CallsInFlight); their results in
     order, once every one has returned. One that raises, or runs past `timeout` seconds, stops the run: describe(i)
     names the i-th call."""
-    in_flight, done = CallsInFlight(timeout), []
+    in_flight, results = CallsInFlight(timeout), {}
     for i, call in enumerate(calls):
         in_flight.start(i, call, describe(i))
     while in_flight.running:
-        done += in_flight.finished(wait=0.05)
-    results = in_flight.results(done)
-    return [results[i][0] for i in range(len(calls))]
+        for i, where, result, error in in_flight.finished(wait=0.05):
+            if error is not None:
+                common.fail(failure_line(where, error))
+            results[i] = result
+    return [results[i] for i in range(len(calls))]
 
 
-def check_step(result, where: str) -> tuple[str | None, float, bool]:
+def check_message(message, where: str, what: str, roles: tuple[str, ...]):
+    """A message an environment sent: a str, or a list of messages ({"role": one of `roles`, "content": str}); one
+    line saying how it breaks the contract otherwise."""
+    if isinstance(message, str):
+        return
+    if not isinstance(message, list) or not message or not all(
+            isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str) for m in message):
+        common.fail(f"{where} returned {what}={message!r:.80}; it is a str or a list of messages "
+                    f"{{'role': {' or '.join(map(repr, roles))}, 'content': str}}")
+
+
+def check_step(result, where: str, chat_template: bool) -> tuple[str | list[dict] | None, float, bool]:
     """The (message, reward, done) of a step, or one line saying how `result` breaks the contract."""
     if not isinstance(result, tuple) or len(result) != 3:
         common.fail(f"{where} returned {type(result).__name__} {result!r:.80}; step returns a tuple "
-                    "(next message: str or None, reward: float, done: bool)")
+                    "(next message: str, list of messages or None, reward: float, done: bool)")
     message, reward, done = result
     if not isinstance(done, bool | np.bool_):
         common.fail(f"{where} returned done={done!r} ({type(done).__name__}); done must be a bool")
     if isinstance(reward, bool) or not isinstance(reward, int | float | np.integer | np.floating) \
             or not math.isfinite(reward):
         common.fail(f"{where} returned reward={reward!r}; the reward must be a finite number")
-    if not (isinstance(message, str) or (message is None and done)):
-        common.fail(f"{where} returned message={message!r:.80} with done={bool(done)}; the next message must be a str "
-                    "(None only when done)")
+    if message is None and not done:
+        common.fail(f"{where} returned message=None with done=False; the next message must be a str or a list of "
+                    "messages (None only when done)")
+    if message is not None:
+        check_message(message, where, "message", ("user", "tool"))
+        if isinstance(message, list) and not chat_template:
+            common.fail(f"{where} returned a list of messages, which reach the policy through a chat template: give "
+                        "--chat_template (or --chat_template_path)")
     return message, float(reward), bool(done)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tools: an environment's `tools`, the policy's calls in its own format
+# ----------------------------------------------------------------------------------------------
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(task: EnvTask, text: str) -> list[dict]:
+    """The tool calls in a turn's text, each {"name": str, "arguments": dict}, or {"error": what was wrong} for a
+    malformed one: through the tokenizer's own response parsing where transformers has one for it (its
+    response_template), else in the Hermes format, <tool_call>{"name": ..., "arguments": {...}}</tool_call>."""
+    if getattr(task.tokenizer, "response_template", None) is not None:
+        try:
+            message = task.tokenizer.parse_response(text, tools=task.tools)
+        except Exception as error:  # the parser's own errors, whatever their type
+            return [{"error": f"the turn could not be parsed ({error})"}]
+        calls = [call.get("function", call) for call in message.get("tool_calls") or []]
+    else:
+        calls = []
+        for block in HERMES_CALL.findall(text):
+            try:
+                calls.append(json.loads(block))
+            except json.JSONDecodeError as error:
+                calls.append({"error": f"the tool call is not JSON ({error.msg}): {block.strip()!r:.80}"})
+        if text.count("<tool_call>") > text.count("</tool_call>"):
+            calls.append({"error": "a <tool_call> is not closed by </tool_call>"})
+    checked = []
+    for call in calls:
+        if "error" not in call:
+            arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+            if isinstance(arguments, str):  # some formats give the arguments as a JSON string
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    arguments = None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+                call = {"error": f'a tool call is {{"name": ..., "arguments": {{...}}}}, got {call!r:.80}'}
+            else:
+                call = {"name": call["name"], "arguments": arguments}
+        checked.append(call)
+    return checked
+
+
+def episode_tools(env) -> dict:
+    """The tools of an episode's environment object, by name."""
+    return {tool.__name__: tool for tool in getattr(env, "tools", None) or []}
+
+
+def call_tools(tools: dict, calls: list[dict], errors_as_messages: bool) -> tuple[list[dict], int]:
+    """The turn's tool calls, one after the other: their results as `tool` messages, and how many were errors. A
+    malformed call, an unknown tool or arguments that do not fit it become a message saying so (the policy learns
+    from it); an exception in a tool too with `errors_as_messages` (--env_failure error_message), else it stops
+    the calls (--env_failure decides)."""
+    messages, errors = [], 0
+    for call in calls:
+        name = call.get("name", "")
+        problem = call.get("error") or (None if name in tools else
+                                        f"there is no tool {name!r}; the tools are {', '.join(tools)}")
+        if problem is None:
+            try:
+                inspect.signature(tools[name]).bind(**call["arguments"])
+            except TypeError as error:
+                problem = f"{name}: {error}"
+        if problem is None:
+            try:
+                result = tools[name](**call["arguments"])
+                content = result if isinstance(result, str) else json.dumps(result)
+            except Exception as error:
+                if not errors_as_messages:
+                    raise
+                problem = f"{name} raised {type(error).__name__}: {error}"
+        if problem is not None:
+            errors, content = errors + 1, f"error: {problem}"
+        messages.append({"role": "tool", "name": name, "content": content})
+    return messages, errors
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,6 +441,13 @@ class Episode:
     ended: bool = False
     truncated: bool = False  # ended by --max_turns or --max_episode_tokens, not by the environment
     missed_stop: bool = False  # a turn ran out of tokens before its stop token
+    tool_calls: int = 0  # the tool calls of its turns
+    tool_errors: int = 0  # those that came back as an error
+    failed_steps: int = 0  # steps and turns of tool calls that raised or timed out (--env_failure)
+    timeouts: int = 0  # those that timed out
+    failed: bool = False  # ended by a failure, with --env_failure drop_group
+    step_times: list[float] = field(default_factory=list)  # seconds each step (or turn of tool calls) took
+    step_started: float = 0.0  # time.monotonic() when its running step started
 
     @property
     def turns(self) -> int:
@@ -283,7 +457,7 @@ class Episode:
         """Tokens the next turn may sample: a turn's, or what is left of the context."""
         return min(max_new_tokens, max_episode_tokens - len(self.prompt_ids) - len(self.ids))
 
-    def add_turn(self, turn: Turn, reply: tuple[str | None, float, bool], task: EnvTask, max_turns: int,
+    def add_turn(self, turn: Turn, reply: tuple[str | list[dict] | None, float, bool], task: EnvTask, max_turns: int,
                  max_episode_tokens: int):
         """The policy's `turn`, then the environment's `reply`: its reward counts; unless the episode ends, the message
         is appended as tokens (after the stop token the turn ran out of tokens before, if it did)."""
@@ -342,9 +516,13 @@ class EpisodeLoop:
                                     lambda i: f"{where[i]}: reset")
         episodes = []
         for i, (env, message) in enumerate(started):
-            if not isinstance(message, str):
+            if isinstance(message, list) and not task.chat_template:
+                common.fail(f"{where[i]}: reset returned a list of messages, which reach the policy through a chat "
+                            "template: give --chat_template (or --chat_template_path)")
+            if not isinstance(message, str | list):
                 common.fail(f"{where[i]}: reset returned {type(message).__name__} {message!r:.80}; it returns the "
-                            "first message, a str")
+                            "first message, a str (or a list of messages)")
+            check_message(message, f"{where[i]}: reset", "messages", ("system", "user"))
             prompt_ids = task.first_message_ids(message)
             if len(prompt_ids) >= env_args.max_episode_tokens:
                 common.fail(f"{where[i]}: the first message is {len(prompt_ids)} tokens, which leaves no room for a "
@@ -353,10 +531,18 @@ class EpisodeLoop:
         return episodes
 
     def take_turn(self, episode: Episode, turn: Turn):
-        """The policy's `turn` of `episode`: its environment starts stepping on the turn's text."""
-        episode.pending, text = turn, action_text(self.task, turn.ids)
-        self.stepping[episode.number] = episode
-        self.steps.start(episode.number, lambda: episode.env.step(text), f"{episode.where}: step")
+        """The policy's `turn` of `episode`: when the environment has tools and the turn calls them, the tools run on
+        the calls (call_tools); else its environment steps on the turn's text."""
+        episode.pending, episode.step_started, text = turn, time.monotonic(), action_text(self.task, turn.ids)
+        tools = episode_tools(episode.env) if self.task.tools else {}
+        calls = parse_tool_calls(self.task, text) if tools else []
+        self.stepping[episode.number] = episode, len(calls)
+        if calls:
+            errors_as_messages = self.env_args.env_failure == "error_message"
+            self.steps.start(episode.number, lambda: call_tools(tools, calls, errors_as_messages),
+                             f"{episode.where}: tool calls")
+        else:
+            self.steps.start(episode.number, lambda: episode.env.step(text), f"{episode.where}: step")
 
     @property
     def running(self) -> bool:
@@ -367,17 +553,43 @@ class EpisodeLoop:
         """The episodes whose steps returned since the last call, waiting up to `wait` seconds for a first one (with
         `every_step`, until none runs), in the order of their numbers: each with its turn and the reply appended,
         ended or waiting for its next turn."""
-        done = self.steps.finished(wait)
+        finished = self.steps.finished(wait)
         while every_step and self.steps.running:
-            done += self.steps.finished(wait=0.05)
+            finished += self.steps.finished(wait=0.05)
         replied = []
-        for number, (reply, where) in sorted(self.steps.results(done).items()):
-            episode = self.stepping.pop(number)
-            episode.add_turn(episode.pending, check_step(reply, where), self.task, self.env_args.max_turns,
-                             self.env_args.max_episode_tokens)
-            episode.pending = None
+        for number, where, result, error in sorted(finished, key=lambda call: call[0]):
+            episode, calls = self.stepping.pop(number)
+            episode.step_times.append(time.monotonic() - episode.step_started)
+            episode.tool_calls += calls
+            if error is not None:
+                reply = self.failed(episode, calls, where, error)
+            elif calls:
+                messages, errors = result
+                episode.tool_errors += errors
+                reply = messages, 0.0, False
+            else:
+                reply = check_step(result, where, self.task.chat_template)
+            turn, episode.pending = episode.pending, None
+            episode.add_turn(turn, reply, self.task, self.env_args.max_turns, self.env_args.max_episode_tokens)
             replied.append(episode)
         return replied
+
+    def failed(self, episode: Episode, calls: int, where: str, error: BaseException) -> tuple:
+        """The reply to a turn whose step or tool calls raised or timed out, as --env_failure says: the run stops
+        (stop), the error goes to the policy (error_message: the message, or each call's tool message), or the
+        episode ends there, failed (drop_group)."""
+        if self.env_args.env_failure == "stop":
+            common.fail(failure_line(where, error))
+        episode.failed_steps += 1
+        episode.timeouts += isinstance(error, CallTimeout)
+        if self.env_args.env_failure == "drop_group":
+            episode.failed = True
+            return None, 0.0, True
+        text = "error: " + failure_line(where.rsplit(": ", 1)[-1], error)
+        if calls:
+            episode.tool_errors += calls
+            return [{"role": "tool", "content": text}] * calls, 0.0, False
+        return text, 0.0, False
 
     def play_turn_by_turn(self, episodes: list[Episode], sample_turn) -> list[Episode]:
         """`episodes` played to their end (done, --max_turns, or the context limit), turn by turn: every turn, each
@@ -448,6 +660,12 @@ class Episodes(common.Rollout):
     truncated: torch.Tensor = None  # (N,) ended by --max_turns or the context limit
     engine_logprobs: torch.Tensor | None = None  # (N, R) the vLLM engine's (INVALID_LOGPROB but at the policy's tokens)
     token_versions: torch.Tensor | None = None  # (N, R) in flight: the version of each policy token, -1 elsewhere
+    tool_calls: torch.Tensor = None  # (N,) each episode's tool calls
+    tool_errors: torch.Tensor = None  # (N,) those that came back as an error
+    failed_steps: torch.Tensor = None  # (N,) steps and turns of tool calls that raised or timed out
+    timeouts: torch.Tensor = None  # (N,) those that timed out
+    failed: torch.Tensor = None  # (N,) bool: ended by a failure (--env_failure drop_group)
+    step_times: list[float] = None  # seconds each step of the batch took
 
     @property
     def mask(self) -> torch.Tensor:
@@ -461,7 +679,10 @@ class Episodes(common.Rollout):
         return {"queries": queries, "responses": numpy(self.responses), "logprobs": numpy(self.engine_logprobs),
                 "token_versions": numpy(self.token_versions), "lengths": numpy(self.lengths),
                 "contains_eos": numpy(self.contains_eos), "action_mask": numpy(self.action_mask),
-                "returns": numpy(self.returns), "turns": numpy(self.turns), "truncated": numpy(self.truncated)}
+                "returns": numpy(self.returns), "turns": numpy(self.turns), "truncated": numpy(self.truncated),
+                "tool_calls": numpy(self.tool_calls), "tool_errors": numpy(self.tool_errors),
+                "failed_steps": numpy(self.failed_steps), "timeouts": numpy(self.timeouts),
+                "failed": numpy(self.failed), "step_times": self.step_times}
 
     @classmethod
     def from_batch(cls, batch, pad_token_id: int, device) -> "Episodes":
@@ -472,7 +693,10 @@ class Episodes(common.Rollout):
                    lengths=on_device(batch.lengths), contains_eos=on_device(batch.contains_eos),
                    action_mask=on_device(batch.action_mask), returns=on_device(batch.returns),
                    turns=on_device(batch.turns), truncated=on_device(batch.truncated),
-                   engine_logprobs=on_device(batch.logprobs), token_versions=on_device(batch.token_versions))
+                   engine_logprobs=on_device(batch.logprobs), token_versions=on_device(batch.token_versions),
+                   tool_calls=on_device(batch.tool_calls), tool_errors=on_device(batch.tool_errors),
+                   failed_steps=on_device(batch.failed_steps), timeouts=on_device(batch.timeouts),
+                   failed=on_device(batch.failed), step_times=batch.step_times)
 
 
 def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
@@ -494,7 +718,13 @@ def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
                     engine_logprobs=(padded([e.logprobs for e in episodes], common.INVALID_LOGPROB, torch.float32)
                                      if any(e.logprobs for e in episodes) else None),
                     token_versions=(padded([e.versions for e in episodes], -1, torch.long)
-                                    if any(e.versions for e in episodes) else None))
+                                    if any(e.versions for e in episodes) else None),
+                    tool_calls=number([e.tool_calls for e in episodes]),
+                    tool_errors=number([e.tool_errors for e in episodes]),
+                    failed_steps=number([e.failed_steps for e in episodes]),
+                    timeouts=number([e.timeouts for e in episodes]),
+                    failed=number([e.failed for e in episodes], torch.bool),
+                    step_times=[t for e in episodes for t in e.step_times])
 
 
 def engine_logprob_diff(sampling_policy, episodes: Episodes, rows: list[int] | slice,
@@ -510,13 +740,27 @@ def engine_logprob_diff(sampling_policy, episodes: Episodes, rows: list[int] | s
     return common.masked_mean(difference, episodes.action_mask[rows].to(device))
 
 
-def episode_metrics(episodes: Episodes, prefix: str) -> dict[str, float]:
-    """`prefix`/return_mean, turns_mean, truncated_episodes (their share) and, for rollouts, env_tokens_frac (the
-    share of the tokens after the first message that the environment wrote)."""
+def rollout_metrics(episodes: Episodes, k: int) -> dict[str, float]:
+    """rollout/return_mean, turns_mean, truncated_episodes (their share), env_tokens_frac (the share of the tokens
+    after the first message that the environment wrote), tool_calls_mean and tool_errors_mean (per episode),
+    dropped_groups (the share of groups with an episode that failed, --env_failure drop_group); env/failed_steps and
+    env/timeouts (per episode), env/step_time_median and env/step_time_p95 (seconds, over the batch's steps and
+    turns of tool calls; with several ranks of grpo_multiturn.py, each rank's averaged)."""
     real = common.response_mask(episodes.lengths, episodes.responses.shape[1])
-    metrics = {f"{prefix}/return_mean": episodes.returns.mean().item(),
-               f"{prefix}/turns_mean": episodes.turns.mean().item(),
-               f"{prefix}/truncated_episodes": episodes.truncated.mean().item()}
-    if prefix == "rollout":
-        metrics["rollout/env_tokens_frac"] = ((real & ~episodes.action_mask).sum() / real.sum().clamp(min=1)).item()
-    return metrics
+    step_times = np.array(episodes.step_times or [0.0])
+    return {"rollout/return_mean": episodes.returns.mean().item(),
+            "rollout/turns_mean": episodes.turns.mean().item(),
+            "rollout/truncated_episodes": episodes.truncated.mean().item(),
+            "rollout/env_tokens_frac": ((real & ~episodes.action_mask).sum() / real.sum().clamp(min=1)).item(),
+            "rollout/tool_calls_mean": episodes.tool_calls.mean().item(),
+            "rollout/tool_errors_mean": episodes.tool_errors.mean().item(),
+            "rollout/dropped_groups": episodes.failed.view(-1, k).any(dim=1).float().mean().item(),
+            "env/failed_steps": episodes.failed_steps.mean().item(),
+            "env/timeouts": episodes.timeouts.mean().item(),
+            "env/step_time_median": float(np.median(step_times)),
+            "env/step_time_p95": float(np.percentile(step_times, 95))}
+
+
+def kept_groups(episodes: Episodes, k: int) -> torch.Tensor:
+    """(N,) 1 for each episode of a group none of whose episodes failed (--env_failure drop_group), else 0."""
+    return (~episodes.failed.view(-1, k).any(dim=1)).float().repeat_interleave(k)

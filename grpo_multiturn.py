@@ -313,6 +313,8 @@ def main(args: Args):
         mask = rollout.mask.float()  # (N, R)
         if args.mask_truncated_completions:
             mask = mask * (1 - rollout.truncated[:, None])
+        if args.env.env_failure == "drop_group":  # a group with an episode that failed leaves the loss
+            mask = mask * environments.kept_groups(rollout, k)[:, None]
         t2 = time.time()
 
         # Learn: num_epochs passes over the batch, each num_mini_batches optimizer steps (the i-th
@@ -367,7 +369,7 @@ def main(args: Args):
             # groups whose k rewards are all equal: their advantages are 0, they teach nothing
             "objective/zero_std_groups": (scores.view(-1, k).std(dim=1) == 0).float().mean().item(),
             **rollout_stats,
-            **environments.episode_metrics(rollout, "rollout"),
+            **environments.rollout_metrics(rollout, k),
             "time/generate": t1 - t0,  # the episodes: sampling and the environment's steps
             "time/score": t2 - t1,
             "time/train": t3 - t2,

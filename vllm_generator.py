@@ -159,9 +159,16 @@ class Batch:
     returns: object | None = None  # (N,)
     turns: object | None = None  # (N,)
     truncated: object | None = None  # (N,)
+    tool_calls: object | None = None  # (N,)
+    tool_errors: object | None = None  # (N,)
+    failed_steps: object | None = None  # (N,)
+    timeouts: object | None = None  # (N,)
+    failed: object | None = None  # (N,)
+    step_times: list[float] | None = None  # seconds each step of the whole batch took (every rank's share holds all)
 
     ROWS = ("queries", "responses", "logprobs", "scores", "token_versions", "lengths", "contains_eos", "action_mask",
-            "returns", "turns", "truncated")  # a value per row
+            "returns", "turns", "truncated", "tool_calls", "tool_errors", "failed_steps", "timeouts",
+            "failed")  # a value per row
 
     def rows(self, start: int, stop: int, group_size: int) -> "Batch":
         """Rows start..stop (whole groups of `group_size`) as a batch of their own."""

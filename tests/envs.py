@@ -134,3 +134,45 @@ class AnswersOtherwise(toy.GuessTheNumber):
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         return "try again :", 0.0, False
+
+
+class Calculator:
+    """A tool environment of a researcher's own: the row's question first, tools `add` and `divide`; a turn without
+    a tool call is the answer (reward 1 when it holds the row's answer), which ends the episode."""
+
+    def __init__(self):
+        self.tools = [self.add, self.divide]
+        self.steps = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two whole numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    def divide(self, a: int, b: int) -> float:
+        """Divide one whole number by another.
+
+        Args:
+            a: the dividend
+            b: the divisor
+        """
+        return a / b
+
+    def reset(self, row: dict, seed: int) -> list[dict]:
+        self.answer = str(row.get("answer", "five"))
+        return [{"role": "system", "content": "answer with a number"}, {"role": "user", "content": row["prompt"]}]
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        self.steps += 1
+        return None, float(self.answer in action), True
+
+
+class SlowCalculator(Calculator):
+    """Calculator whose step hangs past any --env_timeout of the tests."""
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        time.sleep(3600)

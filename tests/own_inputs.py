@@ -83,6 +83,38 @@ def chat_policy_and_prompts(folder) -> tuple[str, str]:
     return str(folder / "qwen2"), write_jsonl(folder / "prompts.jsonl", [{"prompt": q} for q, _ in questions()])
 
 
+def tool_policy_and_prompts(folder) -> tuple[str, str]:
+    """A Qwen2 policy (byte-level BPE, 512 positions) taught a few steps, under tests/templates/tools.jinja and
+    tests/envs.py:Calculator's messages, to answer half the questions with a Hermes tool call of `add` and half with
+    the number; and the prompt-only .jsonl with the answers. Their paths."""
+    import envs
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+    from transformers.utils import get_json_schema
+
+    tokenizer = byte_level_bpe_tokenizer()
+    tokenizer.chat_template = open("tests/templates/tools.jinja").read()
+    numbers = WORDS[WORDS.index("one"):WORDS.index("ten") + 1]
+    calculator = envs.Calculator()
+    schemas = [get_json_schema(tool) for tool in calculator.tools]
+    texts = []
+    for i, (question, answer) in enumerate(questions()):
+        prompt = tokenizer.apply_chat_template(calculator.reset({"prompt": question}, 0), tools=schemas,
+                                               add_generation_prompt=True, tokenize=False)
+        a, b = (numbers.index(word) + 1 for word in question.split()[2::2])
+        call = f'<tool_call>{json.dumps({"name": "add", "arguments": {"a": a, "b": b}})}</tool_call>'
+        texts.append(prompt + (call if i % 2 else answer))
+    config = Qwen2Config(**{**SIZE, "max_position_embeddings": 512}, num_key_value_heads=2, **token_ids(tokenizer))
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config)
+    sft(policy, tokenizer, texts, steps=60)
+    policy.save_pretrained(folder / "tool_policy")
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        folder / "tool_policy")
+    tokenizer.save_pretrained(folder / "tool_policy")
+    rows = [{"prompt": question, "answer": answer} for question, answer in questions()]
+    return str(folder / "tool_policy"), write_jsonl(folder / "questions.jsonl", rows)
+
+
 def long_prompt_task(folder) -> tuple[str, list]:
     """A small Llama policy of 512 positions and a .jsonl of prompts of three KV blocks (a CPU block is 128
     tokens) that share a 260-token preamble: four questions ("answer" column), each three times (12 rows, the

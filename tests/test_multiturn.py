@@ -175,14 +175,15 @@ def test_the_steps_of_different_episodes_run_at_once(guess_task, one_rank_group)
     ("RaisesInReset", "episode 0 (seed {seed}): reset raised ValueError: no such level"),
     ("RaisesInStep", "episode 0 (seed {seed}): step raised RuntimeError: the tool crashed"),
     ("HangsInStep", "episode 0 (seed {seed}): step did not return within --env_timeout 0.5 s"),
-    ("ResetReturnsNumber", "episode 0 (seed {seed}): reset returned int 7; it returns the first message, a str"),
+    ("ResetReturnsNumber", "episode 0 (seed {seed}): reset returned int 7; it returns the first message, a str (or "
+                           "a list of messages)"),
     ("StepReturnsText", "episode 0 (seed {seed}): step returned str 'higher'; step returns a tuple (next message: "
-                        "str or None, reward: float, done: bool)"),
+                        "str, list of messages or None, reward: float, done: bool)"),
     ("RewardIsText", "episode 0 (seed {seed}): step returned reward='1'; the reward must be a finite number"),
     ("RewardIsNan", "episode 0 (seed {seed}): step returned reward=nan; the reward must be a finite number"),
     ("DoneIsText", "episode 0 (seed {seed}): step returned done='no' (str); done must be a bool"),
     ("NoMessageNotDone", "episode 0 (seed {seed}): step returned message=None with done=False; the next message "
-                         "must be a str (None only when done)"),
+                         "must be a str or a list of messages (None only when done)"),
 ])
 def test_an_environment_that_breaks_the_contract_stops_the_run_on_one_line(guess_task, one_rank_group, env,
                                                                          message):

@@ -1,0 +1,257 @@
+"""Tool environments: an environment's `tools` called in the policy's own format, messages both ways, the chat
+template's delta around them, --env_failure and --chat_template_path; on a byte-level BPE chat model's tokenizer
+(tests/envs.py:Calculator, tests/templates/tools.jinja), through the one episode loop, without a model."""
+
+import json
+
+import pytest
+
+import environments
+from data import DatasetArgs
+from environments import EnvArgs, Turn
+
+TOOLS_TEMPLATE = "tests/templates/tools.jinja"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from own_inputs import chat_policy_and_prompts
+
+    return chat_policy_and_prompts(tmp_path_factory.mktemp("chat"))
+
+
+def loaded(chat_model, env="tests/envs.py:Calculator", template=TOOLS_TEMPLATE, **flags):
+    policy, prompts = chat_model
+    env_args = EnvArgs(env=env, chat_template_path=template, max_episode_tokens=2000, **flags)
+    task = environments.load_env_task(DatasetArgs(model_name_or_path=policy, dataset_name=prompts), env_args, 4, None,
+                                      0, evaluate=False)
+    return task, environments.EpisodeLoop(task, env_args)
+
+
+def started(task, loop, k=2):
+    return loop.start(task.train_rows[[0]], [7], k)
+
+
+def turn(task, text: str) -> Turn:
+    return Turn(task.tokenizer(text, add_special_tokens=False)["input_ids"] + [task.eos_ids[0]], True)
+
+
+def call(name: str, **arguments) -> str:
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def test_a_turn_that_calls_a_tool_gets_its_result_as_a_tool_message_rendered_by_the_template(chat_model):
+    """The first messages (a system prompt, then the user's) and the tools' names through the template; a turn with a
+    tool call runs the tool, not step, and its result comes back as the template's tool message, masked; a turn
+    without one goes to step."""
+    task, loop = loaded(chat_model)
+    episode = started(task, loop)[0]
+    first = task.tokenizer.decode(episode.prompt_ids)
+    assert first.startswith("system : you may call add divide as <tool_call>") and "system : answer with a" in first
+    assert first.endswith("assistant : ")
+    loop.take_turn(episode, turn(task, call("add", a=2, b=3)))
+    assert loop.replies(every_step=True) == [episode]
+    assert (episode.tool_calls, episode.tool_errors, episode.env.steps, episode.ended) == (1, 0, 0, False)
+    action = len(episode.actions[0].ids)
+    assert task.tokenizer.decode(episode.ids[action:]) == " tool : 5 assistant : "  # after the sampled <eos>
+    assert episode.is_action == [True] * action + [False] * (len(episode.ids) - action)
+    loop.take_turn(episode, turn(task, "five"))
+    loop.replies(every_step=True)
+    assert episode.env.steps == 1 and episode.ended and episode.episode_return == 1.0 and episode.turns == 2
+
+
+def test_malformed_calls_unknown_tools_and_bad_arguments_are_told_to_the_policy(chat_model):
+    task, loop = loaded(chat_model)
+    episode = started(task, loop)[0]
+    text = "<tool_call>{add 2 3}</tool_call>" + call("multiply", a=2, b=3) + call("add", a=2, c=3) + "<tool_call>"
+    loop.take_turn(episode, turn(task, text))
+    loop.replies(every_step=True)
+    assert (episode.tool_calls, episode.tool_errors, episode.ended) == (4, 4, False)
+    reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
+    assert reply.count("tool : error: ") == 4, reply
+    assert "the tool call is not JSON" in reply and "there is no tool 'multiply'; the tools are add, divide" in reply
+    assert "add: missing a required argument: 'b'" in reply and "<tool_call> is not closed" in reply
+
+
+def test_parse_tool_calls_reads_the_hermes_format():
+    task = environments.EnvTask(tokenizer=None, eos_ids=[0], env_class=None, env_name="e", train_rows=None,
+                                eval_rows=None, chat_template=True, end_of_turn_id=0, before_message=[],
+                                after_message=[])
+    text = ('I will add. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call> then '
+            '<tool_call>{"name": "divide", "arguments": "{\\"a\\": 4, \\"b\\": 2}"}</tool_call>')
+    assert environments.parse_tool_calls(task, text) == [{"name": "add", "arguments": {"a": 1, "b": 2}},
+                                                         {"name": "divide", "arguments": {"a": 4, "b": 2}}]
+    assert environments.parse_tool_calls(task, "no call here") == []
+    assert "error" in environments.parse_tool_calls(task, '<tool_call>{"arguments": {}}</tool_call>')[0]
+
+
+@pytest.mark.parametrize("failure", ["stop", "error_message", "drop_group"])
+def test_a_tool_that_raises_does_what_env_failure_says(chat_model, failure):
+    task, loop = loaded(chat_model, env_failure=failure)
+    episodes = started(task, loop)
+    loop.take_turn(episodes[0], turn(task, call("divide", a=1, b=0)))
+    if failure == "stop":
+        with pytest.raises(SystemExit) as stop:
+            loop.replies(every_step=True)
+        assert str(stop.value.code) == (f"error: {episodes[0].where}: tool calls raised ZeroDivisionError: division "
+                                        "by zero")
+        return
+    loop.replies(every_step=True)
+    episode = episodes[0]
+    if failure == "error_message":
+        reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
+        assert reply == " tool : error: divide raised ZeroDivisionError: division by zero assistant : "
+        assert (episode.tool_errors, episode.failed_steps, episode.ended) == (1, 0, False)  # the tool's own error
+    else:
+        assert episode.ended and episode.failed and episode.failed_steps == 1
+        batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
+        assert environments.kept_groups(batch, 2).tolist() == [0.0, 0.0]  # the whole group leaves the loss
+        assert environments.rollout_metrics(batch, 2)["rollout/dropped_groups"] == 1.0
+
+
+def test_a_step_that_times_out_is_told_to_the_policy_with_error_message(chat_model):
+    task, loop = loaded(chat_model, env="tests/envs.py:SlowCalculator", env_failure="error_message",
+                        env_timeout=0.5)
+    episodes = started(task, loop)
+    loop.take_turn(episodes[0], turn(task, "five"))
+    loop.replies(every_step=True)
+    episode = episodes[0]
+    reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
+    assert reply == " user : error: step did not return within --env_timeout 0.5 s assistant : "
+    assert (episode.failed_steps, episode.timeouts, episode.ended) == (1, 1, False)
+    batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
+    metrics = environments.rollout_metrics(batch, 2)
+    assert metrics["env/timeouts"] == 0.5 and metrics["env/failed_steps"] == 0.5
+    assert metrics["env/step_time_median"] >= 0.5
+
+
+def test_a_template_that_rewrites_history_is_refused_with_the_flag_that_fixes_it(chat_model):
+    """A template that drops an earlier turn's <think> block once a user message follows (as Qwen3's does) would
+    train on tokens the policy never saw in that context: refused, on one line naming --chat_template_path."""
+    with pytest.raises(SystemExit) as stop:
+        loaded(chat_model, template="tests/templates/rewrites_history.jinja")
+    assert str(stop.value.code) == (
+        f"error: the chat template of {chat_model[0]!r} renders a conversation differently once a message is added "
+        "(it rewrites earlier turns); the turns of an episode must be appended as they were sampled: give a template "
+        "that keeps them, --chat_template_path FILE.jinja")
+    with pytest.raises(SystemExit) as stop:
+        loaded(chat_model, template="tests/templates/missing.jinja")
+    assert "--chat_template_path 'tests/templates/missing.jinja': No such file or directory" in str(stop.value.code)
+
+
+TOOL_EPISODES = ["--env", "tests/envs.py:Calculator", "--chat_template_path", TOOLS_TEMPLATE, "--response_length",
+                 "72", "--max_episode_tokens", "400", "--max_turns", "3", "--eval_every", "0", "--learning_rate",
+                 "1e-4"]
+TOOL_RUN = [*TOOL_EPISODES, "--total_episodes", "32", "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", "2"]  # 4 updates of 8 rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["grpo_multiturn.py", "grpo_multiturn_vllm.py"])
+def test_a_tool_environment_of_a_users_own_trains_a_chat_model_that_calls_tools(tmp_path, script):
+    """tests/envs.py:Calculator, in a file of the user's own, on a byte-level BPE Qwen2 model taught to call its tool
+    half the time, with the training template given by --chat_template_path: both scripts train on episodes with
+    tool calls, every metric is finite, and the saved policy loads with the template it trained under."""
+    import math
+
+    from own_inputs import tool_policy_and_prompts
+    from scripts import assert_trained_policy_saved, read_metrics, run_script
+
+    policy, prompts = tool_policy_and_prompts(tmp_path)
+    run_script(*TOOL_RUN, "--model_name_or_path", policy, "--dataset_name", prompts, "--output_dir", tmp_path / "run",
+               script=script)
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert len(train) == 4 and all(math.isfinite(value) for m in train for value in m.values()
+                                   if isinstance(value, float))
+    assert sum(m["rollout/tool_calls_mean"] for m in train) > 0, [m["rollout/tool_calls_mean"] for m in train]
+    assert all(m["rollout/tool_errors_mean"] <= m["rollout/tool_calls_mean"] for m in train)
+    assert_trained_policy_saved(tmp_path / "run", policy)
+    from transformers import AutoTokenizer
+
+    with open(TOOLS_TEMPLATE) as file:
+        assert AutoTokenizer.from_pretrained(tmp_path / "run" / "policy").chat_template == file.read()
+
+
+def test_the_readmes_tool_environment_calls_its_tool_and_answers(chat_model, tmp_path):
+    """The README's tool environment, saved as a researcher would: its tool's schema reaches the first message, a
+    call of it comes back as its result, the answer ends the episode with its reward."""
+    import dataclasses
+    import os
+    import re
+
+    import datasets
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Multi-turn environments"):readme.index("## Your own model and data")]
+    code = [block for block in re.findall(r"```python\n(.*?)```", section, re.S) if "tools" in block][0]
+    (tmp_path / "my_tools.py").write_text(code)
+    task, loop = loaded(chat_model, env=f"{tmp_path}/my_tools.py:Calculator")
+    assert [schema["function"]["name"] for schema in task.tools] == ["multiply"]
+    rows = datasets.Dataset.from_dict({"question": ["what is two times three ?"], "answer": [6]})
+    loop.task = task = dataclasses.replace(task, train_rows=rows)
+    episode = loop.start(rows[[0]], [0], 1)[0]
+    assert "you may call multiply" in task.tokenizer.decode(episode.prompt_ids)
+    loop.take_turn(episode, turn(task, call("multiply", a=2, b=3)))
+    loop.replies(every_step=True)
+    assert task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):]) == " tool : 6 assistant : "
+    loop.take_turn(episode, turn(task, "6"))
+    loop.replies(every_step=True)
+    assert episode.ended and episode.episode_return == 1.0 and episode.tool_calls == 1
+
+
+# 6 updates of 4 rows, checkpointed every 2
+TOOL_INFLIGHT = [*TOOL_EPISODES, "--total_episodes", "24", "--per_device_train_batch_size", "4",
+                 "--gradient_accumulation_steps", "1", "--save_every", "2", "--inflight_updates",
+                 "--inflight_deterministic"]
+
+
+@pytest.fixture(scope="module")
+def tool_policy(tmp_path_factory):
+    from own_inputs import tool_policy_and_prompts
+
+    policy, prompts = tool_policy_and_prompts(tmp_path_factory.mktemp("tools"))
+    return ["--model_name_or_path", policy, "--dataset_name", prompts]
+
+
+@pytest.mark.slow
+def test_tool_episodes_in_flight_resume_exactly_and_two_ranks_train_as_one(tool_policy, tmp_path):
+    """Episodes with tool calls in flight (deterministic swaps): killed while checkpoint 4 is written and resumed from
+    checkpoint 2, the run replays its episodes in flight, tool calls as steps, and trains exactly as the
+    uninterrupted one; two ranks and one engine train as one rank."""
+    from scripts import (
+        SHORT_INTERRUPTIONS,
+        assert_same_weights_and_metrics,
+        assert_two_ranks_train_as_one,
+        read_metrics,
+        run_script,
+        uninterrupted_and_resumed_runs,
+    )
+
+    import common
+
+    args = [*TOOL_INFLIGHT, *tool_policy]
+    whole, resumed = uninterrupted_and_resumed_runs(tmp_path, "grpo_multiturn_vllm.py", args, SHORT_INTERRUPTIONS)
+    train = [m for m in read_metrics(whole) if "loss/policy_avg" in m]
+    assert len(train) == 6 and sum(m["rollout/tool_calls_mean"] for m in train) > 0
+    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "rollout/return_mean",
+                                                     "rollout/tool_calls_mean", "async/token_staleness_mean"])
+    two = tmp_path / "two"
+    run_script(*args, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+               "--output_dir", two, script="grpo_multiturn_vllm.py",
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
+               env={"OMP_NUM_THREADS": "1"})
+    assert_two_ranks_train_as_one(two, whole)
+
+
+@pytest.mark.slow
+def test_tool_episodes_k_updates_ahead_keep_k_exact(tool_policy, tmp_path):
+    """K=1 on tool episodes: every batch after the first sampled exactly one update behind, the engine's log-probs of
+    the policy's tokens the trainer's under the same weights (async/logprob_diff on every batch)."""
+    from scripts import read_metrics, run_script
+
+    run_script(*TOOL_RUN, *tool_policy, "--logprob_check_every", "1", "--output_dir", tmp_path / "run",
+               script="grpo_multiturn_vllm.py")
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
+    assert max(m["async/logprob_diff"] for m in train) < 1e-4
