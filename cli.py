@@ -76,7 +76,7 @@ def presets(args_class) -> dict[str, str]:
 TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_MODEL", "DATASET", "MATH_POLICY",
                                                           "MATH_DATASET", "LARGE_SFT_POLICY", "BASE_POLICY",
                                                           "SFT_DATASET", "PREFERENCE_DATASET", "GUESS_POLICY",
-                                                          "GUESS_DATASET")}
+                                                          "GUESS_DATASET", "TOOLS_POLICY", "TOOLS_DATASET")}
 
 
 # flags that others replaced: the one-line pointer to what replaces them (given the old value)

@@ -188,8 +188,11 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
     """The task of a multi-turn run; the embedded environment's policy and rows are built first when asked for.
     Evaluation rows come from --eval_split, or are the last `eval_num_rows` train rows (at most a fifth), held
     out of training."""
-    if toy.GUESS_DIR in map(os.path.dirname, [data_args.model_name_or_path, data_args.dataset_name]):
+    folders = {os.path.dirname(path) for path in (data_args.model_name_or_path, data_args.dataset_name)}
+    if toy.GUESS_DIR in folders:
         toy.build_guess()
+    if toy.TOOLS_DIR in folders:
+        toy.build_tools()
     tokenizer = data.load_tokenizer(data_args.model_name_or_path)
     eos_ids = data.eos_token_ids(data_args.model_name_or_path, tokenizer)
     if lora_args is not None:

@@ -60,6 +60,9 @@ PIPELINE_DIR = TOY_DIR + "-pipeline"  # what the steps before RL start from (bui
 GUESS_DIR = TOY_DIR + "-guess"  # the guess-the-number environment (build_guess)
 GUESS_POLICY = os.path.join(GUESS_DIR, "sft_policy")
 GUESS_DATASET = os.path.join(GUESS_DIR, "dataset")
+TOOLS_DIR = TOY_DIR + "-tools"  # the addition task with an add tool (build_tools)
+TOOLS_POLICY = os.path.join(TOOLS_DIR, "sft_policy")
+TOOLS_DATASET = os.path.join(TOOLS_DIR, "dataset")
 BASE_POLICY = os.path.join(PIPELINE_DIR, "base_policy")
 SFT_DATASET = os.path.join(PIPELINE_DIR, "sft_dataset")
 PREFERENCE_DATASET = os.path.join(PIPELINE_DIR, "preference_dataset")
@@ -694,6 +697,134 @@ def make_guess(folder: str, seed: int, rng: random.Random, start: float) -> dict
             "linear_search_win_rate": play_greedy(None, None, validation, lambda low, high: low),
             "binary_search_win_rate": play_greedy(None, None, validation, lambda low, high: (low + high) // 2),
             "policy_parameters": sum(p.numel() for p in policy.parameters())}
+
+
+# ----------------------------------------------------------------------------------------------
+# The addition task with a tool: a chat template, tool calls in the Hermes format
+# ----------------------------------------------------------------------------------------------
+TOOLS_OPERANDS = range(10, 50)  # two-digit numbers, whose sums a 0.45M-parameter policy mostly gets wrong
+TOOLS_SHARE = 0.25  # of the SFT episodes, those that call the tool before answering
+TOOLS_SFT_STEPS = 600
+TOOLS_WORDS = [PAD, EOS, UNK, "add", "and", ":", "tools", "user", "assistant", "tool", "<tool_call>", "</tool_call>",
+               '{"name":', '"add",', '"arguments":', '{"a":', ",", '"b":', "}", *(str(n) for n in range(100))]
+# renders the tools' names, then each message as "role : content", an assistant turn ended by its stop token
+TOOLS_TEMPLATE = ("{%- if tools %}tools : {% for tool in tools %}{{ tool.function.name }} {% endfor %}{% endif %}"
+                  "{%- for message in messages %}{{ message.role }} : {{ message.content }}"
+                  "{% if message.role == 'assistant' %}" + EOS + "{% endif %} {% endfor %}"
+                  "{%- if add_generation_prompt %}assistant : {% endif %}")
+
+
+class AddWithTool:
+    """The addition task (--env toy:add_with_tool): two numbers to add; the policy may call the tool `add` (in the
+    Hermes format) and then answers with a number: reward 1 for the right sum."""
+
+    def __init__(self):
+        self.tools = [self.add]
+
+    def add(self, a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    def reset(self, row: dict, seed: int) -> str:
+        self.answer = row["a"] + row["b"]
+        return f"add {row['a']} and {row['b']} :"
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        return None, float(action.split() == [str(self.answer)]), True
+
+
+ENVIRONMENTS["add_with_tool"] = AddWithTool
+
+
+def tool_call_text(a: int, b: int) -> str:
+    """The call of add(a, b) in the Hermes format, in the task's words."""
+    return f'<tool_call> {{"name": "add", "arguments": {{"a": {a} , "b": {b} }} }} </tool_call>'
+
+
+def tools_episode(tokenizer, schemas: list[dict], a: int, b: int, calls: bool) -> list[tuple[list[int], bool]]:
+    """An SFT episode as (ids, whether the policy wrote them) pieces, as the multi-turn scripts build it through the
+    chat template: the first message (with the tools), then a call of the tool and its result, or not, then the
+    answer, each turn ended by the stop token."""
+    first = [{"role": "user", "content": f"add {a} and {b} :"}]
+    render = lambda messages: tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,  # noqa: E731
+                                                            add_generation_prompt=True)
+    pieces = [(tokenizer(render(first), add_special_tokens=False)["input_ids"], False)]
+    turns = first
+    if calls:
+        call = tool_call_text(a, b)
+        pieces.append((tokenizer(f"{call} {EOS}", add_special_tokens=False)["input_ids"], True))
+        before = render(turns + [{"role": "assistant", "content": call}])[:-len("assistant : ")]
+        turns = turns + [{"role": "assistant", "content": call}, {"role": "tool", "content": str(a + b)}]
+        pieces.append((tokenizer(render(turns)[len(before):], add_special_tokens=False)["input_ids"], False))
+    pieces.append((tokenizer(f"{a + b} {EOS}", add_special_tokens=False)["input_ids"], True))
+    return pieces
+
+
+def build_tools(seed: int = 0) -> None:
+    """Build the addition task with a tool into TOOLS_DIR unless it is there."""
+    built_once(TOOLS_DIR, make_tools, seed, "the addition task with a tool")
+
+
+def make_tools(folder: str, seed: int, rng: random.Random, start: float) -> dict:
+    """Rows (the two numbers) and the SFT policy of the addition task with a tool into `folder`: a policy that calls
+    the tool in about TOOLS_SHARE of its episodes and answers directly in the others; returns the rates measured."""
+    from transformers.utils import get_json_schema
+
+    splits = DatasetDict({split: Dataset.from_dict({"a": [rng.choice(TOOLS_OPERANDS) for _ in range(size)],
+                                                    "b": [rng.choice(TOOLS_OPERANDS) for _ in range(size)]})
+                          for split, size in [("train", 4096), ("validation", 256)]})
+    splits.save_to_disk(os.path.join(folder, "dataset"))
+    tokenizer = make_tokenizer(TOOLS_WORDS)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    schemas = [get_json_schema(tool) for tool in AddWithTool().tools]
+    policy = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(TOOLS_WORDS), **SMALL_SHAPE, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id))
+    policy.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    rows = list(zip(splits["train"]["a"], splits["train"]["b"]))
+
+    def loss_of_batch(batch_size: int = 32) -> torch.Tensor:
+        sequences, is_action = [], []
+        for a, b in rng.sample(rows, batch_size):
+            pieces = tools_episode(tokenizer, schemas, a, b, rng.random() < TOOLS_SHARE)
+            sequences.append([i for ids, _ in pieces for i in ids])
+            is_action.append([int(by_policy) for ids, by_policy in pieces for _ in ids])
+        input_ids, attention_mask, position_ids = left_padded(sequences, tokenizer.pad_token_id)
+        mask = left_padded(is_action, 0)[0]
+        logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        token_losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")
+        return (token_losses * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
+    loss = train(policy, loss_of_batch, steps=TOOLS_SFT_STEPS, lr=3e-3)
+    print(f"toy: addition-with-a-tool SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
+    policy.save_pretrained(os.path.join(folder, "sft_policy"))
+    tokenizer.save_pretrained(os.path.join(folder, "sft_policy"))
+    validation = list(zip(splits["validation"]["a"], splits["validation"]["b"]))
+    return {**tools_rates(policy, tokenizer, schemas, validation),
+            "policy_parameters": sum(p.numel() for p in policy.parameters())}
+
+
+def tools_rates(policy, tokenizer, schemas, rows) -> dict:
+    """The shares of first turns that call the tool and of first turns that answer right, greedy and sampled."""
+    rates = {}
+    for name, sampled in (("greedy", False), ("sampled", True)):
+        calls = right = 0
+        torch.manual_seed(0)
+        for a, b in rows:
+            first = tools_episode(tokenizer, schemas, a, b, calls=False)[0][0]
+            with torch.no_grad():
+                output = policy.generate(torch.tensor([first]), max_new_tokens=16, do_sample=sampled, top_k=0)
+            text = tokenizer.decode(output[0, len(first):], skip_special_tokens=True)
+            calls += text.startswith("<tool_call>")
+            right += text.split() == [str(a + b)]
+        rates |= {f"sft_{name}_tool_call_rate": calls / len(rows), f"sft_{name}_direct_accuracy": right / len(rows)}
+    return rates
 
 
 def summary(size: str = "small") -> dict:
