@@ -702,9 +702,11 @@ def make_guess(folder: str, seed: int, rng: random.Random, start: float) -> dict
 # ----------------------------------------------------------------------------------------------
 # The addition task with a tool: a chat template, tool calls in the Hermes format
 # ----------------------------------------------------------------------------------------------
-TOOLS_OPERANDS = range(10, 50)  # two-digit numbers, whose sums a 0.45M-parameter policy mostly gets wrong
-TOOLS_SHARE = 0.25  # of the SFT episodes, those that call the tool before answering
-TOOLS_SFT_STEPS = 600
+TOOLS_OPERANDS = range(10, 50)  # two-digit numbers: sums from 20 to 98
+TOOLS_SHARE = 0.5  # of the SFT episodes, those that call the tool before answering (reading its result off)
+TOOLS_FIRST_TOKEN = 0.14  # of those, the ones whose <tool_call> token is trained: the policy starts a call in ~12%
+TOOLS_MISS = (-2, -1, 0, 1, 2)  # the SFT policy's habit without the tool: the sum, off by one of these
+TOOLS_SFT_STEPS = 2000
 TOOLS_WORDS = [PAD, EOS, UNK, "add", "and", ":", "tools", "user", "assistant", "tool", "<tool_call>", "</tool_call>",
                '{"name":', '"add",', '"arguments":', '{"a":', ",", '"b":', "}", *(str(n) for n in range(100))]
 # renders the tools' names, then each message as "role : content", an assistant turn ended by its stop token
@@ -746,10 +748,12 @@ def tool_call_text(a: int, b: int) -> str:
     return f'<tool_call> {{"name": "add", "arguments": {{"a": {a} , "b": {b} }} }} </tool_call>'
 
 
-def tools_episode(tokenizer, schemas: list[dict], a: int, b: int, calls: bool) -> list[tuple[list[int], bool]]:
+def tools_episode(tokenizer, schemas: list[dict], a: int, b: int, calls: bool,
+                  rng: random.Random | None = None) -> list[tuple[list[int], bool]]:
     """An SFT episode as (ids, whether the policy wrote them) pieces, as the multi-turn scripts build it through the
-    chat template: the first message (with the tools), then a call of the tool and its result, or not, then the
-    answer, each turn ended by the stop token."""
+    chat template: the first message (with the tools), then a call of the tool and its result and the answer read
+    off it, or an answer from memory (the SFT habit with `rng`: off by one of TOOLS_MISS), each turn ended by the
+    stop token."""
     first = [{"role": "user", "content": f"add {a} and {b} :"}]
     render = lambda messages: tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,  # noqa: E731
                                                             add_generation_prompt=True)
@@ -761,7 +765,8 @@ def tools_episode(tokenizer, schemas: list[dict], a: int, b: int, calls: bool) -
         before = render(turns + [{"role": "assistant", "content": call}])[:-len("assistant : ")]
         turns = turns + [{"role": "assistant", "content": call}, {"role": "tool", "content": str(a + b)}]
         pieces.append((tokenizer(render(turns)[len(before):], add_special_tokens=False)["input_ids"], False))
-    pieces.append((tokenizer(f"{a + b} {EOS}", add_special_tokens=False)["input_ids"], True))
+    answer = a + b if calls or rng is None else a + b + rng.choice(TOOLS_MISS)
+    pieces.append((tokenizer(f"{answer} {EOS}", add_special_tokens=False)["input_ids"], True))
     return pieces
 
 
@@ -771,8 +776,9 @@ def build_tools(seed: int = 0) -> None:
 
 
 def make_tools(folder: str, seed: int, rng: random.Random, start: float) -> dict:
-    """Rows (the two numbers) and the SFT policy of the addition task with a tool into `folder`: a policy that calls
-    the tool in about TOOLS_SHARE of its episodes and answers directly in the others; returns the rates measured."""
+    """Rows (the two numbers) and the SFT policy of the addition task with a tool into `folder`: a policy that can call
+    the tool and read its result off, but starts a call in only about an eighth of its episodes and answers from
+    memory in the others, often off by a little; returns the rates measured."""
     from transformers.utils import get_json_schema
 
     splits = DatasetDict({split: Dataset.from_dict({"a": [rng.choice(TOOLS_OPERANDS) for _ in range(size)],
@@ -792,9 +798,12 @@ def make_tools(folder: str, seed: int, rng: random.Random, start: float) -> dict
     def loss_of_batch(batch_size: int = 32) -> torch.Tensor:
         sequences, is_action = [], []
         for a, b in rng.sample(rows, batch_size):
-            pieces = tools_episode(tokenizer, schemas, a, b, rng.random() < TOOLS_SHARE)
+            calls = rng.random() < TOOLS_SHARE
+            pieces = tools_episode(tokenizer, schemas, a, b, calls, rng)
             sequences.append([i for ids, _ in pieces for i in ids])
             is_action.append([int(by_policy) for ids, by_policy in pieces for _ in ids])
+            if calls and rng.random() > TOOLS_FIRST_TOKEN:  # the call taught, not how often to start one
+                is_action[-1][len(pieces[0][0])] = 0
         input_ids, attention_mask, position_ids = left_padded(sequences, tokenizer.pad_token_id)
         mask = left_padded(is_action, 0)[0]
         logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits

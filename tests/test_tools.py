@@ -264,14 +264,15 @@ TOY_TOOLS = ["--env", "toy:add_with_tool", "--model_name_or_path", "toy:tools_po
 
 @pytest.mark.slow
 def test_the_embedded_tool_task_learns_to_call_its_tool(tmp_path):
-    """grpo_multiturn.py on toy:add_with_tool: the near-greedy return rises by at least 0.3 as the policy learns to
-    call the tool (rollout/tool_calls_mean rises), the tool's result copied into the answer."""
+    """grpo_multiturn.py on toy:add_with_tool: the policy, which starts a call in about an eighth of its episodes and
+    answers from memory (off by a little) in the others, learns to call the tool and read its result off: the
+    return of its episodes rises by at least 0.3 (measured about 0.4 -> 0.85), its tool calls from about 0.2 to
+    about 1 an episode."""
     from scripts import read_metrics, run_script
 
-    run_script(*TOY_TOOLS, "--total_episodes", "640", "--eval_every", "20", "--output_dir", tmp_path / "run",
-               script="grpo_multiturn.py")
-    metrics = read_metrics(tmp_path / "run")
-    evals = [m["eval/return_mean"] for m in metrics if "eval/return_mean" in m]
-    calls = [m["rollout/tool_calls_mean"] for m in metrics if "loss/policy_avg" in m]
-    assert evals[-1] >= evals[0] + 0.3, evals
-    assert sum(calls[-5:]) / 5 > sum(calls[:5]) / 5 + 0.2, calls
+    run_script(*TOY_TOOLS, "--total_episodes", "1280", "--learning_rate", "3e-4", "--eval_every", "0",
+               "--output_dir", tmp_path / "run", script="grpo_multiturn.py")
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    mean = lambda name, updates: sum(m[name] for m in updates) / len(updates)  # noqa: E731
+    assert mean("rollout/return_mean", train[-5:]) >= mean("rollout/return_mean", train[:3]) + 0.3, train
+    assert mean("rollout/tool_calls_mean", train[-5:]) >= mean("rollout/tool_calls_mean", train[:3]) + 0.5
