@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # them the multi-turn tests.
 SLOWEST_FIRST = ["test_vllm_scripts.py", "test_multiturn.py", "test_online_dpo_vllm.py", "test_math.py",
                  "test_two_ranks.py", "test_grpo_vllm.py", "test_rloo_vllm.py", "test_inflight.py", "test_ppo_vllm.py",
-                 "test_bench.py", "test_pipeline.py", "test_own_inputs_vllm.py", "test_reliability.py",
+                 "test_bench.py", "test_tools.py", "test_pipeline.py", "test_own_inputs_vllm.py", "test_reliability.py",
                  "test_online_dpo.py", "test_rloo_bok.py", "test_ppo.py", "test_multiturn_vllm.py", "test_lora.py",
                  "test_grpo.py", "test_own_inputs.py"]
 
@@ -25,7 +25,8 @@ def pytest_sessionstart(session):
     """Before the workers start: the embedded tasks the tests use, built on the idle machine (nothing when they
     are built). Built by the first test to ask, a build would share the two cores with the other worker's tests
     (the guess-the-number environment's took 306 s so, 34 s alone: two threads of OpenMP wait on each other
-    where another process runs). The arithmetic task only where slow tests run: no fast one uses it."""
+    where another process runs). The arithmetic task and the tool task only where slow tests run: no fast one uses
+    them."""
     if hasattr(session.config, "workerinput") or session.config.option.collectonly:
         return
     import toy
@@ -34,6 +35,7 @@ def pytest_sessionstart(session):
     toy.build_guess()
     if "not slow" not in session.config.option.markexpr:
         toy.build_math()
+        toy.build_tools()
 
 
 def pytest_terminal_summary(terminalreporter, config):
