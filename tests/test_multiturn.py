@@ -92,7 +92,7 @@ def test_trained_ids_are_the_sampled_ids_even_where_the_text_would_tokenize_othe
 
     tokenizer = byte_level_bpe_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    stop, before, after = environments.template_around_message(tokenizer, [tokenizer.eos_token_id], "bpe")
+    stop, before, after, _, _ = environments.template_around_message(tokenizer, [tokenizer.eos_token_id], "bpe", [])
     assert stop == tokenizer.eos_token_id
     assert tokenizer.decode(before) == " user : " and tokenizer.decode(after) == " assistant : "
     task = environments.EnvTask(tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], env_class=None, env_name="e",
