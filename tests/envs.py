@@ -176,3 +176,22 @@ class SlowCalculator(Calculator):
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         time.sleep(3600)
+
+
+class FlakyCalculator(Calculator):
+    """Calculator whose `add` fails on an odd first number, as a flaky tool would."""
+
+    def __init__(self):
+        super().__init__()
+        self.tools = [self.add]
+
+    def add(self, a: int, b: int) -> int:
+        """Add two whole numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        if a % 2:
+            raise ConnectionError("the calculator service is down")
+        return a + b

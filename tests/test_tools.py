@@ -263,16 +263,40 @@ TOY_TOOLS = ["--env", "toy:add_with_tool", "--model_name_or_path", "toy:tools_po
 
 
 @pytest.mark.slow
-def test_the_embedded_tool_task_learns_to_call_its_tool(tmp_path):
-    """grpo_multiturn.py on toy:add_with_tool: the policy, which starts a call in about an eighth of its episodes and
-    answers from memory (off by a little) in the others, learns to call the tool and read its result off: the
-    return of its episodes rises by at least 0.3 (measured about 0.4 -> 0.85), its tool calls from about 0.2 to
-    about 1 an episode."""
+@pytest.mark.parametrize(("script", "mode"), [("grpo_multiturn.py", []), ("grpo_multiturn_vllm.py", []),
+                                              ("grpo_multiturn_vllm.py", ["--inflight_updates"])],
+                         ids=["sync", "one update ahead", "in flight"])
+def test_the_embedded_tool_task_learns_to_call_its_tool(tmp_path, script, mode):
+    """toy:add_with_tool, synchronous, one update ahead and in flight: the policy, which starts a call in about an
+    eighth of its episodes and answers from memory (off by a little) in the others, learns to call the tool and read
+    its result off: the return of its episodes rises by at least 0.3 (measured about 0.4 -> 0.85 synchronously), its
+    tool calls by at least 0.5 an episode."""
     from scripts import read_metrics, run_script
 
-    run_script(*TOY_TOOLS, "--total_episodes", "1280", "--learning_rate", "3e-4", "--eval_every", "0",
-               "--output_dir", tmp_path / "run", script="grpo_multiturn.py")
+    run_script(*TOY_TOOLS, *mode, "--total_episodes", "1280", "--learning_rate", "3e-4", "--eval_every", "0",
+               "--output_dir", tmp_path / "run", script=script)
     train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
     mean = lambda name, updates: sum(m[name] for m in updates) / len(updates)  # noqa: E731
     assert mean("rollout/return_mean", train[-5:]) >= mean("rollout/return_mean", train[:3]) + 0.3, train
     assert mean("rollout/tool_calls_mean", train[-5:]) >= mean("rollout/tool_calls_mean", train[:3]) + 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["error_message", "drop_group"])
+def test_a_flaky_tool_in_a_run_is_told_to_the_policy_or_drops_its_group(tool_policy, tmp_path, failure):
+    """A tool that fails on half its calls, in a whole run: with error_message the failures come back as tool errors
+    and the run trains; with drop_group the groups of the failed episodes leave the loss (rollout/dropped_groups)."""
+    import math
+
+    from scripts import read_metrics, run_script
+
+    flaky = [flag.replace("Calculator", "FlakyCalculator") for flag in TOOL_RUN]
+    run_script(*flaky, *tool_policy, "--env_failure", failure, "--output_dir", tmp_path / "run",
+               script="grpo_multiturn.py")
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert all(math.isfinite(m["loss/policy_avg"]) for m in train)
+    if failure == "error_message":
+        assert sum(m["rollout/tool_errors_mean"] for m in train) > 0
+        assert all(m["rollout/dropped_groups"] == 0 for m in train)
+    else:
+        assert sum(m["rollout/dropped_groups"] for m in train) > 0 and sum(m["env/failed_steps"] for m in train) > 0
