@@ -363,7 +363,7 @@ def parse_tool_calls(task: EnvTask, text: str) -> list[dict]:
             calls.append({"error": "a <tool_call> is not closed by </tool_call>"})
     checked = []
     for call in calls:
-        if "error" not in call:
+        if not (isinstance(call, dict) and "error" in call):  # JSON of any kind: a number, a list, a dict
             arguments = call.get("arguments", {}) if isinstance(call, dict) else None
             if isinstance(arguments, str):  # some formats give the arguments as a JSON string
                 try:

@@ -83,6 +83,7 @@ def test_parse_tool_calls_reads_the_hermes_format():
                                                          {"name": "divide", "arguments": {"a": 4, "b": 2}}]
     assert environments.parse_tool_calls(task, "no call here") == []
     assert "error" in environments.parse_tool_calls(task, '<tool_call>{"arguments": {}}</tool_call>')[0]
+    assert "error" in environments.parse_tool_calls(task, "<tool_call>7</tool_call>")[0]  # JSON, not a call
 
 
 @pytest.mark.parametrize("failure", ["stop", "error_message", "drop_group"])
