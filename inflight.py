@@ -387,6 +387,8 @@ class InflightEpisodes(InflightCompletions):
                             "than in the interrupted run; an environment must act the same given its row and seed for "
                             "a run to resume with --inflight_updates")
             episode.pending = before["pending"] and environments.Turn(*before["pending"])
+            # the interrupted run's step times, not the replay's (its running step restarts: take_turn times it)
+            episode.step_times, episode.step_started = before["step_times"], before["step_started"]
             samples.append(state | {"episode": episode})
         return group | {"samples": samples}
 
