@@ -179,19 +179,13 @@ class SlowCalculator(Calculator):
 
 
 class FlakyCalculator(Calculator):
-    """Calculator whose `add` fails on an odd first number, as a flaky tool would."""
+    """Calculator whose step fails when the question's first number is odd, as a flaky grader service would."""
 
-    def __init__(self):
-        super().__init__()
-        self.tools = [self.add]
+    def reset(self, row: dict, seed: int) -> list[dict]:
+        self.flaky = row["prompt"].split()[2] in ("one", "three", "five", "seven", "nine")
+        return super().reset(row, seed)
 
-    def add(self, a: int, b: int) -> int:
-        """Add two whole numbers.
-
-        Args:
-            a: the first number
-            b: the second number
-        """
-        if a % 2:
-            raise ConnectionError("the calculator service is down")
-        return a + b
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        if self.flaky:
+            raise ConnectionError("the grader is down")
+        return super().step(action)

@@ -284,9 +284,10 @@ def test_the_embedded_tool_task_learns_to_call_its_tool(tmp_path, script, mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("failure", ["error_message", "drop_group"])
-def test_a_flaky_tool_in_a_run_is_told_to_the_policy_or_drops_its_group(tool_policy, tmp_path, failure):
-    """A tool that fails on half its calls, in a whole run: with error_message the failures come back as tool errors
-    and the run trains; with drop_group the groups of the failed episodes leave the loss (rollout/dropped_groups)."""
+def test_a_flaky_environment_in_a_run_is_told_to_the_policy_or_drops_its_group(tool_policy, tmp_path, failure):
+    """An environment whose step fails on about half the rows, in a whole run: with error_message the failures come
+    back to the policy as messages and the run trains; with drop_group the groups of the failed episodes leave the
+    loss (rollout/dropped_groups). (A failing tool's three behaviours: the unit test above.)"""
     import math
 
     from scripts import read_metrics, run_script
@@ -296,8 +297,6 @@ def test_a_flaky_tool_in_a_run_is_told_to_the_policy_or_drops_its_group(tool_pol
                script="grpo_multiturn.py")
     train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
     assert all(math.isfinite(m["loss/policy_avg"]) for m in train)
-    if failure == "error_message":
-        assert sum(m["rollout/tool_errors_mean"] for m in train) > 0
-        assert all(m["rollout/dropped_groups"] == 0 for m in train)
-    else:
-        assert sum(m["rollout/dropped_groups"] for m in train) > 0 and sum(m["env/failed_steps"] for m in train) > 0
+    assert sum(m["env/failed_steps"] for m in train) > 0
+    dropped = [m["rollout/dropped_groups"] for m in train]
+    assert (max(dropped) > 0) if failure == "drop_group" else (max(dropped) == 0), dropped
