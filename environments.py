@@ -424,6 +424,11 @@ class Turn(NamedTuple):
     logprobs: list[float] | None = None
     versions: list[int] | None = None
 
+    @classmethod
+    def sampled(cls, ids: list[int], eos_ids: list[int], logprobs: list[float], versions: list[int] | None = None):
+        """A turn the engine sampled, which stopped where its last token is a stop token."""
+        return cls(ids, bool(ids) and ids[-1] in eos_ids, logprobs, versions)
+
 
 @dataclass
 class Episode:

@@ -279,7 +279,6 @@ class InflightEpisodes(InflightCompletions):
     def __init__(self, job: GeneratorJob, llm, receiver, sampling_policy, checked):
         super().__init__(job, llm, receiver, sampling_policy, checked)
         self.loop = job.sample.loop()
-        self.env = self.loop.env_args
 
     def new_samples(self, group: dict) -> list[dict]:
         """The k episodes of a new group, reset from its row and seed: each sample's "episode"
@@ -300,14 +299,13 @@ class InflightEpisodes(InflightCompletions):
     def context(self, group: dict, state: dict) -> tuple[list[int], int, int]:
         """The episode so far and its turn's tokens so far; what is left of the turn's budget."""
         episode, turn = state["episode"], state["tokens"]
-        budget = episode.budget(self.job.generation.response_length, self.env.max_episode_tokens)
+        budget = episode.budget(self.job.generation.response_length, self.loop.env_args.max_episode_tokens)
         return episode.prompt_ids + episode.ids + turn, len(episode.ids) + len(turn), budget - len(turn)
 
     def request_finished(self, group: dict, sample: int):
         """A turn sampled: its environment steps on it."""
         state = group["samples"][sample]
-        ids = state["tokens"]
-        turn = environments.Turn(ids, bool(ids) and ids[-1] in self.job.eos_ids, state["logprobs"], state["versions"])
+        turn = environments.Turn.sampled(state["tokens"], self.job.eos_ids, state["logprobs"], state["versions"])
         state["tokens"], state["logprobs"], state["versions"] = [], [], []
         self.loop.take_turn(state["episode"], turn)
 

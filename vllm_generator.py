@@ -267,7 +267,7 @@ class SampleEpisodes:
             sampled = vllm_sample(llm, [e.prompt_ids + e.ids for e in playing], [turn_seed(e) for e in playing],
                                   generation, job.eos_ids,
                                   [e.budget(generation.response_length, self.env.max_episode_tokens) for e in playing])
-            turns = {e.number: environments.Turn(ids, bool(ids) and ids[-1] in job.eos_ids, logprobs)
+            turns = {e.number: environments.Turn.sampled(ids, job.eos_ids, logprobs)
                      for e, (ids, logprobs) in zip(playing, sampled)}
             return [turns.get(episode.number) for episode in episodes]
 
@@ -307,9 +307,8 @@ def play_continuously(llm, loop: environments.EpisodeLoop, episodes: list[enviro
         for output in engine.step() if engine.has_unfinished_requests() else []:
             if output.finished:  # a turn sampled: its environment steps on it
                 episode, completion = by_number[int(output.request_id.split("/")[0])], output.outputs[0]
-                ids = list(completion.token_ids)
-                loop.take_turn(episode, environments.Turn(ids, bool(ids) and ids[-1] in eos_ids,
-                                                          list(completion.logprobs.logprobs)))
+                loop.take_turn(episode, environments.Turn.sampled(list(completion.token_ids), eos_ids,
+                                                                  list(completion.logprobs.logprobs)))
         for episode in loop.replies(wait=0.0 if engine.has_unfinished_requests() else 0.005):
             if not episode.ended:
                 next_turn(episode)

@@ -309,7 +309,7 @@ def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environmen
 
     def engine_state(env: str) -> inflight.InflightEpisodes:  # what restoring reads, without an engine
         in_flight = object.__new__(inflight.InflightEpisodes)
-        in_flight.env, in_flight.job = args.env, types.SimpleNamespace(seed=1, share=(0, 1), num_samples=2)
+        in_flight.job = types.SimpleNamespace(seed=1, share=(0, 1), num_samples=2)
         in_flight.loop = environments.EpisodeLoop(
             dataclasses.replace(task, env_class=environments.load_env_class(env)), args.env)
         return in_flight
