@@ -189,3 +189,10 @@ class FlakyCalculator(Calculator):
         if self.flaky:
             raise ConnectionError("the grader is down")
         return super().step(action)
+
+
+class BrokenGrader(Calculator):
+    """Calculator whose step always fails: every episode fails or is truncated."""
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        raise ConnectionError("the grader is down")

@@ -300,3 +300,21 @@ def test_a_flaky_environment_in_a_run_is_told_to_the_policy_or_drops_its_group(t
     assert sum(m["env/failed_steps"] for m in train) > 0
     dropped = [m["rollout/dropped_groups"] for m in train]
     assert (max(dropped) > 0) if failure == "drop_group" else (max(dropped) == 0), dropped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["grpo_multiturn.py", "grpo_multiturn_vllm.py"])
+def test_drop_group_leaves_the_failed_groups_out_of_the_loss(tool_policy, tmp_path, script):
+    """Every step fails: with drop_group every episode that does not run out of turns fails, and with
+    --mask_truncated_completions the others leave too, so not one token is in the loss, whose entropy bonus is
+    nonzero wherever a token is (error_message, the episodes kept)."""
+    from scripts import read_metrics, run_script
+
+    broken = [flag.replace("Calculator", "BrokenGrader") for flag in TOOL_RUN]
+    losses = {}
+    for failure, flags in (("drop_group", ["--mask_truncated_completions"]), ("error_message", [])):
+        run_script(*broken, *tool_policy, "--env_failure", failure, *flags, "--entropy_coef", "0.01",
+                   "--output_dir", tmp_path / failure, script=script)
+        losses[failure] = [m["loss/policy_avg"] for m in read_metrics(tmp_path / failure) if "loss/policy_avg" in m]
+    assert losses["drop_group"] == [0.0] * 4, losses
+    assert all(loss != 0.0 for loss in losses["error_message"]), losses
