@@ -34,3 +34,22 @@ def test_a_short_run_logs_its_metrics_and_samples_with_the_weights_one_update_ol
     if script == "online_dpo_vllm.py":
         assert_sampled_by_the_weights_k_updates_old(out, 1)
     assert_trained_policy_saved(out)
+
+
+def test_a_ranks_share_of_a_batch_holds_its_own_groups():
+    """Batch.rows, how AsyncGenerator hands each rank its share: whole groups, their rows' arrays and the prompt
+    each group starts from; the batch's own fields (its update, the engine's step times) kept as they are."""
+    import numpy
+    import torch
+
+    import vllm_generator
+
+    batch = vllm_generator.Batch(update=3, prompt_indices=[10, 11, 12, 13],
+                                 queries=[[index] for index in (10, 10, 11, 11, 12, 12, 13, 13)],
+                                 responses=numpy.arange(8)[:, None], logprobs=numpy.zeros((8, 1)),
+                                 scores=numpy.arange(8.0), step_times=[0.1])
+    share = batch.rows(4, 8, group_size=2)  # the second of two ranks
+    assert share.prompt_indices == [12, 13] and share.queries == [[12], [12], [13], [13]]
+    assert share.responses[:, 0].tolist() == [4, 5, 6, 7] and share.scores.tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert (share.update, share.step_times, share.token_versions) == (3, [0.1], None)
+    assert isinstance(batch.as_tensors().responses, torch.Tensor) and batch.as_tensors().queries == batch.queries
