@@ -19,6 +19,7 @@ import torch
 
 import common
 import data
+import evaluation
 import inflight
 import lora
 import outputs
@@ -59,11 +60,14 @@ class AsyncGenerator:
                  policy: data.DataArgs, run: outputs.RLRunArgs, bf16: bool, task: common.Task,
                  sampler: data.PromptSampler, state: outputs.OnlineTrainerState, num_updates: int, num_samples: int,
                  dynamic_sampling: vllm_generator.DynamicSampling | None = None,
-                 episodes: vllm_generator.SampleEpisodes | None = None):
+                 episodes: vllm_generator.SampleEpisodes | None = None,
+                 eval_args: evaluation.SamplingEvalArgs | None = None):
         """What the engine samples: k completions of each of `task`'s train prompts (with `dynamic_sampling`,
         --dynamic_sampling's, scoring each round as the trainer would), or `episodes`: k episodes of each of an
         environment task's rows (grpo_multiturn_vllm.py; `task` is then its environments.EnvTask, and the engine's
-        context --max_episode_tokens)."""
+        context --max_episode_tokens). With `eval_args` (the run's near-greedy sampling), the first engine also
+        evaluates the weights of each update the run evaluates (`evaluations`), unless --eval_in_trainer, or the
+        engine cannot (in flight, or taking turns with the trainer)."""
         self.asynchronous = asynchronous
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.num_updates, self.num_samples, self.save_every = num_updates, num_samples, run.save_every
@@ -90,6 +94,14 @@ class AsyncGenerator:
         self.engine_started = False
         self.snapshots = {}  # --inflight_updates: the engine's snapshots by the update whose checkpoint takes them
         self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
+        # the updates whose weights the run evaluates from here on: the starting policy's (a new run's), every
+        # --eval_every-th and the last; in the engine or in the trainer
+        self.due = [update for update in range(state.update, num_updates + 1) if run.eval_every and (
+            update == 0 or (update > state.update and (update % run.eval_every == 0 or update == num_updates)))]
+        self.in_engine = eval_args is not None and not (asynchronous.eval_in_trainer or asynchronous.inflight_updates
+                                                         or engine_args.vllm_device == "shared")
+        self.engine_versions = set(self.due) if self.in_engine else set()  # published past the last batch's
+        self.arrived = {}  # the engine's evaluations by version, not yet handed to the ranks
         if self.leader:
             context = multiprocessing.get_context("spawn")
             node_engine = (rank % vllm_placement.ranks_per_node(world_size, os.environ)) // engine_ranks  # in the node
@@ -118,7 +130,10 @@ class AsyncGenerator:
                 placement=self.placement, share=self.share, sample=sample,
                 sampler=sampler, updates=range(first_update, num_updates + 1), first_version=state.update,
                 num_samples=num_samples, eos_ids=task.eos_ids, pad_token_id=task.tokenizer.pad_token_id,
-                channels=self.channels, snapshot=state.engine_snapshot)
+                channels=self.channels, snapshot=state.engine_snapshot,
+                evaluation=vllm_generator.EngineEvaluation(task.eval_prompts["input_ids"], self.due,
+                                                           eval_args.eval_temperature)
+                if self.in_engine and self.due and self.share[0] == 0 else None)
             # looked up now: a test may have put a faulty one in its place
             target = inflight.generate_inflight if asynchronous.inflight_updates else vllm_generator.generate_ahead
             self.process = vllm_placement.start_generator(self.placement, target, (job,))
@@ -160,11 +175,18 @@ class AsyncGenerator:
 
     def _next_message(self) -> Batch | None:
         """The next batch from the process, its arrays as tensors; None for a snapshot (--inflight_updates: a
-        dict), which is kept."""
+        dict) or an evaluation, which are kept."""
         timeout = self.asynchronous.generator_timeout
         item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
+        return self._keep(item)
+
+    def _keep(self, item) -> Batch | None:
+        """A batch from the process as tensors; a snapshot or an evaluation kept (None)."""
         if isinstance(item, dict):
             self.snapshots[item["snapshot"]] = item
+            return None
+        if isinstance(item, vllm_generator.Evaluation):
+            self.arrived[item.version] = item
             return None
         return item.as_tensors()
 
@@ -193,13 +215,46 @@ class AsyncGenerator:
         torch.distributed.scatter_object_list(received, shares, group=self.engine_group, group_src=0)
         return received[0]
 
+    def evaluations(self, update: int, wait: bool) -> list[tuple[int, tuple | None]]:
+        """The evaluations due by `update` (every rank calls it, once the weights of `update` are published), as
+        (update evaluated, what evaluation.evaluate takes as `generated`): in the trainer, this update's if it is
+        due, to be made by the trainer (None); in the engine, those it has handed over by now, each rank's rows of
+        them (all of those up to `update`, waited for, when `wait`: before a checkpoint, and at the end)."""
+        due = [version for version in self.due if version <= update]
+        if not self.in_engine:
+            self.due = self.due[len(due):]
+            return [(version, None) for version in due]
+        if self.leader and self.engine_started:
+            with contextlib.suppress(queue.Empty):
+                while True:  # what the process has sent by now, without waiting
+                    if (batch := self._keep(self.channels.batches.get_nowait())) is not None:
+                        self.sampled_ahead.append(batch)
+            while wait and any(version not in self.arrived for version in due):
+                if (batch := self._next_message()) is not None:
+                    self.sampled_ahead.append(batch)
+        ready = [sorted(version for version in self.arrived if version <= update)]
+        torch.distributed.broadcast_object_list(ready, src=0)
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        evaluations = []
+        for version in ready[0]:
+            shares = None
+            if rank == 0:
+                arrived = self.arrived.pop(version)
+                shares = [arrived.rows(r, world_size) for r in range(world_size)]
+            received = [None]
+            torch.distributed.scatter_object_list(received, shares, src=0)
+            evaluations.append((version, received[0]))
+        self.due = [version for version in self.due if version not in ready[0]]
+        return evaluations
+
     def publish_weights(self, policy, version: int, part: str | None = None):
         """Hand the weights of `policy` (its DeepSpeed engine) after update `version` to the vLLM engine,
         announced by version number: one memory copy into a shared buffer, or over NCCL to an engine on a GPU of
         its own; bucket by bucket (every rank calls it: under ZeRO-3 a rank gathers one bucket at a time).
         `part`: the policy's attribute name when the DeepSpeed engine trains more than the policy (PPO)."""
-        if version > sampling_version(self.num_updates, self.asynchronous.async_steps):
-            return  # no batch samples with these weights (and the process may have ended)
+        if (version > sampling_version(self.num_updates, self.asynchronous.async_steps)
+                and version not in self.engine_versions):
+            return  # no batch samples with these weights, nor does the engine evaluate them (it may have ended)
         model = policy.module if part is None else getattr(policy.module, part)
         weights = lora.merged_weights(model)  # the order the receiver expects; a LoRA adapter merged in
         first = weights[0][1][0]

@@ -184,7 +184,7 @@ def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torc
     import weight_transport
 
     prompts = task.eval_prompts["input_ids"]
-    seeds = [hash((args.seed, update, row)) % 2**63 for row in range(len(prompts))]
+    seeds = evaluation.engine_seeds(args.seed, update, len(prompts))
     near_greedy = dataclasses.replace(args.generation, temperature=args.evaluation.eval_temperature, top_p=1.0)
     with engine_kernels():
         weight_transport.load_engine_weights(llm, policy)  # and the prefix cache of the last policy's KV cleared

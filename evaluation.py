@@ -41,6 +41,13 @@ class EvalArgs(SamplingEvalArgs):
     them (no win-rate when the column is absent)"""
 
 
+def engine_seeds(seed: int, update: int, rows: int) -> list[int]:
+    """The sampling seed of each evaluation prompt's completions in a vLLM engine (the _vllm scripts' engine,
+    eval_checkpoints.py --vllm): from (seed, update, row) alone, so both sample the same completions of the same
+    weights however the engine batches them."""
+    return [hash((seed, update, row)) % 2**63 for row in range(rows)]
+
+
 @contextlib.contextmanager
 def eval_mode(model: torch.nn.Module):
     """`model` in eval mode, then back in the mode it was in."""
@@ -69,8 +76,9 @@ def evaluate(evaluation: EvalArgs, generation: common.GenerationArgs, seed: int,
     the run logged for the same update (on as many ranks).
     `part`: the policy's attribute name when the engine trains more than the policy (PPO).
     `generated`: the near-greedy and the sampled completions of this rank's prompts, (rows, response_length)
-    each, from elsewhere (eval_checkpoints.py's vLLM engine); by default the policy samples them with HF
-    `generate`.
+    each, from elsewhere (eval_checkpoints.py's vLLM engine), and the sampled ones' log-probs under the policy
+    where `policy` no longer holds the weights that sampled them (the _vllm scripts' engine evaluates the weights
+    of an earlier update: vllm_generator.Evaluation); by default the policy samples them with HF `generate`.
     """
     tokenizer, eos_ids, gold_score = task.tokenizer, task.eos_ids, task.gold_score
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -91,6 +99,7 @@ def evaluate(evaluation: EvalArgs, generation: common.GenerationArgs, seed: int,
             batch = rows[start:start + chunk_size]  # {column: values}
             query_ids, query_mask = common.left_pad(batch["input_ids"], tokenizer.pad_token_id, policy.device)
             with common.full_parameters(policy, part) as model:
+                given_logprobs = []  # the sampled completions' log-probs, where they come with them
                 if generated is None:
                     greedy = common.generate(model, query_ids, query_mask, length, evaluation.eval_temperature,
                                              eos_ids, tokenizer.pad_token_id)
@@ -98,11 +107,11 @@ def evaluate(evaluation: EvalArgs, generation: common.GenerationArgs, seed: int,
                     sampled = common.generate(model, query_ids, query_mask, length, generation.temperature,
                                               eos_ids, tokenizer.pad_token_id, generation.top_p)
                 else:
-                    greedy, sampled = (responses[start:start + len(query_ids)].to(policy.device)
-                                       for responses in generated)
+                    greedy, sampled, *given_logprobs = (responses[start:start + len(query_ids)].to(policy.device)
+                                                        for responses in generated)
                 sampled, sampled_lengths, _ = common.truncate_after_eos(sampled, eos_ids, tokenizer.pad_token_id)
-                logprobs = common.response_logprobs(model, query_ids, query_mask, sampled, sampled_lengths,
-                                                    generation.temperature, generation.top_p)
+                logprobs = given_logprobs[0] if given_logprobs else common.response_logprobs(
+                    model, query_ids, query_mask, sampled, sampled_lengths, generation.temperature, generation.top_p)
             mask = common.response_mask(sampled_lengths, sampled.shape[1])
             greedy, lengths, contains_eos = common.truncate_after_eos(greedy, eos_ids, tokenizer.pad_token_id)
             if evaluation.answer_column:

@@ -342,27 +342,34 @@ class MetricsLogger:
 
             self.wandb = wandb.init(project=run.wandb_project_name, entity=run.wandb_entity, name=run_name,
                                     config=flags, dir=run.output_dir, resume="allow", id=run_name)
+            self.wandb.define_metric("eval/*", step_metric="eval/update")  # an evaluation may arrive late
         self.last = {}
+        self.latest_update, self.update_times = start_update, {}
         # when curves.png was last drawn (the start counts: the first evaluation alone is no curve); evaluations since
         self.curves_drawn_at, self.curves_behind = time.time(), False
 
-    def log(self, update: int, metrics: dict[str, float]):
+    def log(self, update: int, metrics: dict[str, float], at: float | None = None):
+        """One line of metrics.jsonl, stamped with the time (or `at`). Numbers of an earlier update may arrive late
+        (the _vllm scripts' engine evaluates the weights of an update between its batches): wandb, whose steps
+        only grow, gets those at its latest step, beside eval/update."""
         if not self.enabled:
             return
         self.last.update(metrics)
+        at = time.time() if at is None else at
+        self.update_times.setdefault(update, at)
+        self.latest_update = max(self.latest_update, update)
         with open(self.path, "a") as f:
-            f.write(json.dumps({"update": update, "time": time.time(), **metrics}) + "\n")
+            f.write(json.dumps({"update": update, "time": at, **metrics}) + "\n")
         if self.wandb is not None:
-            self.wandb.log(metrics, step=update)
-        self.progress.n = update
-        self.progress.set_postfix({k.split("/")[-1]: f"{self.last[k]:.3g}" for k in self.progress_keys
-                                   if k in self.last}, refresh=True)
+            evaluated = {"eval/update": update} if any(name.startswith("eval/") for name in metrics) else {}
+            self.wandb.log({**metrics, **evaluated}, step=self.latest_update)
+        self.progress.n = self.latest_update
 
     def log_evaluation(self, update: int, episode: int, metrics: dict[str, float]):
         """Log an evaluation, print its headline numbers and redraw curves.png (at most every
         CURVES_EVERY_SECONDS from the start: drawing costs about a second, as much as a toy run's update; and at
-        the end)."""
-        self.log(update, {**metrics, "episode": episode})
+        the end). Its line carries the time of its update's line: when the weights it evaluated were trained."""
+        self.log(update, {**metrics, "episode": episode}, at=self.update_times.get(update) if self.enabled else None)
         if self.enabled:
             shown = {"gold win-rate": "eval/gold_win_rate", "gold score": "eval/gold_score",
                      "proxy reward": "eval/proxy_score", "return": "eval/return_mean", "KL": "eval/kl"}

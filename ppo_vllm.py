@@ -14,6 +14,7 @@ the engine's, which async/logprob_diff checks against the trainer's model under 
 import functools
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -48,6 +49,11 @@ class Args:
     (as in the paper), or with --reward_fn the policy with a fresh scalar head"""
     kl_coef: float = 0.05
     """weight of the per-token KL penalty -kl_coef * (logp - ref_logp) in the reward"""
+    kl_penalty_logprobs: Literal["sampling", "start"] = "sampling"
+    """the logp of the KL penalty: sampling, the engine's, of the weights that sampled the batch (K updates old;
+    in the first K+1 updates of a K-stale run those are the reference's, so the penalty is 0 there); start, the
+    trainer's at the start of the update, the weights it trains (ALGORITHMS.md, "PPO's KL penalty under
+    staleness"). Equal when K = 0"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked, mean kept) before GAE"""
     gamma: float = 1.0
@@ -185,7 +191,8 @@ def main(args: Args):
     dtype = torch.bfloat16 if args.distributed.bf16 else torch.float32
     task = data.load_task(args.data, args.reward, args.evaluation, args.lora, rank, dtype,
                           evaluate=args.run.eval_every > 0)
-    evaluate = functools.partial(evaluation.evaluate, args.evaluation, args.generation, args.run.seed, task)
+    evaluate = functools.partial(evaluation.evaluate, args.evaluation, args.generation, args.run.seed, task,
+                                 part="policy")  # the policy within the agent
     value_model_path = data.value_model_path(args.value_model_path, args.data.model_name_or_path, args.reward)
     data.check_value_model(value_model_path, task, args.data.model_name_or_path)
     # the engine samples whole global batches; each rank trains on its share of one
@@ -221,9 +228,11 @@ def main(args: Args):
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them: whole batches, or in flight.
     generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
-                                               args.distributed.bf16, task, sampler, state, num_updates, 1)
-    if state.update == 0 and args.run.eval_every:
-        logger.log_evaluation(0, 0, evaluate(agent, ref_policy, reward_model, 0, part="policy"))
+                                               args.distributed.bf16, task, sampler, state, num_updates, 1,
+                                               eval_args=args.evaluation)
+    # the starting policy's evaluation: here while the engine starts, or (by default) in the engine once started
+    for evaluated, generated in generator.evaluations(state.update, wait=False):
+        logger.log_evaluation(evaluated, 0, evaluate(agent, ref_policy, reward_model, evaluated, generated=generated))
     generator.wait_for_engine()
     if state.update > 0:  # the engine samples from the checkpoint's weights
         generator.publish_weights(agent, state.update, part="policy")
@@ -258,7 +267,8 @@ def main(args: Args):
 
         # Advantages: per-token KL penalty plus the score at the last real token, then GAE.
         mask = rollout.mask.float()  # (B, R)
-        rewards = token_rewards(logprobs, ref_logprobs, scores, rollout.lengths, mask, args.kl_coef)  # (B, R)
+        penalised = logprobs if args.kl_penalty_logprobs == "sampling" else start_logprobs  # (B, R)
+        rewards = token_rewards(penalised, ref_logprobs, scores, rollout.lengths, mask, args.kl_coef)  # (B, R)
         non_score_reward = (rewards.sum(1) - scores).mean().item()
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)
@@ -339,14 +349,18 @@ def main(args: Args):
         if args.asynchronous.inflight_updates:  # each token's staleness
             metrics |= inflight.inflight_metrics(batch, rollout.mask, update)
         logger.log(update, metrics)
-        if args.run.eval_every and (update % args.run.eval_every == 0 or update == num_updates):
-            eval_metrics = evaluate(agent, ref_policy, reward_model, update, part="policy")
-            logger.log_evaluation(update, state.episode, eval_metrics)
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
+        checkpoint = preempted or (args.run.save_every and update % args.run.save_every == 0)
+        # Evaluate (--eval_every): the engine evaluates the weights of each update due, between its batches, and
+        # the numbers arrive some updates later, logged with that update (all of them before a checkpoint and at
+        # the end); with --eval_in_trainer, this update's weights, here
+        for evaluated, generated in generator.evaluations(update, wait=checkpoint or update == num_updates):
+            logger.log_evaluation(evaluated, evaluated * batch_size,
+                                  evaluate(agent, ref_policy, reward_model, evaluated, generated=generated))
         if args.run.save_every and update % args.run.save_every == 0:
             outputs.save_snapshot(args.run, agent, task.tokenizer, state, part="policy")
-        if preempted or (args.run.save_every and update % args.run.save_every == 0):
+        if checkpoint:
             # the batches already sampled for the next K updates, with weights this checkpoint no longer
             # has, are saved with it: a resumed run trains on exactly the same samples
             state.pending_batches, state.engine_snapshot = generator.checkpoint_state(update)

@@ -137,9 +137,10 @@ def main(args: Args):
     # and samples from the checkpoint's weights after them: whole batches, or in flight.
     generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
                                                args.distributed.bf16, task, sampler, state, num_updates,
-                                               args.num_samples)
-    if state.update == 0 and args.run.eval_every:
-        logger.log_evaluation(0, 0, evaluate(policy, ref_policy, reward_model, 0))
+                                               args.num_samples, eval_args=args.evaluation)
+    # the starting policy's evaluation: here while the engine starts, or (by default) in the engine once started
+    for evaluated, generated in generator.evaluations(state.update, wait=False):
+        logger.log_evaluation(evaluated, 0, evaluate(policy, ref_policy, reward_model, evaluated, generated=generated))
     generator.wait_for_engine()
     if state.update > 0:  # the engine samples from the checkpoint's weights
         generator.publish_weights(policy, state.update)
@@ -245,13 +246,18 @@ def main(args: Args):
         if args.asynchronous.inflight_updates:  # each token's staleness
             metrics |= inflight.inflight_metrics(batch, rollout.mask, update)
         logger.log(update, metrics)
-        if args.run.eval_every and (update % args.run.eval_every == 0 or update == num_updates):
-            logger.log_evaluation(update, state.episode, evaluate(policy, ref_policy, reward_model, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
+        checkpoint = preempted or (args.run.save_every and update % args.run.save_every == 0)
+        # Evaluate (--eval_every): the engine evaluates the weights of each update due, between its batches, and
+        # the numbers arrive some updates later, logged with that update (all of them before a checkpoint and at
+        # the end); with --eval_in_trainer, this update's weights, here
+        for evaluated, generated in generator.evaluations(update, wait=checkpoint or update == num_updates):
+            logger.log_evaluation(evaluated, evaluated * batch_size,
+                                  evaluate(policy, ref_policy, reward_model, evaluated, generated=generated))
         if args.run.save_every and update % args.run.save_every == 0:
             outputs.save_snapshot(args.run, policy, task.tokenizer, state)
-        if preempted or (args.run.save_every and update % args.run.save_every == 0):
+        if checkpoint:
             # the batches already sampled for the next K updates, with weights this checkpoint no longer
             # has, are saved with it: a resumed run trains on exactly the same samples
             state.pending_batches, state.engine_snapshot = generator.checkpoint_state(update)

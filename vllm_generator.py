@@ -23,6 +23,7 @@ import torch
 import common
 import data
 import environments
+import evaluation
 import vllm_placement
 import weight_transport
 
@@ -63,6 +64,11 @@ class AsyncArgs(common.FlagGroup):
     stops with an error"""
     generator_timeout: float = 600.0
     """seconds the trainer waits for each batch, once the engine has started, before it stops with an error"""
+    eval_in_trainer: bool = False
+    """evaluate (--eval_every) in the trainer with HF generate, the trainer and the engine waiting meanwhile,
+    instead of in the engine between its batches, the weights of exactly the update evaluated, its numbers
+    logged with that update some updates later (README: Evaluation in the engine); always so with
+    --inflight_updates, --vllm_device shared and grpo_multiturn_vllm.py"""
 
     def check(self):
         if self.async_steps < 0:
@@ -216,6 +222,34 @@ class GeneratorJob:
     pad_token_id: int
     channels: Channels
     snapshot: dict | None = None  # --inflight_updates: the engine state a resumed run continues from
+    evaluation: "EngineEvaluation | None" = None  # the evaluations it makes between its batches
+
+
+@dataclass
+class EngineEvaluation:
+    """What the engine evaluates between its batches (evaluate_version): the weights of each of `versions`, on
+    every evaluation prompt."""
+
+    prompts: list[list[int]]  # the evaluation split's prompts, as token ids
+    versions: list[int]  # the updates whose weights it evaluates, in order
+    temperature: float  # --eval_temperature, of the near-greedy completions
+
+
+@dataclass
+class Evaluation:
+    """What the engine hands the trainer for one evaluation (evaluation.evaluate's `generated`): the near-greedy
+    and the sampled completions of every evaluation prompt by the weights of `version`, and the sampled ones'
+    log-probs under those weights (the trainer's model code), each (prompts, response_length), numpy."""
+
+    version: int
+    greedy: object
+    sampled: object
+    sampled_logprobs: object
+
+    def rows(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows rank `rank` of `world_size` evaluates (evaluation.evaluate's), as tensors."""
+        return tuple(torch.from_numpy(array[rank::world_size]) for array in (self.greedy, self.sampled,
+                                                                              self.sampled_logprobs))
 
 
 @dataclass
@@ -409,6 +443,29 @@ def engine_logprob_diff(sampling_policy, queries: list[list[int]], responses: to
     return common.masked_mean((logprobs.to(device) - trainer_logprobs).abs(), mask)
 
 
+@torch.no_grad()
+def evaluate_version(job: GeneratorJob, llm, sampling_policy, version: int):
+    """The engine's evaluation of `version` (the weights it holds now, as the sampling policy does), handed to the
+    trainer when `version` is one the run evaluates: the near-greedy and the sampled completions of every
+    evaluation prompt, seeded as eval_checkpoints.py --vllm seeds them (evaluation.engine_seeds), and the sampled
+    ones' log-probs (for the evaluation's KL)."""
+    wanted = job.evaluation
+    if wanted is None or version not in wanted.versions:
+        return
+    seeds = evaluation.engine_seeds(job.seed, version, len(wanted.prompts))
+    near_greedy = dataclasses.replace(job.generation, temperature=wanted.temperature, top_p=1.0)
+    greedy, sampled = (vllm_generate(llm, wanted.prompts, seeds, sampling, job.eos_ids, job.pad_token_id)[0]
+                       for sampling in (near_greedy, job.generation))
+    device, generation = sampling_policy.device, job.generation
+    query_ids, query_mask = common.left_pad(wanted.prompts, job.pad_token_id, device)
+    sampled, lengths, _ = common.truncate_after_eos(sampled.to(device), job.eos_ids, job.pad_token_id)
+    logprobs = common.in_chunks(
+        functools.partial(common.response_logprobs, sampling_policy, temperature=generation.temperature,
+                          top_p=generation.top_p),
+        generation.local_rollout_forward_batch_size, query_ids, query_mask, sampled, lengths)
+    job.channels.batches.put(Evaluation(version, greedy.numpy(), sampled.cpu().numpy(), logprobs.cpu().numpy()))
+
+
 def check_engine_took_weights(logprob_diff: float, version: int, job: GeneratorJob):
     """vLLM has had bugs where a reload kept serving the old weights: a checked batch right after a load
     must have the trainer's log-probs (async/logprob_diff, from the sampling policy, which holds the
@@ -541,7 +598,7 @@ def generate_ahead(job: GeneratorJob):
         if job.placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
             sleep_until(job.updates.start, llm, loaded, async_steps, job.first_version)
         channels.batches.put(ENGINE_STARTED)
-        requested = 0
+        requested, evaluated = 0, None
         for update in job.updates:
             version = sampling_version(update, async_steps, job.first_version)
             if version != loaded and not receiver.wait_for(version):
@@ -572,6 +629,18 @@ def generate_ahead(job: GeneratorJob):
             batch.metrics["time/weight_load"] = weight_load
             channels.batches.put(dataclasses.replace(batch, engine=job.share, version=version,
                                                      data_position=job.sampler.position))  # global batches drawn
+            if version != evaluated:  # once the trainer has its batch
+                evaluate_version(job, llm, sampling_policy, version)
+                evaluated = version
+        # the versions evaluated that no batch samples with: the last K + 1 updates'
+        for version in (job.evaluation.versions if job.evaluation else []):
+            if version > loaded:
+                if not receiver.wait_for(version):
+                    return
+                receiver.load(version, llm)
+                weight_transport.check_engine_holds(llm, sampling_policy, checked, version)
+                evaluate_version(job, llm, sampling_policy, version)
+                loaded = version
     except BaseException as error:  # any failure must reach the trainer, which stops with it
         channels.batches.put(failure_text(error))
 

@@ -40,6 +40,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORRECTIONS = ("none", "decoupled", "pure_is", "tis", "mask", "m2po")
 SAME_AS_NONE_WHEN_FRESH = ("decoupled", "tis", "mask")
 SCORE = {"math": "eval/accuracy", "tldr": "eval/gold_win_rate"}
+# what results.json keeps of every update of every run (its curves), besides the evaluations
+CURVES = ("async/staleness", "async/mismatch_kl", "async/ess", "async/is_ratio_max", "async/is_truncated_frac",
+          "async/is_masked_frac", "async/m2po_masked_frac", "policy/clipfrac_avg", "policy/entropy_avg",
+          "loss/policy_avg", "val/ratio", "objective/scores", "objective/kl", "objective/non_score_reward", "lr")
 
 
 @dataclass
@@ -82,10 +86,16 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
         open(os.path.join(output_dir, "done"), "w").close()
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
-    evaluations = [m for m in metrics if SCORE[task] in m]
+    evaluations = sorted((m for m in metrics if SCORE[task] in m), key=lambda m: m["update"])
     final = evaluations[-1]
     train_metrics = [m for m in metrics if "async/mismatch_kl" in m]
-    return {"score": final[SCORE[task]], "kl": final.get("eval/kl"),
+    curves = {"update": [m["update"] for m in train_metrics],
+              **{name: [round(m[name], 6) if name in m else None for m in train_metrics] for name in CURVES
+                 if any(name in m for m in train_metrics)},
+              "eval_update": [m["update"] for m in evaluations],
+              **{name: [round(m[name], 6) for m in evaluations] for name in (SCORE[task], "eval/kl")
+                 if name in final}}
+    return {"curves": curves, "score": final[SCORE[task]], "kl": final.get("eval/kl"),
             # a quarter of the way (toy-math: update 8), where the toy tasks are still learning
             "early_score": evaluations[(len(evaluations) - 1) // 4][SCORE[task]],
             "mismatch_kl": statistics.mean(m["async/mismatch_kl"] for m in train_metrics),
@@ -148,6 +158,50 @@ def figure(table: dict, args: Args, path: str):
     fig.savefig(path, dpi=100)
 
 
+def curves_figure(curves: dict, args: Args, path: str):
+    """Per update, one column per algorithm, task and K, one line per correction (each seed its own, thin): the
+    score, the mismatch KL, the ESS, the share of weights above the cap (capped by tis and pure_is, dropped by
+    decoupled and m2po), the share mask and m2po dropped, the clip fraction and the entropy; a dotted
+    line where the run's own samples start to arrive (update K + 2: the first batch sampled by trained weights)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [("score", None), ("async/mismatch_kl", "log"), ("async/ess", None), ("async/is_truncated_frac", None),
+            ("dropped", None), ("policy/clipfrac_avg", None), ("policy/entropy_avg", None)]
+    columns = [(algorithm, task, k) for algorithm in args.algorithms for task in args.tasks for k in args.async_steps]
+    fig, axes = plt.subplots(len(rows), len(columns), figsize=(5 * len(columns), 3 * len(rows)), squeeze=False)
+    colours = dict(zip(CORRECTIONS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for column, (algorithm, task, k) in enumerate(columns):
+        for name, run in curves.items():
+            run_algorithm, run_task, run_k, correction, _ = name.split()
+            if (run_algorithm, run_task, run_k) != (algorithm, task, f"k{k}"):
+                continue
+            for row, (metric, _) in enumerate(rows):
+                if metric == "score":
+                    x, y = run["eval_update"], run[SCORE[task]]
+                elif metric == "dropped":
+                    x, y = run["update"], run.get("async/is_masked_frac", run.get("async/m2po_masked_frac"))
+                else:
+                    x, y = run["update"], run.get(metric)
+                if y is None:
+                    continue
+                axes[row][column].plot(x, y, color=colours[correction], linewidth=0.8, alpha=0.8,
+                                       label=correction if name.endswith(f"seed{args.seeds[0]}") else None)
+        for row, (metric, scale) in enumerate(rows):
+            axis = axes[row][column]
+            axis.axvline(k + 2, color="grey", linestyle=":", linewidth=0.8)
+            axis.set_ylabel(SCORE[task] if metric == "score" else "dropped share" if metric == "dropped" else metric)
+            if scale:
+                axis.set_yscale(scale)
+            axis.set_xlabel("update")
+        axes[0][column].set_title(f"{algorithm}_vllm.py, {task}, K = {k}")
+        axes[0][column].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main(args: Args):
     if args.quick:
         args.algorithms, args.tasks, args.async_steps, args.seeds = ("grpo",), ("math",), (2,), (1,)
@@ -155,7 +209,7 @@ def main(args: Args):
     args.output_dir = args.output_dir or os.path.join(ROOT, "runs", f"bench-off-policy-corrections-{int(time.time())}")
     os.makedirs(args.output_dir, exist_ok=True)
     start = time.time()
-    table = {}
+    table, curves = {}, {}  # curves: every run's per-update metrics, by "algorithm task kK correction seedS"
     for algorithm in args.algorithms:
         for task in args.tasks:
             table[f"{algorithm} {task}"] = {k: {} for k in args.async_steps}
@@ -164,6 +218,8 @@ def main(args: Args):
                     if k == 0 and correction in SAME_AS_NONE_WHEN_FRESH:
                         continue
                     runs = [train(algorithm, task, k, correction, seed, args) for seed in args.seeds]
+                    for seed, run in zip(args.seeds, runs):
+                        curves[f"{algorithm} {task} k{k} {correction} seed{seed}"] = run.pop("curves")
                     table[f"{algorithm} {task}"][k][correction] = {
                         name: summary([run[name] for run in runs]) for name in runs[0]}
             if 0 in args.async_steps and "none" in args.corrections:  # nothing stale: none's runs stand for these
@@ -198,8 +254,9 @@ def main(args: Args):
         destinations.append(os.path.join(ROOT, "bench", "results", name))
     for destination in destinations:
         with open(destination + ".json", "w") as f:
-            json.dump({"args": vars(args), "table": table}, f, indent=1)
+            json.dump({"args": vars(args), "table": table, "curves": curves}, f)
         figure(table, args, destination + ".png")
+        curves_figure(curves, args, destination + "_curves.png")
         print(f"results in {destination}.json and .png")
 
 

@@ -98,7 +98,8 @@ def test_off_policy_corrections_quick(tmp_path):
     """GRPO on the arithmetic task at K = 2 without a correction and with m2po, 4 updates: each cell is its run's
     numbers."""
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy_corrections.py")
-    table = json.loads((tmp_path / "results.json").read_text())["table"]["grpo math"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    table = results["table"]["grpo math"]
     assert list(table) == ["2"] and list(table["2"]) == ["none", "m2po"]
     for correction, cell in table["2"].items():
         metrics = read_metrics(tmp_path / f"grpo-math-k2-{correction}-seed1")
@@ -110,5 +111,12 @@ def test_off_policy_corrections_quick(tmp_path):
         assert cell["mismatch_kl"][0] > 0
         assert cell["ess"][0] == pytest.approx(sum(m["async/ess"] for m in train) / 4) and cell["ess"][0] < 1
         assert cell["dropped_frac"][0] == pytest.approx(sum(m.get("async/m2po_masked_frac", 0) for m in train) / 4)
+        # every update's numbers, kept: the curves a reader can re-draw
+        curves = results["curves"][f"grpo math k2 {correction} seed1"]
+        assert curves["update"] == [1, 2, 3, 4] and curves["eval_update"] == [m["update"] for m in metrics
+                                                                               if "eval/accuracy" in m]
+        assert curves["async/mismatch_kl"] == pytest.approx([m["async/mismatch_kl"] for m in train], abs=1e-6)
+        assert curves["eval/accuracy"] == pytest.approx(evaluations, abs=1e-6)
     assert_plot(tmp_path / "results.png", 500)  # one column of panels, 5 inches wide
+    assert_plot(tmp_path / "results_curves.png", 400)
     assert "grpo math: score a quarter of the way" in result.stdout

@@ -229,3 +229,54 @@ def test_on_fresh_samples_every_ratio_is_1_and_nothing_is_clipped(tmp_path, scri
                "--output_dir", tmp_path / "run", script=script)
     train = [m for m in read_metrics(tmp_path / "run") if "val/ratio" in m]
     assert len(train) == 2 and all(abs(m["val/ratio"] - 1) < 1e-5 and m["policy/clipfrac_avg"] == 0 for m in train)
+
+
+# the first-update check's runs: K = 2 over 3 updates of 16 prompts, two epochs of one optimizer step each
+FIRST_UPDATE_RUN = [*QUICK, "--total_episodes", "48", "--eval_every", "0", "--async_steps", "2", "--num_epochs", "2",
+                    "--logprob_check_every", "1"]
+UPDATE_METRICS = ("loss/policy_avg", "policy/clipfrac_avg", "policy/entropy_avg", "val/ratio")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["grpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py"])
+def test_on_the_first_update_of_a_stale_run_every_correction_is_none(tmp_path, script):
+    """The first update of a K-stale run trains the weights that sampled its batch, as a synchronous update
+    does: there every correction takes none's ratio, weights and clip (pure_is and m2po at the first optimizer
+    step: they part from none at later steps by design), on the script's own inputs, and a run with decoupled
+    trains as one with none. Updates 2 and 3, sampled by the starting weights, are stale: there the corrections
+    part. PPO's KL penalty reads the sampling log-probs by default, those of the reference in all three updates
+    (penalty 0), or with --kl_penalty_logprobs start the weights being trained (0 only in update 1)."""
+    decoupled, none = tmp_path / "decoupled", tmp_path / "none"
+    penalty = ["--kl_penalty_logprobs", "start"] if script == "ppo_vllm.py" else []
+    run_script(script.removesuffix(".py"), *FIRST_UPDATE_RUN, "--off_policy_correction", "decoupled", *penalty,
+               "--output_dir", decoupled, script="tests/run_with_every_correction.py")
+    run_script(*FIRST_UPDATE_RUN, "--output_dir", none, script=script)
+    by_run = [{m["update"]: m for m in read_metrics(out) if "loss/policy_avg" in m} for out in (decoupled, none)]
+    assert [by_run[0][u]["async/staleness"] for u in (1, 2, 3)] == [0, 1, 2]
+    for name in UPDATE_METRICS:
+        assert by_run[0][1][name] == pytest.approx(by_run[1][1][name], rel=1e-4, abs=1e-6), name
+    if script == "ppo_vllm.py":
+        assert all(abs(by_run[1][u]["objective/non_score_reward"]) < 1e-5 for u in (1, 2, 3))
+        assert abs(by_run[0][1]["objective/non_score_reward"]) < 1e-5
+        assert all(abs(by_run[0][u]["objective/non_score_reward"]) > 1e-4 for u in (2, 3))
+
+    calls = torch.load(decoupled / "every_correction.pt")
+    first = [call for call in calls if call["update"] == 1]
+    assert len(first) >= 2 and {call["update"] for call in calls} == {1, 2, 3}
+    for call in first:
+        mask, made = call["mask"], call["corrections"]
+        none_terms = made["none"]
+        first_step = torch.allclose(call["step"] * mask, call["start"] * mask, atol=1e-5)
+        for correction in CORRECTIONS:
+            if correction in ("pure_is", "m2po") and not first_step:
+                continue
+            terms_made = made[correction]
+            assert torch.allclose(terms_made["anchor"] * mask, none_terms["anchor"] * mask, atol=1e-4), correction
+            assert torch.allclose(terms_made["token_weights"] * mask, mask, atol=1e-4), correction
+    assert any(torch.allclose(call["step"] * call["mask"], call["start"] * call["mask"], atol=1e-5) for call in first)
+    assert not all(torch.allclose(call["step"] * call["mask"], call["start"] * call["mask"], atol=1e-5)
+                   for call in first)  # the second epoch starts from moved weights
+    for update in (2, 3):  # stale: the start of the update is not the sampling weights
+        stale = [call for call in calls if call["update"] == update]
+        assert all((call["corrections"]["decoupled"]["anchor"] - call["sampling"]).mul(call["mask"]).abs().max() > 1e-3
+                   for call in stale)

@@ -1,0 +1,61 @@
+"""Evaluation in the engine (the _vllm scripts' default): the engine evaluates the weights of each update due
+(--eval_every) between its batches, and the trainer logs the numbers with that update when they arrive. They
+are the numbers eval_checkpoints.py --vllm gives the same weights (the same seeds), the training is the same as
+with --eval_in_trainer (HF generate in the trainer, as before), and a checkpoint waits for the evaluations of its
+update and earlier."""
+
+import json
+
+import pytest
+from scripts import QUICK, assert_same_weights_and_metrics, read_metrics, run_script
+
+# K = 1, 4 updates of 16 prompts, evaluated at 0, 2 and 4 (the last two versions no batch samples with)
+RUN = [*QUICK, "--total_episodes", "64", "--eval_every", "2", "--save_every", "2", "--async_steps", "1"]
+TRAINING = ("loss/policy_avg", "objective/scores", "objective/kl", "logps/chosen", "async/staleness")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine_evaluation")
+    run_script(*RUN, "--output_dir", folder / "engine", script="online_dpo_vllm.py")
+    run_script(*RUN, "--eval_in_trainer", "--output_dir", folder / "trainer", script="online_dpo_vllm.py")
+    return folder
+
+
+def evaluations(out) -> dict[int, dict]:
+    found = [m for m in read_metrics(out) if "eval/gold_win_rate" in m]
+    assert len({m["update"] for m in found}) == len(found)  # each once
+    return {m["update"]: m for m in found}
+
+
+@pytest.mark.slow
+def test_the_engines_evaluation_gives_eval_checkpoints_numbers_for_the_same_weights(runs, tmp_path):
+    engine = evaluations(runs / "engine")
+    assert sorted(engine) == [0, 2, 4]
+    run_script("--run_dir", runs / "engine", "--vllm", "--output_dir", tmp_path / "table", script="eval_checkpoints.py")
+    table = [json.loads(line) for line in (tmp_path / "table" / "eval.jsonl").read_text().splitlines()]
+    assert [row["update"] for row in table] == [0, 2, 4]
+    for row in table:
+        measured = {name: value for name, value in row.items() if name.startswith("eval/")}
+        assert measured == pytest.approx({name: engine[row["update"]][name] for name in measured}, rel=1e-6,
+                                         abs=1e-7), row["update"]
+    assert engine[4]["eval/kl"] > engine[2]["eval/kl"] > 0  # the versions it took: the policy moved away
+    # logged with the time of its update's line (that of the weights evaluated), though it came later
+    lines = read_metrics(runs / "engine")
+    trained_at = {m["update"]: m["time"] for m in lines if "loss/policy_avg" in m}
+    assert all(engine[update]["time"] == trained_at[update] for update in (2, 4))
+    assert [m["update"] for m in lines if "eval/gold_win_rate" in m][0] == 0
+    assert lines.index(engine[0]) > [m["update"] for m in lines].index(1)  # version 0's arrived after update 1
+
+
+@pytest.mark.slow
+def test_evaluating_in_the_engine_leaves_the_training_as_it_is(runs):
+    """The same samples, losses and final weights as the run that evaluates in the trainer; that run's
+    near-greedy completions (HF generate's) score about as the engine's do."""
+    assert_same_weights_and_metrics(runs / "trainer", runs / "engine", TRAINING)
+    engine, trainer = evaluations(runs / "engine"), evaluations(runs / "trainer")
+    assert sorted(trainer) == [0, 2, 4]
+    for update in (0, 2, 4):
+        assert abs(engine[update]["eval/gold_score"] - trainer[update]["eval/gold_score"]) < 0.1, update
+        assert engine[update]["eval/response_length"] == pytest.approx(trainer[update]["eval/response_length"],
+                                                                       abs=0.5)
