@@ -64,11 +64,31 @@ class EnvArgs(common.FlagGroup):
     a training template that keeps earlier turns as they were sampled, where the model's own rewrites history
     (Qwen3's drops an earlier turn's <think> block once a user message follows), which the run refuses"""
 
+    env_latency: float = 0.0
+    """seconds every step (or turn of tool calls) takes on top of the environment's own: the median of a log-normal
+    with --env_latency_spread, else fixed; to study slow tools (code execution, search: seconds) on any
+    environment (ENVIRONMENTS.md, "Slow environments")"""
+    env_latency_spread: float = 0.0
+    """the sigma of the log of --env_latency's log-normal (0: every step the same; 1: a heavy tail, the slowest
+    in 20 about 5x the median)"""
+    env_latency_timeouts: float = 0.0
+    """the share of steps that hang past --env_timeout instead of reaching the environment (--env_failure then
+    decides)"""
+
     def check(self):
-        common.check_signs(self, ("max_turns", "max_episode_tokens", "env_timeout"))
+        common.check_signs(self, ("max_turns", "max_episode_tokens", "env_timeout"),
+                           ("env_latency", "env_latency_spread"))
+        if not 0 <= self.env_latency_timeouts < 1:
+            common.fail(f"--env_latency_timeouts is a share of the steps, from 0 up to (not) 1, got "
+                        f"{self.env_latency_timeouts}")
+
+    @property
+    def slowed(self) -> bool:
+        """Whether --env_latency or --env_latency_timeouts wrap the steps (EpisodeLoop.slowed)."""
+        return self.env_latency > 0 or self.env_latency_timeouts > 0
 
 
-RESUME_MAY_CHANGE = ("env_timeout",)  # what a resumed run may change besides outputs.RESUME_MAY_CHANGE
+RESUME_MAY_CHANGE = ("env_timeout", "env_latency", "env_latency_spread")  # besides outputs.RESUME_MAY_CHANGE
 
 
 @functools.cache  # once a process: the generator process asks for it every batch (SampleEpisodes.loop)
@@ -456,6 +476,7 @@ class Episode:
     failed: bool = False  # ended by a failure, with --env_failure drop_group
     step_times: list[float] = field(default_factory=list)  # seconds each step (or turn of tool calls) took
     step_started: float = 0.0  # time.monotonic() when its running step started
+    latency: random.Random | None = None  # --env_latency: draws its steps' latencies, the same in every mode
 
     @property
     def turns(self) -> int:
@@ -535,7 +556,9 @@ class EpisodeLoop:
             if len(prompt_ids) >= env_args.max_episode_tokens:
                 common.fail(f"{where[i]}: the first message is {len(prompt_ids)} tokens, which leaves no room for a "
                             f"turn in --max_episode_tokens {env_args.max_episode_tokens}")
-            episodes.append(Episode(env=env, number=first_episode + i, where=where[i], prompt_ids=prompt_ids))
+            latency = random.Random(f"{starts[i][1]}/{i % k}/latency") if env_args.slowed else None
+            episodes.append(Episode(env=env, number=first_episode + i, where=where[i], prompt_ids=prompt_ids,
+                                    latency=latency))
         return episodes
 
     def take_turn(self, episode: Episode, turn: Turn):
@@ -547,10 +570,28 @@ class EpisodeLoop:
         self.stepping[episode.number] = episode, len(calls)
         if calls:
             errors_as_messages = self.env_args.env_failure == "error_message"
-            self.steps.start(episode.number, lambda: call_tools(tools, calls, errors_as_messages),
+            self.steps.start(episode.number, self.slowed(episode, lambda: call_tools(tools, calls, errors_as_messages)),
                              f"{episode.where}: tool calls")
         else:
-            self.steps.start(episode.number, lambda: episode.env.step(text), f"{episode.where}: step")
+            self.steps.start(episode.number, self.slowed(episode, lambda: episode.env.step(text)),
+                             f"{episode.where}: step")
+
+    def slowed(self, episode: Episode, step):
+        """`step` (no arguments) as --env_latency makes it: after the latency the episode's generator draws
+        (draw_latency), or, for a --env_latency_timeouts share of the steps, hanging past --env_timeout without
+        reaching the environment."""
+        if episode.latency is None:
+            return step
+        hangs, seconds = draw_latency(episode.latency, self.env_args)
+
+        def slow_step():
+            if hangs:
+                time.sleep(self.env_args.env_timeout + 1.0)
+                raise CallTimeout("hung (--env_latency_timeouts)")  # its result is dropped: it timed out already
+            time.sleep(seconds)
+            return step()
+
+        return slow_step
 
     @property
     def running(self) -> bool:
@@ -611,6 +652,13 @@ class EpisodeLoop:
                 self.take_turn(episode, t)
             self.replies(every_step=True)
         return episodes
+
+
+def draw_latency(generator: random.Random, env_args: EnvArgs) -> tuple[bool, float]:
+    """A step's --env_latency from an episode's generator: whether it hangs (a --env_latency_timeouts share), and
+    its seconds, the median times exp(--env_latency_spread x a standard normal): a log-normal."""
+    hangs = generator.random() < env_args.env_latency_timeouts
+    return hangs, env_args.env_latency * math.exp(env_args.env_latency_spread * generator.gauss(0.0, 1.0))
 
 
 def reset_seed(seed: int, position: int | str, index: int) -> int:
