@@ -52,8 +52,8 @@ class Args:
     kl_penalty_logprobs: Literal["sampling", "start"] = "sampling"
     """the logp of the KL penalty: sampling, the engine's, of the weights that sampled the batch (K updates old;
     in the first K+1 updates of a K-stale run those are the reference's, so the penalty is 0 there); start, the
-    trainer's at the start of the update, the weights it trains (ALGORITHMS.md, "PPO's KL penalty under
-    staleness"). Equal when K = 0"""
+    trainer's at the start of the update, the weights it trains (ALGORITHMS.md, "Asynchronous RLOO and PPO").
+    Equal when K = 0"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked, mean kept) before GAE"""
     gamma: float = 1.0

@@ -67,7 +67,7 @@ class AsyncArgs(common.FlagGroup):
     eval_in_trainer: bool = False
     """evaluate (--eval_every) in the trainer with HF generate, the trainer and the engine waiting meanwhile,
     instead of in the engine between its batches, the weights of exactly the update evaluated, its numbers
-    logged with that update some updates later (README: Evaluation in the engine); always so with
+    logged with that update some updates later (ALGORITHMS.md, "5. Evaluation"); always so with
     --inflight_updates, --vllm_device shared and grpo_multiturn_vllm.py"""
 
     def check(self):

@@ -1,6 +1,7 @@
-"""Multi-turn GRPO, synchronous against asynchronous, where generation and the environment dominate: guess-the-number
-with a simulated tool latency (toy:guess_number_slow, 25-75 ms a step, the steps of a turn concurrent). Does the
-vLLM engine playing the episodes one update ahead reach the same return in less wall-clock time?
+"""Multi-turn GRPO, synchronous against asynchronous, where the environment's steps are slow: guess-the-number with
+--env_latency seconds added to every step (the steps of a turn concurrent), swept over latencies. Where does the vLLM
+engine playing the episodes one update ahead, or in flight, reach the same return in less time, and how close to
+the overlap's bound?
 
   sync        grpo_multiturn.py: the trainer plays each batch's episodes with HF generate, then trains
   async       grpo_multiturn_vllm.py --async_steps 1: the engine plays batch t+1 while the trainer learns on t,
@@ -10,19 +11,26 @@ vLLM engine playing the episodes one update ahead reach the same return in less 
   inflight    grpo_multiturn_vllm.py --async_steps 1 --inflight_updates: a batch's worth of episodes always in
               flight, new weights taken between decode steps, a batch the next groups to end
 
-Each arm from the same SFT policy with the same rows and hyper-parameters (the scripts' defaults: 40 updates of 32
-rows x 4 episodes), several seeds, interleaved. Prints, per arm, the median over seeds of the final
-eval/return_mean, of the minutes to first reach --target_return (since launch, and in training: the updates' own
-time, set-up and evaluations left out), and where an update's time goes (the median update's time/* metrics);
-then the ratios.
+Each arm from the same SFT policy with the same rows and hyper-parameters (the scripts' defaults, 32 rows x 4
+episodes an update), at each latency, several seeds, interleaved; evaluated every --eval_every updates on
+--eval_rows rows (the evaluation plays with the same latency, in the trainer, in every arm). Prints, per latency
+and arm, the median over seeds of the final eval/return_mean and of the minutes to first reach each of --targets,
+on the training clock (the updates' own time on the trainer's path: set-up and evaluations left out) and on the
+wall clock (since launch), where an update's time goes, and the overlap's bound (G + T) / max(G, T) from the sync
+arm's measured parts (G its generation, the environment's steps included; T its training); then the ratios.
+A finished run (its `done` marker) is not run again, so an interrupted sweep goes on where it stopped when given
+the same --output_dir. Writes results.json (with every run's per-update curves) there, and for a full run also
+bench/results/multiturn_latency.json.
 
-    python bench/multiturn_sync_vs_async.py            # about 9 minutes on 2 CPU cores
-    python bench/multiturn_sync_vs_async.py --quick    # about a minute: 1 seed, 10 updates (a smoke test)
+    python bench/multiturn_sync_vs_async.py                                # about an hour on 2 CPU cores
+    python bench/multiturn_sync_vs_async.py --latencies 0.5 --seeds 1 2    # one latency
+    python bench/multiturn_sync_vs_async.py --quick                        # about a minute (a smoke test)
 """
 
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,6 +50,9 @@ ARMS = {"sync": ("grpo_multiturn.py",), "async": ("grpo_multiturn_vllm.py", "--a
 TRAINER_PHASES = {"sync": ("time/generate", "time/score", "time/train"),
                   **dict.fromkeys(("async", "continuous", "inflight"),
                                   ("time/wait", "time/score", "time/train", "time/weight_send"))}
+# the per-update curves results.json keeps, besides the phases
+CURVES = ("rollout/return_mean", "async/staleness", "async/token_staleness_mean", "env/step_time_median",
+          "env/step_time_p95")
 PHASES = {"sync": ("time/generate", "time/train"),
           **dict.fromkeys(("async", "continuous", "inflight"),
                           ("time/wait", "time/train", "time/weight_sync", "time/generate"))}
@@ -49,55 +60,75 @@ PHASES = {"sync": ("time/generate", "time/train"),
 
 @dataclass
 class Args:
-    updates: int = 40
+    updates: int = 30
     """updates per run, of 32 rows x 4 episodes (the scripts' default batch)"""
-    eval_every: int = 5
-    """updates between evaluations (the points at which the target is looked for)"""
-    arms: tuple[Literal["sync", "async", "continuous", "inflight"], ...] = tuple(ARMS)
+    eval_every: int = 2
+    """updates between evaluations (the points at which each target is looked for)"""
+    eval_rows: int = 64
+    """rows each evaluation plays (one near-greedy episode each)"""
+    arms: tuple[Literal["sync", "async", "continuous", "inflight"], ...] = ("sync", "async", "inflight")
     """the arms, each with every seed"""
+    latencies: tuple[float, ...] = (0.0, 0.1, 0.5, 2.0)
+    """the values of --env_latency (seconds a step takes on top of the environment's own)"""
+    latency_spread: float = 0.0
+    """--env_latency_spread of every run (0: every step the latency; 1: log-normal with a heavy tail)"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per arm, interleaved across the arms"""
-    target_return: float = 0.6
-    """the eval/return_mean whose first crossing is timed (the SFT policy's is 0.24, the ceiling 1)"""
-    env: str = "toy:guess_number_slow"
-    """the environment of both arms"""
+    targets: tuple[float, ...] = (0.6, 0.8, 0.9)
+    """the eval/return_mean values whose first crossing is timed (the SFT policy's is about 0.24, the ceiling 1)"""
+    env: str = "toy:guess_number"
+    """the environment of every arm"""
     extra: str = ""
-    """flags given to both arms, e.g. --extra="--num_epochs 4" (more training per batch: more for the engine to hide)"""
+    """flags given to every run, e.g. --extra="--num_epochs 4" (more training per batch: more for the engine to hide)"""
     quick: bool = False
-    """smoke test: sync and async, 1 seed, 10 updates, evaluated at the start and the end on 32 rows"""
+    """smoke test: sync and async at 0.1 s, 1 seed, 6 updates, evaluated at the start, update 3 and the end on 32
+    rows"""
     output_dir: str | None = None
     """where the runs and results.json go (default runs/bench-multiturn-sync-vs-async-<time>)"""
 
 
-def train(arm: str, seed: int, args: Args) -> dict:
+def train(arm: str, latency: float, seed: int, args: Args) -> dict:
     """One run (read_run's numbers)."""
-    output_dir = os.path.join(args.output_dir, f"{arm}-seed{seed}")
-    command = [sys.executable, os.path.join(ROOT, ARMS[arm][0]), *ARMS[arm][1:], "--env", args.env,
-               "--total_episodes", str(args.updates * 32), "--seed", str(seed), "--eval_every", str(args.eval_every),
-               *(["--eval_num_prompts", "32"] if args.quick else []), *shlex.split(args.extra),
-               "--output_dir", output_dir]
-    print("$", " ".join(command[1:]), flush=True)
-    launched = time.time()
-    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    if result.returncode:
-        sys.exit(f"this run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    return read_run(output_dir, launched, arm)
+    output_dir = os.path.join(args.output_dir, f"{arm}-latency{latency:g}-seed{seed}")
+    if not os.path.exists(os.path.join(output_dir, "done")):
+        command = [sys.executable, os.path.join(ROOT, ARMS[arm][0]), *ARMS[arm][1:], "--env", args.env,
+                   "--env_latency", str(latency), "--env_latency_spread", str(args.latency_spread),
+                   "--total_episodes", str(args.updates * 32), "--seed", str(seed),
+                   "--eval_every", str(args.eval_every), "--eval_num_prompts", str(args.eval_rows),
+                   *shlex.split(args.extra), "--output_dir", output_dir]
+        print("$", " ".join(command[1:]), flush=True)
+        shutil.rmtree(output_dir, ignore_errors=True)  # an interrupted run starts over
+        launched = time.time()
+        result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        if result.returncode:
+            sys.exit(f"this run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+        with open(os.path.join(output_dir, "done"), "w") as f:
+            json.dump({"launched": launched}, f)
+    with open(os.path.join(output_dir, "done")) as f:
+        return read_run(output_dir, json.load(f)["launched"], arm)
 
 
 def read_run(output_dir: str, launched: float, arm: str) -> dict:
     """A run's evaluations, each with the minutes since launch and its training minutes: the time of the updates
     before it on the trainer's path (TRAINER_PHASES: set-up, evaluations and logging left out; the trainer
-    evaluates with HF generate in both arms, on one core beside the engine in the async one); and its updates'
-    metrics."""
+    evaluates with HF generate in every arm, on one core beside the engine in the vLLM ones); its updates'
+    metrics; and its curves, per update, as results.json keeps them."""
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
-    evals, training_seconds = [], 0.0
+    evals, training_seconds, trained = [], 0.0, {}
     for line in metrics:
-        training_seconds += sum(line.get(phase, 0.0) for phase in TRAINER_PHASES[arm])
+        if "loss/policy_avg" in line:
+            training_seconds += sum(line.get(phase, 0.0) for phase in TRAINER_PHASES[arm])
+            trained[line["update"]] = training_seconds
+    for line in metrics:
         if "eval/return_mean" in line:
-            evals.append({"return": line["eval/return_mean"], "minutes": (line["time"] - launched) / 60,
-                          "training_minutes": training_seconds / 60})
-    return {"evals": evals, "updates": [m for m in metrics if "loss/policy_avg" in m]}
+            evals.append({"update": line["update"], "return": line["eval/return_mean"],
+                          "minutes": (line["time"] - launched) / 60,
+                          "training_minutes": trained.get(line["update"], 0.0) / 60})
+    updates = [m for m in metrics if "loss/policy_avg" in m]
+    curves = {"update": [m["update"] for m in updates],
+              **{name: [m.get(name) for m in updates] for name in (*CURVES, *PHASES[arm], *TRAINER_PHASES[arm])}}
+    return {"evals": sorted(evals, key=lambda m: m["update"]), "updates": updates, "curves": curves}
 
 
 def minutes_to_target(run: dict, target: float, clock: str) -> float | None:
@@ -109,46 +140,70 @@ def median_or_none(values: list) -> float | None:
     return statistics.median(reached) if len(reached) == len(values) else None
 
 
+def bound(phases: dict) -> float:
+    """The overlap's bound from a sync run's parts: (G + T) / max(G, T), G its generation (the environment's steps
+    included), T its training."""
+    generate, train_ = phases["time/generate"], phases["time/train"]
+    return (generate + train_) / max(generate, train_)
+
+
 def main(args: Args):
     if args.quick:
-        args.arms, args.updates, args.eval_every, args.seeds = ("sync", "async"), 10, 10, (1,)
+        args.arms, args.latencies, args.updates, args.eval_every, args.seeds = ("sync", "async"), (0.1,), 6, 3, (1,)
+        args.eval_rows = 32
     args.output_dir = args.output_dir or os.path.join(ROOT, "runs", f"bench-multiturn-sync-vs-async-{int(time.time())}")
-    runs = {arm: [] for arm in args.arms}
+    os.makedirs(args.output_dir, exist_ok=True)
+    runs = {latency: {arm: [] for arm in args.arms} for latency in args.latencies}
     for seed in args.seeds:  # interleaved, so that a slow spell of a shared machine hits every arm alike
-        for arm in args.arms:
-            runs[arm].append(train(arm, seed, args))
+        for latency in args.latencies:
+            for arm in args.arms:
+                runs[latency][arm].append(train(arm, latency, seed, args))
 
     table = {}
-    print(f"\n{args.updates} updates, seeds {list(args.seeds)}, {args.env} {args.extra}, target return "
-          f"{args.target_return}")
-    print(f"{'arm':10} {'final return':>13} {'min to target':>14} {'training min to target':>23} {'total min':>10}  "
-          "median update (s)")
-    for arm, seeds in runs.items():
-        row = {"final_returns": [run["evals"][-1]["return"] for run in seeds],
-               **{f"{clock}_to_target": [minutes_to_target(run, args.target_return, clock) for run in seeds]
-                  for clock in ("minutes", "training_minutes")},
-               "total_minutes": [run["evals"][-1]["minutes"] for run in seeds],
-               "training_minutes_total": [run["evals"][-1]["training_minutes"] for run in seeds],
-               "phases": {phase: statistics.median(m[phase] for run in seeds for m in run["updates"])
-                          for phase in PHASES[arm]}}
-        table[arm] = row
-        to_target, training = (median_or_none(row[f"{clock}_to_target"]) for clock in ("minutes", "training_minutes"))
-        print(f"{arm:10} {statistics.median(row['final_returns']):13.3f} "
-              f"{'not reached' if to_target is None else f'{to_target:.2f}':>14} "
-              f"{'not reached' if training is None else f'{training:.2f}':>23} "
-              f"{statistics.median(row['total_minutes']):10.2f}  "
-              + ", ".join(f"{phase.removeprefix('time/')} {value:.3f}" for phase, value in row["phases"].items()))
-    for arm in (arm for arm in args.arms if arm != "sync" and "sync" in args.arms):
-        for clock in ("minutes", "training_minutes"):
-            sync, faster = (median_or_none(table[name][f"{clock}_to_target"]) for name in ("sync", arm))
-            ratio = f"{sync / faster:.2f}x" if sync and faster else "not reached by both"
-            print(f"{arm} vs sync, {clock.replace('_', ' ')} to return {args.target_return}: {ratio}")
-        for clock in ("total_minutes", "training_minutes_total"):
-            total = statistics.median(table["sync"][clock]) / statistics.median(table[arm][clock])
-            print(f"{arm} vs sync, {clock.replace('_', ' ')}: {total:.2f}x")
-    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "table": table}, f, indent=1)
-    print(f"results in {args.output_dir}")
+    for latency, by_arm in runs.items():
+        print(f"\n--env_latency {latency:g} s (spread {args.latency_spread:g}), {args.updates} updates, seeds "
+              f"{list(args.seeds)}, {args.env} {args.extra}")
+        print(f"{'arm':10} {'final return':>13} " + "".join(f"{f'to {target} (train / wall min)':>28}"
+                                                             for target in args.targets) + "  median update (s)")
+        table[latency] = {}
+        for arm, seeds in by_arm.items():
+            row = {"final_returns": [run["evals"][-1]["return"] for run in seeds],
+                   **{f"{clock}_to_{target}": [minutes_to_target(run, target, clock) for run in seeds]
+                      for clock in ("minutes", "training_minutes") for target in args.targets},
+                   "total_minutes": [run["evals"][-1]["minutes"] for run in seeds],
+                   "training_minutes_total": [run["evals"][-1]["training_minutes"] for run in seeds],
+                   "phases": {phase: statistics.median(m[phase] for run in seeds for m in run["updates"])
+                              for phase in PHASES[arm]},
+                   "curves": [{"evals": run["evals"], **run["curves"]} for run in seeds]}
+            table[latency][arm] = row
+            reached = []
+            for target in args.targets:
+                training, wall = (median_or_none(row[f"{clock}_to_{target}"]) for clock in ("training_minutes",
+                                                                                               "minutes"))
+                reached.append("not reached" if training is None else f"{training:.2f} / {wall:.2f}")
+            print(f"{arm:10} {statistics.median(row['final_returns']):13.3f} "
+                  + "".join(f"{text:>28}" for text in reached) + "  "
+                  + ", ".join(f"{phase.removeprefix('time/')} {value:.3f}" for phase, value in row["phases"].items()))
+        if "sync" in by_arm:
+            table[latency]["bound"] = bound(table[latency]["sync"]["phases"])
+            print(f"the overlap's bound from sync's parts: {table[latency]['bound']:.2f}x")
+        for arm in (arm for arm in args.arms if arm != "sync" and "sync" in args.arms):
+            for target in args.targets:
+                for clock in ("training_minutes", "minutes"):
+                    sync, faster = (median_or_none(table[latency][name][f"{clock}_to_{target}"])
+                                    for name in ("sync", arm))
+                    ratio = f"{sync / faster:.2f}x" if sync and faster else "not reached by both"
+                    print(f"{arm} vs sync, {clock.replace('_', ' ')} to return {target}: {ratio}")
+            per_update = (statistics.median(table[latency]["sync"]["training_minutes_total"])
+                          / statistics.median(table[latency][arm]["training_minutes_total"]))
+            print(f"{arm} vs sync, training minutes of the {args.updates} updates: {per_update:.2f}x")
+    destinations = [os.path.join(args.output_dir, "results.json")]
+    if not args.quick:
+        destinations.append(os.path.join(ROOT, "bench", "results", "multiturn_latency.json"))
+    for destination in destinations:
+        with open(destination, "w") as f:
+            json.dump({"args": vars(args), "table": table}, f)
+    print(f"results in {' and '.join(destinations)}")
 
 
 if __name__ == "__main__":

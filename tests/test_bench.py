@@ -79,18 +79,23 @@ def test_math_sync_vs_async_quick(tmp_path):
 
 @pytest.mark.slow
 def test_multiturn_sync_vs_async_quick(tmp_path):
-    """Both multi-turn scripts on the slow guess-the-number, 10 updates: each row is its runs' numbers."""
+    """Both multi-turn scripts on guess-the-number with steps 0.1 s slower, 6 updates: each row is its runs'
+    numbers, each step took the latency, and the curves are kept."""
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/multiturn_sync_vs_async.py")
-    table = json.loads((tmp_path / "results.json").read_text())["table"]
-    assert sorted(table) == ["async", "sync"]
-    for arm, row in table.items():
-        metrics = read_metrics(tmp_path / f"{arm}-seed1")
+    table = json.loads((tmp_path / "results.json").read_text())["table"]["0.1"]
+    assert sorted(table) == ["async", "bound", "sync"] and table["bound"] >= 1
+    for arm in ("sync", "async"):
+        row = table[arm]
+        metrics = read_metrics(tmp_path / f"{arm}-latency0.1-seed1")
         evals = [m["eval/return_mean"] for m in metrics if "eval/return_mean" in m]
-        assert row["final_returns"] == [evals[-1]] and len(evals) == 2, (arm, row)
+        assert row["final_returns"] == [evals[-1]] and len(evals) == 3, (arm, row)
         updates = [m for m in metrics if "loss/policy_avg" in m]
-        assert len(updates) == 10 and row["phases"]["time/train"] == statistics.median(
+        assert len(updates) == 6 and row["phases"]["time/train"] == statistics.median(
             m["time/train"] for m in updates), (arm, row)
-    assert "async vs sync, total minutes" in result.stdout and "async vs sync, training minutes total" in result.stdout
+        assert all(m["env/step_time_median"] >= 0.1 for m in updates)
+        assert row["curves"][0]["rollout/return_mean"] == [m["rollout/return_mean"] for m in updates]
+    assert "async vs sync, training minutes to return 0.6" in result.stdout
+    assert "async vs sync, training minutes of the 6 updates" in result.stdout
 
 
 @pytest.mark.slow
