@@ -237,6 +237,12 @@ FIRST_UPDATE_RUN = [*QUICK, "--total_episodes", "48", "--eval_every", "0", "--as
 UPDATE_METRICS = ("loss/policy_avg", "policy/clipfrac_avg", "policy/entropy_avg", "val/ratio")
 
 
+def first_step(call: dict) -> bool:
+    """Whether a recorded off_policy_terms call trained the weights of the start of the update (its first step)."""
+    mask = call["mask"].float()
+    return torch.allclose(call["step"] * mask, call["start"] * mask, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py"])
 def test_on_the_first_update_of_a_stale_run_every_correction_is_none(tmp_path, script):
@@ -256,26 +262,23 @@ def test_on_the_first_update_of_a_stale_run_every_correction_is_none(tmp_path, s
     for name in UPDATE_METRICS:
         assert by_run[0][1][name] == pytest.approx(by_run[1][1][name], rel=1e-4, abs=1e-6), name
     if script == "ppo_vllm.py":
-        assert all(abs(by_run[1][u]["objective/non_score_reward"]) < 1e-5 for u in (1, 2, 3))
-        assert abs(by_run[0][1]["objective/non_score_reward"]) < 1e-5
-        assert all(abs(by_run[0][u]["objective/non_score_reward"]) > 1e-4 for u in (2, 3))
+        assert all(abs(by_run[1][u]["objective/non_score_reward"]) < 1e-6 for u in (1, 2, 3))  # measured ~1e-8
+        assert abs(by_run[0][1]["objective/non_score_reward"]) < 1e-6
+        assert all(abs(by_run[0][u]["objective/non_score_reward"]) > 1e-5 for u in (2, 3))  # measured 7e-4, 8e-5
 
     calls = torch.load(decoupled / "every_correction.pt")
     first = [call for call in calls if call["update"] == 1]
     assert len(first) >= 2 and {call["update"] for call in calls} == {1, 2, 3}
     for call in first:
-        mask, made = call["mask"], call["corrections"]
+        mask, made = call["mask"].float(), call["corrections"]
         none_terms = made["none"]
-        first_step = torch.allclose(call["step"] * mask, call["start"] * mask, atol=1e-5)
         for correction in CORRECTIONS:
-            if correction in ("pure_is", "m2po") and not first_step:
+            if correction in ("pure_is", "m2po") and not first_step(call):
                 continue
             terms_made = made[correction]
             assert torch.allclose(terms_made["anchor"] * mask, none_terms["anchor"] * mask, atol=1e-4), correction
             assert torch.allclose(terms_made["token_weights"] * mask, mask, atol=1e-4), correction
-    assert any(torch.allclose(call["step"] * call["mask"], call["start"] * call["mask"], atol=1e-5) for call in first)
-    assert not all(torch.allclose(call["step"] * call["mask"], call["start"] * call["mask"], atol=1e-5)
-                   for call in first)  # the second epoch starts from moved weights
+    assert any(map(first_step, first)) and not all(map(first_step, first))  # the second epoch: moved weights
     for update in (2, 3):  # stale: the start of the update is not the sampling weights
         stale = [call for call in calls if call["update"] == update]
         assert all((call["corrections"]["decoupled"]["anchor"] - call["sampling"]).mul(call["mask"]).abs().max() > 1e-3
