@@ -131,9 +131,9 @@ class AsyncGenerator:
                 sampler=sampler, updates=range(first_update, num_updates + 1), first_version=state.update,
                 num_samples=num_samples, eos_ids=task.eos_ids, pad_token_id=task.tokenizer.pad_token_id,
                 channels=self.channels, snapshot=state.engine_snapshot,
-                evaluation=vllm_generator.EngineEvaluation(task.eval_prompts["input_ids"], self.due,
-                                                           eval_args.eval_temperature)
-                if self.in_engine and self.due and self.share[0] == 0 else None)
+                evaluation=vllm_generator.EngineEvaluation(
+                    task.eval_rows[:] if episodes is not None else task.eval_prompts["input_ids"], self.due,
+                    eval_args.eval_temperature) if self.in_engine and self.due and self.share[0] == 0 else None)
             # looked up now: a test may have put a faulty one in its place
             target = inflight.generate_inflight if asynchronous.inflight_updates else vllm_generator.generate_ahead
             self.process = vllm_placement.start_generator(self.placement, target, (job,))
@@ -217,9 +217,10 @@ class AsyncGenerator:
 
     def evaluations(self, update: int, wait: bool) -> list[tuple[int, tuple | None]]:
         """The evaluations due by `update` (every rank calls it, once the weights of `update` are published), as
-        (update evaluated, what evaluation.evaluate takes as `generated`): in the trainer, this update's if it is
-        due, to be made by the trainer (None); in the engine, those it has handed over by now, each rank's rows of
-        them (all of those up to `update`, waited for, when `wait`: before a checkpoint, and at the end)."""
+        (update evaluated, what the engine made of it): in the trainer, this update's if it is due, to be made by
+        the trainer (None); in the engine, those it has handed over by now (all of those up to `update`, waited
+        for, when `wait`: before a checkpoint, and at the end): each rank's rows of its completions, what
+        evaluation.evaluate takes as `generated`, or for episodes the evaluation's metrics."""
         due = [version for version in self.due if version <= update]
         if not self.in_engine:
             self.due = self.due[len(due):]

@@ -307,9 +307,10 @@ def main(args: Args):
     episodes = vllm_generator.SampleEpisodes(task, args.env, args.continuous_episodes)
     generator = async_generator.AsyncGenerator(
         args.asynchronous, args.vllm, args.generation, args.data, args.run, args.distributed.bf16, task, sampler, state,
-        num_updates, args.num_samples, episodes=episodes)
-    if state.update == 0 and args.run.eval_every:
-        logger.log_evaluation(0, 0, evaluate(policy, task, args, 0))
+        num_updates, args.num_samples, episodes=episodes, eval_args=args.evaluation)
+    # the starting policy's evaluation: here while the engine starts, or (by default) in the engine once started
+    for evaluated, played in generator.evaluations(state.update, wait=False):
+        logger.log_evaluation(evaluated, 0, played or evaluate(policy, task, args, evaluated))
     generator.wait_for_engine()
     if state.update > 0:  # the engine plays from the checkpoint's weights
         generator.publish_weights(policy, state.update)
@@ -421,13 +422,17 @@ def main(args: Args):
         if args.asynchronous.inflight_updates:  # each policy token's staleness
             metrics |= inflight.inflight_metrics(batch, rollout.mask, update)
         logger.log(update, metrics)
-        if args.run.eval_every and (update % args.run.eval_every == 0 or update == num_updates):
-            logger.log_evaluation(update, state.episode, evaluate(policy, task, args, update))
         # a preemption signal (SIGTERM, SIGUSR1) on any rank: checkpoint this update, then exit
         preempted = common.preemption_requested()
+        checkpoint = preempted or (args.run.save_every and update % args.run.save_every == 0)
+        # Evaluate (--eval_every): the engine plays the evaluation episodes with the weights of each update due,
+        # between its batches, and the numbers arrive some updates later, logged with that update (all of them
+        # before a checkpoint and at the end); with --eval_in_trainer, this update's weights, here
+        for evaluated, played in generator.evaluations(update, wait=checkpoint or update == num_updates):
+            logger.log_evaluation(evaluated, evaluated * batch_size, played or evaluate(policy, task, args, evaluated))
         if args.run.save_every and update % args.run.save_every == 0:
             outputs.save_snapshot(args.run, policy, task.tokenizer, state)
-        if preempted or (args.run.save_every and update % args.run.save_every == 0):
+        if checkpoint:
             # the batches already played for the next K updates, with weights this checkpoint no longer has, are
             # saved with it (with --inflight_updates, and the engine's episodes in flight): a resumed run trains on
             # exactly the same episodes

@@ -68,7 +68,7 @@ class AsyncArgs(common.FlagGroup):
     """evaluate (--eval_every) in the trainer with HF generate, the trainer and the engine waiting meanwhile,
     instead of in the engine between its batches, the weights of exactly the update evaluated, its numbers
     logged with that update some updates later (ALGORITHMS.md, "5. Evaluation"); always so with
-    --inflight_updates, --vllm_device shared and grpo_multiturn_vllm.py"""
+    --inflight_updates and --vllm_device shared"""
 
     def check(self):
         if self.async_steps < 0:
@@ -228,28 +228,30 @@ class GeneratorJob:
 @dataclass
 class EngineEvaluation:
     """What the engine evaluates between its batches (evaluate_version): the weights of each of `versions`, on
-    every evaluation prompt."""
+    every evaluation prompt, or every evaluation row of an environment task."""
 
-    prompts: list[list[int]]  # the evaluation split's prompts, as token ids
+    prompts: object  # the evaluation split's prompts as token ids, or the environment task's rows {column: values}
     versions: list[int]  # the updates whose weights it evaluates, in order
     temperature: float  # --eval_temperature, of the near-greedy completions
 
 
 @dataclass
 class Evaluation:
-    """What the engine hands the trainer for one evaluation (evaluation.evaluate's `generated`): the near-greedy
-    and the sampled completions of every evaluation prompt by the weights of `version`, and the sampled ones'
-    log-probs under those weights (the trainer's model code), each (prompts, response_length), numpy."""
+    """What the engine hands the trainer for one evaluation of the weights of `version`: the near-greedy and the
+    sampled completions of every evaluation prompt and the sampled ones' log-probs under those weights (the
+    trainer's model code), each (prompts, response_length), numpy (evaluation.evaluate's `generated`); or, for
+    episodes, the evaluation's metrics (SampleEpisodes.evaluate)."""
 
     version: int
-    greedy: object
-    sampled: object
-    sampled_logprobs: object
+    completions: tuple | None = None  # (greedy, sampled, sampled_logprobs)
+    metrics: dict | None = None
 
-    def rows(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows rank `rank` of `world_size` evaluates (evaluation.evaluate's), as tensors."""
-        return tuple(torch.from_numpy(array[rank::world_size]) for array in (self.greedy, self.sampled,
-                                                                              self.sampled_logprobs))
+    def rows(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | dict:
+        """What rank `rank` of `world_size` takes: the rows it evaluates (evaluation.evaluate's), as tensors; or
+        the metrics, over every row."""
+        if self.metrics is not None:
+            return self.metrics
+        return tuple(torch.from_numpy(array[rank::world_size]) for array in self.completions)
 
 
 @dataclass
@@ -296,19 +298,10 @@ class SampleEpisodes:
         def turn_seed(episode: environments.Episode) -> int:
             return random.Random(f"{job.seed}/{update}/{episode.number}/{episode.turns}").getrandbits(63)
 
-        def engine_turn(episodes: list[environments.Episode], turn: int) -> list:
-            playing = [episode for episode in episodes if not episode.ended]
-            sampled = vllm_sample(llm, [e.prompt_ids + e.ids for e in playing], [turn_seed(e) for e in playing],
-                                  generation, job.eos_ids,
-                                  [e.budget(generation.response_length, self.env.max_episode_tokens) for e in playing])
-            turns = {e.number: environments.Turn.sampled(ids, job.eos_ids, logprobs)
-                     for e, (ids, logprobs) in zip(playing, sampled)}
-            return [turns.get(episode.number) for episode in episodes]
-
         if self.continuous:
             play_continuously(llm, loop, episodes, generation, job.eos_ids, turn_seed)
         else:
-            loop.play_turn_by_turn(episodes, engine_turn)
+            loop.play_turn_by_turn(episodes, self.engine_turns(llm, generation, job.eos_ids, turn_seed))
         rollout = environments.collate(episodes, job.pad_token_id, "cpu")
         t1 = time.time()
         metrics = {"time/generate": t1 - t0}
@@ -317,6 +310,40 @@ class SampleEpisodes:
             logprob_diff = environments.engine_logprob_diff(sampling_policy, rollout, rows, generation)
             metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
         return Batch(update=update, prompt_indices=indices, metrics=metrics, **rollout.as_arrays())
+
+    def engine_turns(self, llm, generation: common.GenerationArgs, eos_ids: list[int], turn_seed):
+        """EpisodeLoop.play_turn_by_turn's sample_turn in the engine: a turn of each episode still playing, each
+        seeded by turn_seed(episode)."""
+
+        def engine_turn(episodes: list[environments.Episode], turn: int) -> list:
+            playing = [episode for episode in episodes if not episode.ended]
+            sampled = vllm_sample(llm, [e.prompt_ids + e.ids for e in playing], [turn_seed(e) for e in playing],
+                                  generation, eos_ids,
+                                  [e.budget(generation.response_length, self.env.max_episode_tokens) for e in playing])
+            turns = {e.number: environments.Turn.sampled(ids, eos_ids, logprobs)
+                     for e, (ids, logprobs) in zip(playing, sampled)}
+            return [turns.get(episode.number) for episode in episodes]
+
+        return engine_turn
+
+    def evaluate(self, llm, version: int, job: GeneratorJob) -> dict[str, float]:
+        """The engine's evaluation of the weights of `version` (grpo_multiturn_vllm.py's `evaluate`, played here):
+        one near-greedy episode (--eval_temperature) of each evaluation row from the reset seed the trainer's
+        evaluation gives it, turn by turn; eval/return_mean, eval/turns_mean, eval/truncated_episodes."""
+        loop, rows = self.loop(), job.evaluation.prompts
+        count = len(next(iter(rows.values())))
+        seeds = [environments.reset_seed(job.seed, -1, i) for i in range(count)]
+        episodes = loop.start(rows, seeds, 1)
+        near_greedy = dataclasses.replace(job.generation, temperature=job.evaluation.temperature, top_p=1.0)
+
+        def turn_seed(episode: environments.Episode) -> int:
+            return random.Random(f"{job.seed}/eval/{version}/{episode.number}/{episode.turns}").getrandbits(63)
+
+        loop.play_turn_by_turn(episodes, self.engine_turns(llm, near_greedy, job.eos_ids, turn_seed))
+        played = environments.collate(episodes, job.pad_token_id, "cpu")
+        return {"eval/return_mean": played.returns.float().mean().item(),
+                "eval/turns_mean": played.turns.float().mean().item(),
+                "eval/truncated_episodes": played.truncated.float().mean().item()}
 
 
 def play_continuously(llm, loop: environments.EpisodeLoop, episodes: list[environments.Episode],
@@ -448,9 +475,12 @@ def evaluate_version(job: GeneratorJob, llm, sampling_policy, version: int):
     """The engine's evaluation of `version` (the weights it holds now, as the sampling policy does), handed to the
     trainer when `version` is one the run evaluates: the near-greedy and the sampled completions of every
     evaluation prompt, seeded as eval_checkpoints.py --vllm seeds them (evaluation.engine_seeds), and the sampled
-    ones' log-probs (for the evaluation's KL)."""
+    ones' log-probs (for the evaluation's KL); or, for episodes, their metrics (SampleEpisodes.evaluate)."""
     wanted = job.evaluation
     if wanted is None or version not in wanted.versions:
+        return
+    if isinstance(job.sample, SampleEpisodes):
+        job.channels.batches.put(Evaluation(version, metrics=job.sample.evaluate(llm, version, job)))
         return
     seeds = evaluation.engine_seeds(job.seed, version, len(wanted.prompts))
     near_greedy = dataclasses.replace(job.generation, temperature=wanted.temperature, top_p=1.0)
@@ -463,7 +493,7 @@ def evaluate_version(job: GeneratorJob, llm, sampling_policy, version: int):
         functools.partial(common.response_logprobs, sampling_policy, temperature=generation.temperature,
                           top_p=generation.top_p),
         generation.local_rollout_forward_batch_size, query_ids, query_mask, sampled, lengths)
-    job.channels.batches.put(Evaluation(version, greedy.numpy(), sampled.cpu().numpy(), logprobs.cpu().numpy()))
+    job.channels.batches.put(Evaluation(version, (greedy.numpy(), sampled.cpu().numpy(), logprobs.cpu().numpy())))
 
 
 def check_engine_took_weights(logprob_diff: float, version: int, job: GeneratorJob):

@@ -1,17 +1,21 @@
 """Evaluation in the engine (the _vllm scripts' default): the engine evaluates the weights of each update due
 (--eval_every) between its batches, and the trainer logs the numbers with that update when they arrive. They
-are the numbers eval_checkpoints.py --vllm gives the same weights (the same seeds), the training is the same as
-with --eval_in_trainer (HF generate in the trainer, as before), and a checkpoint waits for the evaluations of its
-update and earlier."""
+are the numbers eval_checkpoints.py --vllm gives the same weights (the same seeds) and, greedy, the numbers the
+trainer's own evaluation gives (--eval_in_trainer: HF generate, as before); the training is the same either way.
+The same for grpo_multiturn_vllm.py's episodes."""
 
 import json
 
 import pytest
 from scripts import QUICK, assert_same_weights_and_metrics, read_metrics, run_script
 
-# K = 1, 4 updates of 16 prompts, evaluated at 0, 2 and 4 (the last two versions no batch samples with)
-RUN = [*QUICK, "--total_episodes", "64", "--eval_every", "2", "--save_every", "2", "--async_steps", "1"]
+# K = 1, 4 updates of 16 prompts, evaluated at 0, 2 and 4 (the last two versions no batch samples with), greedy
+RUN = [*QUICK, "--total_episodes", "64", "--eval_every", "2", "--save_every", "2", "--async_steps", "1",
+       "--eval_temperature", "0"]
 TRAINING = ("loss/policy_avg", "objective/scores", "objective/kl", "logps/chosen", "async/staleness")
+# grpo_multiturn_vllm.py: 4 updates of 8 rows x 4 episodes, evaluated greedily on 32 rows at 0, 2 and 4
+EPISODES_RUN = ["--total_episodes", "32", "--per_device_train_batch_size", "8", "--eval_every", "2",
+                "--eval_num_prompts", "32", "--eval_temperature", "0", "--async_steps", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +53,31 @@ def test_the_engines_evaluation_gives_eval_checkpoints_numbers_for_the_same_weig
 
 
 @pytest.mark.slow
-def test_evaluating_in_the_engine_leaves_the_training_as_it_is(runs):
-    """The same samples, losses and final weights as the run that evaluates in the trainer; that run's
-    near-greedy completions (HF generate's) score about as the engine's do."""
+def test_evaluating_in_the_engine_leaves_the_training_as_it_is_and_greedy_scores_as_the_trainer(runs):
+    """The same samples, losses and final weights as the run that evaluates in the trainer; greedy, the engine's
+    completions are HF generate's, so every number but KL (from temperature samples: vLLM's and HF's differ) is
+    the trainer's evaluation's."""
     assert_same_weights_and_metrics(runs / "trainer", runs / "engine", TRAINING)
     engine, trainer = evaluations(runs / "engine"), evaluations(runs / "trainer")
     assert sorted(trainer) == [0, 2, 4]
     for update in (0, 2, 4):
-        assert abs(engine[update]["eval/gold_score"] - trainer[update]["eval/gold_score"]) < 0.1, update
-        assert engine[update]["eval/response_length"] == pytest.approx(trainer[update]["eval/response_length"],
-                                                                       abs=0.5)
+        names = [name for name in trainer[update] if name.startswith("eval/") and name != "eval/kl"]
+        assert {name: engine[update][name] for name in names} == pytest.approx(
+            {name: trainer[update][name] for name in names}, rel=1e-5, abs=1e-6), update
+    assert engine[2]["eval/ref_perplexity"] != engine[0]["eval/ref_perplexity"]  # greedy, yet the policy moved
+
+
+@pytest.mark.slow
+def test_the_engine_plays_the_evaluation_episodes_as_the_trainer_would(tmp_path):
+    """grpo_multiturn_vllm.py: the engine's greedy evaluation episodes (the trainer's rows and reset seeds) end as
+    the trainer's own (HF generate) do, and the training is the same."""
+    for name, flags in (("engine", []), ("trainer", ["--eval_in_trainer"])):
+        run_script(*EPISODES_RUN, *flags, "--output_dir", tmp_path / name, script="grpo_multiturn_vllm.py")
+    assert_same_weights_and_metrics(tmp_path / "trainer", tmp_path / "engine",
+                                    ("loss/policy_avg", "rollout/return_mean", "async/staleness"))
+    played = [{m["update"]: m for m in read_metrics(tmp_path / name) if "eval/return_mean" in m}
+              for name in ("engine", "trainer")]
+    assert sorted(played[0]) == sorted(played[1]) == [0, 2, 4]
+    for update in (0, 2, 4):
+        for name in ("eval/return_mean", "eval/turns_mean", "eval/truncated_episodes"):
+            assert played[0][update][name] == pytest.approx(played[1][update][name], abs=1e-6), (update, name)
