@@ -174,9 +174,10 @@ def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run
 @pytest.mark.slow
 def test_k1_resumes_after_preemptions_and_kills_with_the_same_weights_and_samples(k1_runs):
     # the batches sampled ahead with pre-checkpoint weights are saved with the checkpoint, so even
-    # with K=1 a resumed run trains on exactly the samples of the uninterrupted one
+    # with K=1 a resumed run trains on exactly the samples of the uninterrupted one; a checkpoint waits for the
+    # engine's evaluations of its update and earlier, so the resumed run logs every one, the same numbers
     assert_same_weights_and_metrics(*k1_runs, ["loss/policy_avg", "objective/scores", "async/staleness",
-                                               "async/logprob_diff"])
+                                               "async/logprob_diff", "eval/gold_score", "eval/kl"])
 
 
 @pytest.mark.slow
