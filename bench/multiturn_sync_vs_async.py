@@ -13,10 +13,10 @@ the overlap's bound?
 
 Each arm from the same SFT policy with the same rows and hyper-parameters (the scripts' defaults, 32 rows x 4
 episodes an update), at each latency, several seeds, interleaved; evaluated every --eval_every updates on
---eval_rows rows (the evaluation plays with the same latency, in the trainer, in every arm). Prints, per latency
-and arm, the median over seeds of the final eval/return_mean and of the minutes to first reach each of --targets,
-on the training clock (the updates' own time on the trainer's path: set-up and evaluations left out) and on the
-wall clock (since launch), where an update's time goes, and the overlap's bound (G + T) / max(G, T) from the sync
+--eval_rows rows (the evaluation plays with the same latency). Prints, per latency and arm, the median over seeds
+of the final eval/return_mean and of the minutes to first reach each of --targets on three clocks (read_run): the
+training clock (the updates' own time on the trainer's path), the wall clock since update 1 began (evaluations
+in), and since launch; where an update's time goes, and the overlap's bound (G + T) / max(G, T) from the sync
 arm's measured parts (G its generation, the environment's steps included; T its training); then the ratios.
 A finished run (its `done` marker) is not run again, so an interrupted sweep goes on where it stopped when given
 the same --output_dir. Writes results.json (with every run's per-update curves) there, and for a full run also
@@ -50,6 +50,8 @@ ARMS = {"sync": ("grpo_multiturn.py",), "async": ("grpo_multiturn_vllm.py", "--a
 TRAINER_PHASES = {"sync": ("time/generate", "time/score", "time/train"),
                   **dict.fromkeys(("async", "continuous", "inflight"),
                                   ("time/wait", "time/score", "time/train", "time/weight_send"))}
+# the clocks a target is timed on (read_run)
+CLOCKS = ("training_minutes", "wall_minutes", "minutes")
 # the per-update curves results.json keeps, besides the phases
 CURVES = ("rollout/return_mean", "async/staleness", "async/token_staleness_mean", "env/step_time_median",
           "env/step_time_p95")
@@ -109,10 +111,12 @@ def train(arm: str, latency: float, seed: int, args: Args) -> dict:
 
 
 def read_run(output_dir: str, launched: float, arm: str) -> dict:
-    """A run's evaluations, each with the minutes since launch and its training minutes: the time of the updates
-    before it on the trainer's path (TRAINER_PHASES: set-up, evaluations and logging left out; the trainer
-    evaluates with HF generate in every arm, on one core beside the engine in the vLLM ones); its updates'
-    metrics; and its curves, per update, as results.json keeps them."""
+    """A run's evaluations, each with three clocks: its training minutes, the time of the updates before it on the
+    trainer's path (TRAINER_PHASES: set-up, evaluations and logging left out; while the trainer evaluates, the
+    engine of a vLLM arm goes on playing, so this clock flatters the vLLM arms by the earlier evaluations' time);
+    its wall minutes since update 1 began (the earlier evaluations included, the same work in every arm, and the
+    engine's start left out); and its minutes since launch. Also its updates' metrics, and its curves, per update,
+    as results.json keeps them."""
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     evals, training_seconds, trained = [], 0.0, {}
@@ -120,11 +124,14 @@ def read_run(output_dir: str, launched: float, arm: str) -> dict:
         if "loss/policy_avg" in line:
             training_seconds += sum(line.get(phase, 0.0) for phase in TRAINER_PHASES[arm])
             trained[line["update"]] = training_seconds
+    first = next(line for line in metrics if line.get("update") == 1 and "loss/policy_avg" in line)
+    began = first["time"] - sum(first.get(phase, 0.0) for phase in TRAINER_PHASES[arm])  # update 1's start
     for line in metrics:
-        if "eval/return_mean" in line:
+        if "eval/return_mean" in line:  # an evaluation's line carries its update's time
             evals.append({"update": line["update"], "return": line["eval/return_mean"],
                           "minutes": (line["time"] - launched) / 60,
-                          "training_minutes": trained.get(line["update"], 0.0) / 60})
+                          "training_minutes": trained.get(line["update"], 0.0) / 60,
+                          "wall_minutes": max(line["time"] - began, 0.0) / 60})
     updates = [m for m in metrics if "loss/policy_avg" in m]
     curves = {"update": [m["update"] for m in updates],
               **{name: [m.get(name) for m in updates] for name in (*CURVES, *PHASES[arm], *TRAINER_PHASES[arm])}}
@@ -169,7 +176,7 @@ def main(args: Args):
         for arm, seeds in by_arm.items():
             row = {"final_returns": [run["evals"][-1]["return"] for run in seeds],
                    **{f"{clock}_to_{target}": [minutes_to_target(run, target, clock) for run in seeds]
-                      for clock in ("minutes", "training_minutes") for target in args.targets},
+                      for clock in CLOCKS for target in args.targets},
                    "total_minutes": [run["evals"][-1]["minutes"] for run in seeds],
                    "training_minutes_total": [run["evals"][-1]["training_minutes"] for run in seeds],
                    "phases": {phase: statistics.median(m[phase] for run in seeds for m in run["updates"])
@@ -179,7 +186,7 @@ def main(args: Args):
             reached = []
             for target in args.targets:
                 training, wall = (median_or_none(row[f"{clock}_to_{target}"]) for clock in ("training_minutes",
-                                                                                               "minutes"))
+                                                                                               "wall_minutes"))
                 reached.append("not reached" if training is None else f"{training:.2f} / {wall:.2f}")
             print(f"{arm:10} {statistics.median(row['final_returns']):13.3f} "
                   + "".join(f"{text:>28}" for text in reached) + "  "
@@ -189,7 +196,7 @@ def main(args: Args):
             print(f"the overlap's bound from sync's parts: {table[latency]['bound']:.2f}x")
         for arm in (arm for arm in args.arms if arm != "sync" and "sync" in args.arms):
             for target in args.targets:
-                for clock in ("training_minutes", "minutes"):
+                for clock in CLOCKS:
                     sync, faster = (median_or_none(table[latency][name][f"{clock}_to_{target}"])
                                     for name in ("sync", arm))
                     ratio = f"{sync / faster:.2f}x" if sync and faster else "not reached by both"

@@ -94,7 +94,7 @@ def test_multiturn_sync_vs_async_quick(tmp_path):
             m["time/train"] for m in updates), (arm, row)
         assert all(m["env/step_time_median"] >= 0.1 for m in updates)
         assert row["curves"][0]["rollout/return_mean"] == [m["rollout/return_mean"] for m in updates]
-    assert "async vs sync, training minutes to return 0.6" in result.stdout
+    assert "async vs sync, wall minutes to return 0.6" in result.stdout
     assert "async vs sync, training minutes of the 6 updates" in result.stdout
 
 
