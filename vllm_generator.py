@@ -65,10 +65,10 @@ class AsyncArgs(common.FlagGroup):
     generator_timeout: float = 600.0
     """seconds the trainer waits for each batch, once the engine has started, before it stops with an error"""
     eval_in_trainer: bool = False
-    """evaluate (--eval_every) in the trainer with HF generate, the trainer and the engine waiting meanwhile,
-    instead of in the engine between its batches, the weights of exactly the update evaluated, its numbers
-    logged with that update some updates later (ALGORITHMS.md, "5. Evaluation"); always so with
-    --inflight_updates and --vllm_device shared"""
+    """evaluate (--eval_every) in the trainer with HF generate, the trainer stopping for it, instead of in the
+    engine between its batches (the weights of exactly the update evaluated, its numbers logged with that update
+    some updates later: ALGORITHMS.md, "5. Evaluation"); always so with --inflight_updates and --vllm_device
+    shared"""
 
     def check(self):
         if self.async_steps < 0:
