@@ -12,17 +12,17 @@ import vllm_generator
 import weight_transport
 
 
-def with_vllm_generate_fault(fault, at_call: int):
-    """vllm_generator.vllm_generate, calling `fault()` instead at its `at_call`-th call."""
-    generate, calls = vllm_generator.vllm_generate, []
+def with_fault(function, fault, at_call: int):
+    """`function`, calling `fault()` first at its `at_call`-th call."""
+    calls = []
 
-    def faulty_generate(*args, **kwargs):
+    def faulty(*args, **kwargs):
         calls.append(1)
         if len(calls) == at_call:
             fault()
-        return generate(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    return faulty_generate
+    return faulty
 
 
 def raise_fault():
@@ -30,8 +30,8 @@ def raise_fault():
 
 
 def failing_generate_ahead(*args):
-    """Raises at the second batch."""
-    vllm_generator.vllm_generate = with_vllm_generate_fault(raise_fault, at_call=2)
+    """Raises at the second batch (the evaluations between batches sample too, but not through sample_batch)."""
+    vllm_generator.sample_batch = with_fault(vllm_generator.sample_batch, raise_fault, at_call=2)
     vllm_generator.generate_ahead(*args)
 
 
@@ -42,7 +42,7 @@ def never_starting_generate_ahead(*args):
 
 def hanging_generate_ahead(*args):
     """Hangs at batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)."""
-    vllm_generator.vllm_generate = with_vllm_generate_fault(lambda: time.sleep(3600), at_call=3)
+    vllm_generator.sample_batch = with_fault(vllm_generator.sample_batch, lambda: time.sleep(3600), at_call=3)
     vllm_generator.generate_ahead(*args)
 
 
