@@ -39,6 +39,13 @@ def check_flags(asynchronous: AsyncArgs, engine_args: EngineArgs, world_size: in
     vllm_placement.check_placement(engine_args, world_size)
 
 
+def evaluated_updates(eval_every: int, start_update: int, num_updates: int) -> list[int]:
+    """The updates whose weights a run evaluates from `start_update` on: the starting policy's (a new run's), every
+    --eval_every-th and the last (none with --eval_every 0)."""
+    return [update for update in range(start_update, num_updates + 1) if eval_every and (
+        update == 0 or (update > start_update and (update % eval_every == 0 or update == num_updates)))]
+
+
 ENGINE_DIED = ("the vLLM engine process died (killed, or out of memory); the last complete checkpoint is kept, "
                "--resume continues from it")
 
@@ -94,10 +101,7 @@ class AsyncGenerator:
         self.engine_started = False
         self.snapshots = {}  # --inflight_updates: the engine's snapshots by the update whose checkpoint takes them
         self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
-        # the updates whose weights the run evaluates from here on: the starting policy's (a new run's), every
-        # --eval_every-th and the last; in the engine or in the trainer
-        self.due = [update for update in range(state.update, num_updates + 1) if run.eval_every and (
-            update == 0 or (update > state.update and (update % run.eval_every == 0 or update == num_updates)))]
+        self.due = evaluated_updates(run.eval_every, state.update, num_updates)  # in the engine or in the trainer
         self.in_engine = eval_args is not None and not (asynchronous.eval_in_trainer or asynchronous.inflight_updates
                                                          or engine_args.vllm_device == "shared")
         self.engine_versions = set(self.due) if self.in_engine else set()  # published past the last batch's

@@ -30,8 +30,9 @@ class InlineGenerator:
     update t-1 (the definition of K=0), in this process, with the same per-row seeds."""
 
     def __init__(self, asynchronous, engine_args, generation, policy, run, bf16, task, sampler, state, num_updates,
-                 num_samples, dynamic_sampling=None):
+                 num_samples, dynamic_sampling=None, eval_args=None):
         assert asynchronous.async_steps == 0 and state.update == 0 and torch.distributed.get_world_size() == 1
+        self.due = async_generator.evaluated_updates(run.eval_every, state.update, num_updates)  # in the trainer
         self.engine_args, self.policy, self.seed, self.bf16 = engine_args, policy, run.seed, bf16
         self.task, self.sampler, self.num_samples = task, sampler, num_samples
         # what sample_batch reads of a generator process's job
@@ -80,6 +81,12 @@ class InlineGenerator:
             # clone: tied embeddings share storage, which safetensors refuses
             save_file({name: tensor.detach().clone() for name, tensor in model.state_dict().items()},
                       os.path.join(folder, "model.safetensors"))
+
+    def evaluations(self, update: int, wait: bool) -> list[tuple[int, None]]:
+        """As AsyncGenerator's with --eval_in_trainer: the trainer evaluates each update due, when it is done."""
+        due = [version for version in self.due if version <= update]
+        self.due = self.due[len(due):]
+        return [(version, None) for version in due]
 
     def checkpoint_state(self, update: int) -> tuple[list, None]:
         return [], None  # K=0: nothing is sampled ahead, no engine state
