@@ -14,7 +14,7 @@ RUN = [*QUICK, "--total_episodes", "64", "--eval_every", "2", "--save_every", "2
        "--eval_temperature", "0"]
 TRAINING = ("loss/policy_avg", "objective/scores", "objective/kl", "logps/chosen", "async/staleness")
 # grpo_multiturn_vllm.py: 4 updates of 8 rows x 4 episodes, evaluated greedily on 32 rows at 0, 2 and 4
-EPISODES_RUN = ["--total_episodes", "32", "--per_device_train_batch_size", "8", "--eval_every", "2",
+EPISODES_RUN = ["--total_episodes", "128", "--per_device_train_batch_size", "8", "--eval_every", "2",
                 "--eval_num_prompts", "32", "--eval_temperature", "0", "--async_steps", "1"]
 
 
