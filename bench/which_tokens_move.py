@@ -42,7 +42,9 @@ class Args:
     prompts: int = 256
     """train prompts, one starting-policy completion each, at the run's temperature"""
     name: str | None = None
-    """the results file's name: bench/results/which_tokens_move_<name>.json (default: the run folder's name)"""
+    """the results file's name: which_tokens_move_<name>.json (default: the run folder's name)"""
+    output_dir: str = os.path.join(ROOT, "bench", "results")
+    """where the results file goes"""
 
 
 def token_kinds(tokens: list[str], eos: str) -> list[str]:
@@ -142,7 +144,7 @@ def main(args: Args):
         print("  the largest (position: token): " + ", ".join(f"{position}: {token!r} {share:.2f}"
                                                              for (position, token), share in top))
     name = args.name or os.path.basename(os.path.normpath(args.run_dir))
-    destination = os.path.join(ROOT, "bench", "results", f"which_tokens_move_{name}.json")
+    destination = os.path.join(args.output_dir, f"which_tokens_move_{name}.json")
     with open(destination, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nresults in {destination}")

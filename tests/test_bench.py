@@ -125,3 +125,23 @@ def test_off_policy_corrections_quick(tmp_path):
     assert_plot(tmp_path / "results.png", 500)  # one column of panels, 5 inches wide
     assert_plot(tmp_path / "results_curves.png", 400)
     assert "grpo math: score a quarter of the way" in result.stdout
+
+
+@pytest.mark.slow
+def test_which_tokens_move_reads_a_runs_snapshots(tmp_path):
+    """A K = 2 GRPO run on the arithmetic task with a snapshot every 2 updates: the mismatch of each snapshot on the
+    starting policy's completions, split by kind and position into shares that add up to 1, each kind's tokens
+    counted once."""
+    run_script("--preset", "toy-math", "--async_steps", "2", "--total_episodes", "256", "--save_every", "2",
+               "--eval_every", "0", "--output_dir", tmp_path / "run", script="grpo_vllm.py")
+    result = run_script("--run_dir", tmp_path / "run", "--updates", "2", "4", "--prompts", "32", "--output_dir",
+                        tmp_path, script="bench/which_tokens_move.py")
+    measured = json.loads((tmp_path / "which_tokens_move_run.json").read_text())
+    assert sorted(measured["by_update"], key=int) == ["2", "4"]
+    for entry in measured["by_update"].values():
+        assert entry["mismatch_kl_per_token"] > 0
+        assert sum(kind["share_of_mismatch"] for kind in entry["by_kind"].values()) == pytest.approx(1.0)
+        assert sum(entry["by_position"].values()) == pytest.approx(1.0)
+        assert 0 < entry["largest_token_share_median"] <= 1
+    tokens = sum(kind["tokens"] for kind in measured["by_update"]["2"]["by_kind"].values())
+    assert f"{tokens} tokens" in result.stdout
