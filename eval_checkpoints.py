@@ -178,19 +178,14 @@ def start_engine(args: Args):
 def engine_completions(args: Args, llm, policy, task, update: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The near-greedy and the sampled completions of every evaluation prompt by `policy`'s weights in the
     engine, each row with its own seed from (--seed, `update`, row).  -> (prompts, response_length) each"""
-    import dataclasses
-
     import vllm_generator
     import weight_transport
 
-    prompts = task.eval_prompts["input_ids"]
-    seeds = evaluation.engine_seeds(args.seed, update, len(prompts))
-    near_greedy = dataclasses.replace(args.generation, temperature=args.evaluation.eval_temperature, top_p=1.0)
     with engine_kernels():
         weight_transport.load_engine_weights(llm, policy)  # and the prefix cache of the last policy's KV cleared
-        return tuple(vllm_generator.vllm_generate(llm, prompts, seeds, sampling, task.eos_ids,
-                                                  task.tokenizer.pad_token_id)[0]
-                     for sampling in (near_greedy, args.generation))
+        return vllm_generator.evaluation_completions(llm, task.eval_prompts["input_ids"], args.seed, update,
+                                                     args.generation, args.evaluation.eval_temperature, task.eos_ids,
+                                                     task.tokenizer.pad_token_id)
 
 
 def main(args: Args):

@@ -470,6 +470,17 @@ def engine_logprob_diff(sampling_policy, queries: list[list[int]], responses: to
     return common.masked_mean((logprobs.to(device) - trainer_logprobs).abs(), mask)
 
 
+def evaluation_completions(llm, prompts: list[list[int]], seed: int, update: int, generation: common.GenerationArgs,
+                           eval_temperature: float, eos_ids, pad_token_id) -> tuple[torch.Tensor, torch.Tensor]:
+    """The near-greedy (--eval_temperature) and the sampled (the training's sampling) completions of every
+    evaluation prompt by the weights `llm` holds, each row seeded by evaluation.engine_seeds: the _vllm scripts'
+    engine and eval_checkpoints.py --vllm sample the same ones.  -> (prompts, response_length) each"""
+    seeds = evaluation.engine_seeds(seed, update, len(prompts))
+    near_greedy = dataclasses.replace(generation, temperature=eval_temperature, top_p=1.0)
+    return tuple(vllm_generate(llm, prompts, seeds, sampling, eos_ids, pad_token_id)[0]
+                 for sampling in (near_greedy, generation))
+
+
 @torch.no_grad()
 def evaluate_version(job: GeneratorJob, llm, sampling_policy, version: int):
     """The engine's evaluation of `version` (the weights it holds now, as the sampling policy does), handed to the
@@ -482,10 +493,8 @@ def evaluate_version(job: GeneratorJob, llm, sampling_policy, version: int):
     if isinstance(job.sample, SampleEpisodes):
         job.channels.batches.put(Evaluation(version, metrics=job.sample.evaluate(llm, version, job)))
         return
-    seeds = evaluation.engine_seeds(job.seed, version, len(wanted.prompts))
-    near_greedy = dataclasses.replace(job.generation, temperature=wanted.temperature, top_p=1.0)
-    greedy, sampled = (vllm_generate(llm, wanted.prompts, seeds, sampling, job.eos_ids, job.pad_token_id)[0]
-                       for sampling in (near_greedy, job.generation))
+    greedy, sampled = evaluation_completions(llm, wanted.prompts, job.seed, version, job.generation,
+                                             wanted.temperature, job.eos_ids, job.pad_token_id)
     device, generation = sampling_policy.device, job.generation
     query_ids, query_mask = common.left_pad(wanted.prompts, job.pad_token_id, device)
     sampled, lengths, _ = common.truncate_after_eos(sampled.to(device), job.eos_ids, job.pad_token_id)
