@@ -160,9 +160,14 @@ class AsyncGenerator:
                 if time.time() > deadline:
                     common.fail(timeout_error)
                 continue
-            if isinstance(item, str):
-                common.fail(f"generation failed: {item}")
-            return item
+            return self._unless_failed(item)
+
+    @staticmethod
+    def _unless_failed(item):
+        """`item`, unless it is the text of the error that stopped the process: then stop with that error."""
+        if isinstance(item, str):
+            common.fail(f"generation failed: {item}")
+        return item
 
     def _next_batch(self) -> Batch:
         """The next whole batch from the process (asked for first, when the engine shares the trainer's
@@ -229,17 +234,17 @@ class AsyncGenerator:
         if not self.in_engine:
             self.due = self.due[len(due):]
             return [(version, None) for version in due]
-        if self.leader and self.engine_started:
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if rank == 0 and self.engine_started:  # the leader of engine 0, the one that evaluates
             with contextlib.suppress(queue.Empty):
                 while True:  # what the process has sent by now, without waiting
-                    if (batch := self._keep(self.channels.batches.get_nowait())) is not None:
+                    if (batch := self._keep(self._unless_failed(self.channels.batches.get_nowait()))) is not None:
                         self.sampled_ahead.append(batch)
             while wait and any(version not in self.arrived for version in due):
                 if (batch := self._next_message()) is not None:
                     self.sampled_ahead.append(batch)
         ready = [sorted(version for version in self.arrived if version <= update)]
         torch.distributed.broadcast_object_list(ready, src=0)
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         evaluations = []
         for version in ready[0]:
             shares = None
@@ -257,25 +262,28 @@ class AsyncGenerator:
         announced by version number: one memory copy into a shared buffer, or over NCCL to an engine on a GPU of
         its own; bucket by bucket (every rank calls it: under ZeRO-3 a rank gathers one bucket at a time).
         `part`: the policy's attribute name when the DeepSpeed engine trains more than the policy (PPO)."""
-        if (version > sampling_version(self.num_updates, self.asynchronous.async_steps)
-                and version not in self.engine_versions):
+        past_batches = version > sampling_version(self.num_updates, self.asynchronous.async_steps)
+        if past_batches and version not in self.engine_versions:
             return  # no batch samples with these weights, nor does the engine evaluate them (it may have ended)
+        # past its last batch only engine 0 takes weights, to evaluate them: another may have ended (under ZeRO-3
+        # its ranks still gather each bucket with the others)
+        sends = self.leader and not (past_batches and self.share[0] != 0)
         model = policy.module if part is None else getattr(policy.module, part)
         weights = lora.merged_weights(model)  # the order the receiver expects; a LoRA adapter merged in
         first = weights[0][1][0]
         sizes = [getattr(made_of[0], "ds_numel", made_of[0].numel()) for _, made_of, _ in weights]  # ZeRO-3: whole
         offsets = [0, *itertools.accumulate(sizes)]  # in the flat weights
         shared = None
-        if self.leader and self.placement.weights_over_nccl:
+        if sends and self.placement.weights_over_nccl:
             self.channels.published.put((version, None))  # the buckets follow
-        elif self.leader:
+        elif sends:
             shared = self._free_shared_weights(offsets[-1], first.dtype, version)
         for bucket in weight_transport.weight_buckets(sizes, first.element_size()):
             with common.gathered(policy, [p for i in bucket for p in weights[i][1]]):
                 if shared is not None:
                     for i in bucket:
                         shared.flat[offsets[i]:offsets[i + 1]].copy_(weights[i][2]().reshape(-1))
-                elif self.leader:
+                elif sends:
                     self._send(torch.cat([weights[i][2]().reshape(-1) for i in bucket]), version)
         if shared is not None:
             self.channels.published.put((version, shared.handle))
