@@ -145,3 +145,26 @@ def test_which_tokens_move_reads_a_runs_snapshots(tmp_path):
         assert 0 < entry["largest_token_share_median"] <= 1
     tokens = sum(kind["tokens"] for kind in measured["by_update"]["2"]["by_kind"].values())
     assert f"{tokens} tokens" in result.stdout
+
+
+def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
+    """bench/horizon_table.py: each cell from the results JSON's per-update curves (two seeds pooled: mean ± std),
+    the rows of a file with a flag of its own named by it."""
+    def curve(scale: float) -> dict:
+        return {"update": list(range(1, 129)), "async/mismatch_kl": [scale * u for u in range(1, 129)],
+                "async/ess": [1.0 - scale] * 128, "eval_update": list(range(0, 129, 4)),
+                "eval/accuracy": [0.5 if u == 20 else scale * 100 for u in range(0, 129, 4)],
+                "eval/kl": [0.0] * 32 + [scale]}
+    files = []
+    for name, extra, curves in [("a", "--total_episodes 8192", {"ppo math k16 none seed1": curve(0.008),
+                                                                 "ppo math k16 none seed2": curve(0.009)}),
+                                ("b", "--total_episodes 8192 --kl_penalty_logprobs start",
+                                 {"ppo math k16 none seed1": curve(0.007)})]:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"args": {"extra": extra}, "curves": curves}))
+        files.append(tmp_path / f"{name}.json")
+    table = run_script(*files, script="bench/horizon_table.py").stdout.splitlines()
+    assert table[2] == ("| ppo k16 none | 1,2 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | "
+                        "0.850 ± 0.071 | 0.850 ± 0.071 | 0.50 (20), 0.50 (20) | 0.076 ± 0.006 / 0.212 ± 0.018 / "
+                        "0.412 ± 0.034 / 0.820 ± 0.068 | 0.99 ± 0.00 / 0.99 ± 0.00 | 0.01 ± 0.00 |")
+    assert table[3].startswith("| ppo k16 none --kl_penalty_logprobs start | 1 | 0.700 |")
+    assert len(table) == 4

@@ -1,0 +1,78 @@
+"""The long-horizon table of bench/RESULTS.md ("The corrections on a long horizon"), drawn from the per-update curves
+that bench/off_policy_corrections.py keeps in its results JSON: for each run (algorithm, K, correction, the seeds
+pooled), accuracy at a few updates (mean ± std over the seeds), each seed's lowest accuracy after update 8 and where,
+`async/mismatch_kl` and `async/ess` averaged over windows of updates (the first K + 1 train on the starting policy's
+samples, the later ones on samples of weights the run trained), and the final eval KL where the script has a
+reference. Flags that differ between the files (an --extra of one of them) name its rows.
+
+    python bench/horizon_table.py bench/results/off_policy_corrections_grpo_total_episodes-8192_eval_in_trainer.json \
+        bench/results/off_policy_corrections_ppo_none_decoupled_m2po_total_episodes-8192_eval_in_trainer*.json
+"""
+
+import collections
+import json
+import shlex
+import statistics
+import sys
+
+UPDATES = (8, 16, 24, 32, 64, 128)
+
+
+def mean_std(values: list[float], form: str = "{:.3f}") -> str:
+    return form.format(statistics.mean(values)) + (f" ± {form.format(statistics.stdev(values))}"
+                                                   if len(values) > 1 else "")
+
+
+def window_mean(curve: dict, name: str, first: int, last: int) -> float:
+    return statistics.mean(value or 0.0 for update, value in zip(curve["update"], curve[name])
+                           if first <= update <= last)
+
+
+def flags(extra: str) -> list[str]:
+    """`extra`'s flags, each with its values: "--a 1 --b" -> ["--a 1", "--b"]."""
+    grouped = []
+    for token in shlex.split(extra):
+        if token.startswith("--") or not grouped:
+            grouped.append(token)
+        else:
+            grouped[-1] += f" {token}"
+    return grouped
+
+
+def rows(paths: list[str]) -> dict:
+    """Each run's seeds' curves, by (algorithm, K, correction, the flags that set its file apart)."""
+    results = [json.load(open(path)) for path in paths]
+    extras = [set(flags(result["args"]["extra"])) for result in results]
+    common = set.intersection(*extras)
+    runs = collections.defaultdict(list)
+    for result, extra in zip(results, extras):
+        own = " ".join(sorted(extra - common))
+        for name, curve in result["curves"].items():
+            algorithm, _, k, correction, seed = name.split()
+            runs[(algorithm, int(k[1:]), correction, own)].append((int(seed.removeprefix("seed")), curve))
+    return runs
+
+
+def main(paths: list[str]):
+    windows = ((1, 17), (18, 32), (33, 64), (65, 128))
+    print("| run | seeds | " + " | ".join(map(str, UPDATES)) + " | lowest after 8 (update) | mismatch KL "
+          + " / ".join(f"{a}-{b}" for a, b in windows) + " | ESS 18-32 / 65-128 | final eval KL |")
+    print("|" + " --- |" * (len(UPDATES) + 6))
+    for (algorithm, k, correction, own), seeds in sorted(rows(paths).items()):
+        seeds.sort(key=lambda seed: seed[0])
+        curves = [curve for _, curve in seeds]
+        accuracy = [dict(zip(curve["eval_update"], curve["eval/accuracy"])) for curve in curves]
+        lowest = ", ".join("{:.2f} ({})".format(*min((score, update) for update, score in by_update.items()
+                                                     if update > 8)) for by_update in accuracy)
+        drift = " / ".join(mean_std([window_mean(curve, "async/mismatch_kl", *window) for curve in curves])
+                           for window in windows)
+        ess = " / ".join(mean_std([window_mean(curve, "async/ess", *window) for curve in curves], "{:.2f}")
+                         for window in ((18, 32), (65, 128)))
+        kl = mean_std([curve["eval/kl"][-1] for curve in curves], "{:.2f}") if "eval/kl" in curves[0] else "-"
+        scores = " | ".join(mean_std([by_update[update] for by_update in accuracy]) for update in UPDATES)
+        print(f"| {algorithm} k{k} {correction}{' ' + own if own else ''} | {','.join(str(s) for s, _ in seeds)} | "
+              f"{scores} | {lowest} | {drift} | {ess} | {kl} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
