@@ -16,9 +16,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # them the multi-turn tests.
 SLOWEST_FIRST = ["test_vllm_scripts.py", "test_multiturn.py", "test_online_dpo_vllm.py", "test_math.py",
                  "test_two_ranks.py", "test_grpo_vllm.py", "test_rloo_vllm.py", "test_inflight.py", "test_ppo_vllm.py",
-                 "test_bench.py", "test_tools.py", "test_pipeline.py", "test_own_inputs_vllm.py", "test_reliability.py",
-                 "test_online_dpo.py", "test_rloo_bok.py", "test_ppo.py", "test_multiturn_vllm.py", "test_lora.py",
-                 "test_grpo.py", "test_own_inputs.py"]
+                 "test_bench.py", "test_engine_evaluation.py", "test_off_policy.py", "test_tools.py",
+                 "test_pipeline.py", "test_own_inputs_vllm.py", "test_reliability.py", "test_online_dpo.py",
+                 "test_rloo_bok.py", "test_ppo.py", "test_multiturn_vllm.py", "test_lora.py", "test_grpo.py",
+                 "test_own_inputs.py"]
 
 
 def pytest_sessionstart(session):
