@@ -20,7 +20,7 @@ in), and since launch; where an update's time goes, and the overlap's bound (G +
 arm's measured parts (G its generation, the environment's steps included; T its training); then the ratios.
 A finished run (its `done` marker) is not run again, so an interrupted sweep goes on where it stopped when given
 the same --output_dir. Writes results.json (with every run's per-update curves) there, and for a full run also
-bench/results/multiturn_latency.json.
+bench/results/multiturn_latency.json (multiturn_latency_engine_evaluation.json with --engine_evaluation).
 
     python bench/multiturn_sync_vs_async.py                                # about an hour on 2 CPU cores
     python bench/multiturn_sync_vs_async.py --latencies 0.5 --seeds 1 2    # one latency
@@ -82,6 +82,10 @@ class Args:
     """the environment of every arm"""
     extra: str = ""
     """flags given to every run, e.g. --extra="--num_epochs 4" (more training per batch: more for the engine to hide)"""
+    engine_evaluation: bool = False
+    """the vLLM arms evaluate in their engine (their scripts' default; in flight evaluates in the trainer anyway), so
+    the wall clock leaves out their evaluations but not sync's; by default every arm evaluates in the trainer
+    (--eval_in_trainer): the same work on every clock"""
     quick: bool = False
     """smoke test: sync and async at 0.1 s, 1 seed, 6 updates, evaluated at the start, update 3 and the end on 32
     rows"""
@@ -97,6 +101,7 @@ def train(arm: str, latency: float, seed: int, args: Args) -> dict:
                    "--env_latency", str(latency), "--env_latency_spread", str(args.latency_spread),
                    "--total_episodes", str(args.updates * 32), "--seed", str(seed),
                    "--eval_every", str(args.eval_every), "--eval_num_prompts", str(args.eval_rows),
+                   *([] if arm == "sync" or args.engine_evaluation else ["--eval_in_trainer"]),
                    *shlex.split(args.extra), "--output_dir", output_dir]
         print("$", " ".join(command[1:]), flush=True)
         shutil.rmtree(output_dir, ignore_errors=True)  # an interrupted run starts over
@@ -206,7 +211,8 @@ def main(args: Args):
             print(f"{arm} vs sync, training minutes of the {args.updates} updates: {per_update:.2f}x")
     destinations = [os.path.join(args.output_dir, "results.json")]
     if not args.quick:
-        destinations.append(os.path.join(ROOT, "bench", "results", "multiturn_latency.json"))
+        name = "multiturn_latency_engine_evaluation" if args.engine_evaluation else "multiturn_latency"
+        destinations.append(os.path.join(ROOT, "bench", "results", f"{name}.json"))
     for destination in destinations:
         with open(destination, "w") as f:
             json.dump({"args": vars(args), "table": table}, f)

@@ -93,6 +93,9 @@ def test_multiturn_sync_vs_async_quick(tmp_path):
         assert len(updates) == 6 and row["phases"]["time/train"] == statistics.median(
             m["time/train"] for m in updates), (arm, row)
         assert all(m["env/step_time_median"] >= 0.1 for m in updates)
+        if arm == "async":  # every arm evaluates in the trainer, as sync does
+            run_args = json.loads((tmp_path / "async-latency0.1-seed1" / "args.json").read_text())["args"]
+            assert run_args["eval_in_trainer"]
         assert row["curves"][0]["rollout/return_mean"] == [m["rollout/return_mean"] for m in updates]
     assert "async vs sync, wall minutes to return 0.6" in result.stdout
     assert "async vs sync, training minutes of the 6 updates" in result.stdout
