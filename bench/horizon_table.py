@@ -1,6 +1,7 @@
 """The long-horizon table of bench/RESULTS.md ("The corrections on a long horizon"), drawn from the per-update curves
 that bench/off_policy_corrections.py keeps in its results JSON: for each run (algorithm, K, correction, the seeds
 pooled), accuracy at a few updates (mean ± std over the seeds), each seed's lowest accuracy after update 8 and where,
+the first update after it evaluated at 0.95 or more,
 `async/mismatch_kl` and `async/ess` averaged over windows of updates (the first K + 1 train on the starting policy's
 samples, the later ones on samples of weights the run trained), and the final eval KL where the script has a
 reference. Flags that differ between the files (an --extra of one of them) name its rows.
@@ -16,6 +17,7 @@ import statistics
 import sys
 
 UPDATES = (8, 16, 24, 32, 64, 128)
+BACK = 0.95  # the accuracy whose first return after a run's lowest is shown
 
 
 def mean_std(values: list[float], form: str = "{:.3f}") -> str:
@@ -55,15 +57,18 @@ def rows(paths: list[str]) -> dict:
 
 def main(paths: list[str]):
     windows = ((1, 17), (18, 32), (33, 64), (65, 128))
-    print("| run | seeds | " + " | ".join(map(str, UPDATES)) + " | lowest after 8 (update) | mismatch KL "
-          + " / ".join(f"{a}-{b}" for a, b in windows) + " | ESS 18-32 / 65-128 | final eval KL |")
-    print("|" + " --- |" * (len(UPDATES) + 6))
+    print("| run | seeds | " + " | ".join(map(str, UPDATES)) + f" | lowest after 8 (update) | back to {BACK} (update) "
+          + "| mismatch KL " + " / ".join(f"{a}-{b}" for a, b in windows) + " | ESS 18-32 / 65-128 | final eval KL |")
+    print("|" + " --- |" * (len(UPDATES) + 7))
     for (algorithm, k, correction, own), seeds in sorted(rows(paths).items()):
         seeds.sort(key=lambda seed: seed[0])
         curves = [curve for _, curve in seeds]
         accuracy = [dict(zip(curve["eval_update"], curve["eval/accuracy"])) for curve in curves]
-        lowest = ", ".join("{:.2f} ({})".format(*min((score, update) for update, score in by_update.items()
-                                                     if update > 8)) for by_update in accuracy)
+        lows = [min((score, update) for update, score in by_update.items() if update > 8) for by_update in accuracy]
+        lowest = ", ".join(f"{score:.2f} ({update})" for score, update in lows)
+        back = ", ".join(str(next((update for update in sorted(by_update)
+                                   if update > low and by_update[update] >= BACK), "-"))
+                         for by_update, (_, low) in zip(accuracy, lows))
         drift = " / ".join(mean_std([window_mean(curve, "async/mismatch_kl", *window) for curve in curves])
                            for window in windows)
         ess = " / ".join(mean_std([window_mean(curve, "async/ess", *window) for curve in curves], "{:.2f}")
@@ -71,7 +76,7 @@ def main(paths: list[str]):
         kl = mean_std([curve["eval/kl"][-1] for curve in curves], "{:.2f}") if "eval/kl" in curves[0] else "-"
         scores = " | ".join(mean_std([by_update[update] for by_update in accuracy]) for update in UPDATES)
         print(f"| {algorithm} k{k} {correction}{' ' + own if own else ''} | {','.join(str(s) for s, _ in seeds)} | "
-              f"{scores} | {lowest} | {drift} | {ess} | {kl} |")
+              f"{scores} | {lowest} | {back} | {drift} | {ess} | {kl} |")
 
 
 if __name__ == "__main__":
