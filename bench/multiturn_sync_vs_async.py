@@ -93,16 +93,21 @@ class Args:
     """where the runs and results.json go (default runs/bench-multiturn-sync-vs-async-<time>)"""
 
 
+def run_command(arm: str, latency: float, seed: int, args: Args, output_dir: str) -> list[str]:
+    """The command line of one run."""
+    return [sys.executable, os.path.join(ROOT, ARMS[arm][0]), *ARMS[arm][1:], "--env", args.env,
+            "--env_latency", str(latency), "--env_latency_spread", str(args.latency_spread),
+            "--total_episodes", str(args.updates * 32), "--seed", str(seed),
+            "--eval_every", str(args.eval_every), "--eval_num_prompts", str(args.eval_rows),
+            *([] if arm == "sync" or args.engine_evaluation else ["--eval_in_trainer"]),
+            *shlex.split(args.extra), "--output_dir", output_dir]
+
+
 def train(arm: str, latency: float, seed: int, args: Args) -> dict:
     """One run (read_run's numbers)."""
     output_dir = os.path.join(args.output_dir, f"{arm}-latency{latency:g}-seed{seed}")
     if not os.path.exists(os.path.join(output_dir, "done")):
-        command = [sys.executable, os.path.join(ROOT, ARMS[arm][0]), *ARMS[arm][1:], "--env", args.env,
-                   "--env_latency", str(latency), "--env_latency_spread", str(args.latency_spread),
-                   "--total_episodes", str(args.updates * 32), "--seed", str(seed),
-                   "--eval_every", str(args.eval_every), "--eval_num_prompts", str(args.eval_rows),
-                   *([] if arm == "sync" or args.engine_evaluation else ["--eval_in_trainer"]),
-                   *shlex.split(args.extra), "--output_dir", output_dir]
+        command = run_command(arm, latency, seed, args, output_dir)
         print("$", " ".join(command[1:]), flush=True)
         shutil.rmtree(output_dir, ignore_errors=True)  # an interrupted run starts over
         launched = time.time()

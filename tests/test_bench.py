@@ -192,3 +192,19 @@ def test_the_latency_table_is_drawn_from_the_sweeps_results(tmp_path):
         "| 0.5 s | bound (G + T) / max(G, T), sync's parts | | | | | 1.25x | |"]
     refused = run_script(tmp_path / "results.json", "--target", "0.7", script="bench/latency_table.py", check=False)
     assert refused.returncode != 0 and "--target 0.7 is not one of the sweep's targets [0.5, 0.8]" in refused.stderr
+
+
+def test_the_latency_sweeps_vllm_arms_evaluate_in_the_trainer_unless_told():
+    """Every arm evaluates in the trainer by default (the same work on every clock); --engine_evaluation leaves the
+    vLLM arms their scripts' default, evaluation in the engine."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "bench" / "multiturn_sync_vs_async.py"
+    spec = importlib.util.spec_from_file_location("multiturn_sync_vs_async", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    default, in_engine = bench.Args(), bench.Args(engine_evaluation=True)
+    assert [("--eval_in_trainer" in bench.run_command(arm, 0.5, 1, default, "out")) for arm in bench.ARMS] == [
+        False, True, True, True]  # sync, async, continuous, inflight: grpo_multiturn.py evaluates nowhere else
+    assert not any("--eval_in_trainer" in bench.run_command(arm, 0.5, 1, in_engine, "out") for arm in bench.ARMS)
