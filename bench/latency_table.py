@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 import tyro
+from multiturn_sync_vs_async import median_or_none  # None where a seed never reached the target
 
 
 @dataclass
@@ -21,11 +22,6 @@ class Args:
     """a results JSON of bench/multiturn_sync_vs_async.py"""
     target: float = 0.7
     """the return whose wall minutes since update 1 are compared with sync's (one of the sweep's --targets)"""
-
-
-def median_if_all(values: list) -> float | None:
-    """The median, or None where a seed never reached the target."""
-    return statistics.median(values) if all(value is not None for value in values) else None
 
 
 def shown(value: float | None) -> str:
@@ -45,13 +41,13 @@ def main(args: Args):
     for latency, arms in results["table"].items():
         sync = arms["sync"]
         sync_per_update = statistics.median(sync["training_minutes_total"]) * 60 / updates
-        sync_to_target = median_if_all(sync[f"wall_minutes_to_{args.target:g}"])
+        sync_to_target = median_or_none(sync[f"wall_minutes_to_{args.target:g}"])
         for arm, row in arms.items():
             if arm == "bound":
                 continue
             per_update = statistics.median(row["training_minutes_total"]) * 60 / updates
-            to_targets = [median_if_all(row[f"wall_minutes_to_{target:g}"]) for target in targets]
-            to_target = median_if_all(row[f"wall_minutes_to_{args.target:g}"])
+            to_targets = [median_or_none(row[f"wall_minutes_to_{target:g}"]) for target in targets]
+            to_target = median_or_none(row[f"wall_minutes_to_{args.target:g}"])
             ratio = f"{sync_to_target / to_target:.2f}x" if sync_to_target and to_target else "-"
             engine = row["phases"].get("time/generate") if arm != "sync" else None
             finals = ", ".join(f"{value:.2f}" for value in row["final_returns"])
