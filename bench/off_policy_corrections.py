@@ -15,7 +15,8 @@ interrupted sweep goes on where it stopped when given the same --output_dir. Pri
 seeds) and writes results.json and a figure (scores, KL, mismatch KL and effective sample size against K, and
 the final score against the mismatch KL, one line per correction) to --output_dir, and for a full run also to
 bench/results/off_policy_corrections.{json,png} (the name gains the task when not math, the algorithms when not
-all three, the corrections when not all six, and the --extra flags: off_policy_corrections_grpo_rloo.png).
+all three, the corrections when not all six, the values of K when not 0 1 4 16, and the --extra flags:
+off_policy_corrections_grpo_rloo.png, off_policy_corrections_grpo_k4_total_episodes-8192.png).
 
     python bench/off_policy_corrections.py                          # GRPO, RLOO, PPO on toy-math: ~4 h on 2 cores
     python bench/off_policy_corrections.py --algorithms grpo --seeds 1    # ~40 minutes
@@ -109,6 +110,19 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
 def extra_suffix(args) -> str:
     """What --extra adds to a run's and a result file's name: `_correction_level-sequence`."""
     return "".join(f"_{word.lstrip('-')}" if word.startswith("--") else f"-{word}" for word in shlex.split(args.extra))
+
+
+def result_name(args: Args) -> str:
+    """The name of a full sweep's files in bench/results: another task's, a subset of the algorithms', the
+    corrections' or the values of K, or other --extra flags, each in files of their own."""
+    name = "off_policy_corrections" + "".join(f"_{task}" for task in args.tasks if task != "math")
+    if set(args.algorithms) != {"grpo", "rloo", "ppo"}:
+        name += "".join(f"_{algorithm}" for algorithm in args.algorithms)
+    if set(args.corrections) != set(CORRECTIONS):
+        name += "".join(f"_{correction}" for correction in args.corrections)
+    if set(args.async_steps) != {0, 1, 4, 16}:
+        name += "_k" + "-".join(str(k) for k in args.async_steps)
+    return name + extra_suffix(args)
 
 
 def summary(values: list) -> list | None:
@@ -244,14 +258,8 @@ def main(args: Args):
                            f"{cell_values['dropped_frac'][0]:.2f}".rjust(56))
             print(f"{k:>3} " + "".join(row))
     destinations = [os.path.join(args.output_dir, "results")]
-    if not args.quick:  # another task's, or a subset of the algorithms', in a file of their own
-        name = "off_policy_corrections" + "".join(f"_{task}" for task in args.tasks if task != "math")
-        if set(args.algorithms) != {"grpo", "rloo", "ppo"}:
-            name += "".join(f"_{algorithm}" for algorithm in args.algorithms)
-        if set(args.corrections) != set(CORRECTIONS):
-            name += "".join(f"_{correction}" for correction in args.corrections)
-        name += extra_suffix(args)
-        destinations.append(os.path.join(ROOT, "bench", "results", name))
+    if not args.quick:
+        destinations.append(os.path.join(ROOT, "bench", "results", result_name(args)))
     for destination in destinations:
         with open(destination + ".json", "w") as f:
             json.dump({"args": vars(args), "table": table, "curves": curves}, f)

@@ -22,6 +22,17 @@ def assert_plot(path, width: int | None = None, height: int | None = None):
     assert (width or image.shape[1], height or image.shape[0]) == (image.shape[1], image.shape[0]), image.shape
 
 
+def bench_module(name: str):
+    """A bench script imported as a module, for its pure functions."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parent.parent / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
 def test_off_policy_quick(tmp_path):
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy.py")
@@ -197,14 +208,19 @@ def test_the_latency_table_is_drawn_from_the_sweeps_results(tmp_path):
 def test_the_latency_sweeps_vllm_arms_evaluate_in_the_trainer_unless_told():
     """Every arm evaluates in the trainer by default (the same work on every clock); --engine_evaluation leaves the
     vLLM arms their scripts' default, evaluation in the engine."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parent.parent / "bench" / "multiturn_sync_vs_async.py"
-    spec = importlib.util.spec_from_file_location("multiturn_sync_vs_async", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("multiturn_sync_vs_async")
     default, in_engine = bench.Args(), bench.Args(engine_evaluation=True)
     assert [("--eval_in_trainer" in bench.run_command(arm, 0.5, 1, default, "out")) for arm in bench.ARMS] == [
         False, True, True, True]  # sync, async, continuous, inflight: grpo_multiturn.py evaluates nowhere else
     assert not any("--eval_in_trainer" in bench.run_command(arm, 0.5, 1, in_engine, "out") for arm in bench.ARMS)
+
+
+def test_a_sweeps_result_files_name_what_it_left_out_or_added():
+    """Two sweeps that differ in K (or anything else) never write the same file in bench/results."""
+    bench = bench_module("off_policy_corrections")
+    assert bench.result_name(bench.Args()) == "off_policy_corrections"
+    assert bench.result_name(bench.Args(algorithms=("grpo",), async_steps=(4,), extra="--total_episodes 8192")) == (
+        "off_policy_corrections_grpo_k4_total_episodes-8192")
+    assert bench.result_name(bench.Args(tasks=("tldr",), async_steps=(4, 16), corrections=("none", "m2po"))) == (
+        "off_policy_corrections_tldr_none_m2po_k4-16")
+    assert bench.result_name(bench.Args(async_steps=(16, 4, 1, 0))) == "off_policy_corrections"
