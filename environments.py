@@ -16,14 +16,11 @@ naming it, the episode and what was wrong.
 """
 
 import functools
-import inspect
 import itertools
-import json
 import math
 import os
 import queue
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +32,7 @@ import torch
 import common
 import data
 import lora
+import tool_calls
 import toy
 
 
@@ -186,23 +184,6 @@ def template_around_message(tokenizer, eos_ids: list[int], model: str, tools: li
     return stop_id, encode(end_of_action + prefix), encode(suffix), before, end_of_action
 
 
-def tool_schemas(env_class: type, spec: str) -> list[dict]:
-    """The JSON schemas of the tools an environment lists in its `tools` attribute (read off one built with no
-    arguments), by transformers' get_json_schema: type hints and a Google-style docstring (one line otherwise)."""
-    from transformers.utils import get_json_schema
-
-    schemas = []
-    for tool in getattr(env_class(), "tools", None) or []:
-        if not callable(tool):
-            common.fail(f"--env {spec!r}: its tools must be callables (functions or methods), got {tool!r:.80}")
-        try:
-            schemas.append(get_json_schema(tool))
-        except Exception as error:
-            common.fail(f"--env {spec!r}: tool {getattr(tool, '__name__', tool)!r} has no JSON schema ({error}); a "
-                        "tool needs type hints and a Google-style docstring with an Args: section")
-    return schemas
-
-
 def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows: int, lora_args, rank: int,
                   evaluate: bool) -> EnvTask:
     """The task of a multi-turn run; the embedded environment's policy and rows are built first when asked for.
@@ -228,7 +209,7 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
     if chat_template and tokenizer.chat_template is None:
         common.fail(f"--chat_template was given but the tokenizer of {data_args.model_name_or_path!r} has no chat "
                     "template")
-    tools = tool_schemas(env_class, env_args.env)
+    tools = tool_calls.tool_schemas(env_class, env_args.env)
     if tools and not chat_template:
         common.fail(f"--env {env_args.env!r} has tools, which reach the policy through a chat template: give "
                     "--chat_template (or --chat_template_path)")
@@ -354,82 +335,6 @@ def check_step(result, where: str, chat_template: bool) -> tuple[str | list[dict
             common.fail(f"{where} returned a list of messages, which reach the policy through a chat template: give "
                         "--chat_template (or --chat_template_path)")
     return message, float(reward), bool(done)
-
-
-# ----------------------------------------------------------------------------------------------
-# Tools: an environment's `tools`, the policy's calls in its own format
-# ----------------------------------------------------------------------------------------------
-HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(task: EnvTask, text: str) -> list[dict]:
-    """The tool calls in a turn's text, each {"name": str, "arguments": dict}, or {"error": what was wrong} for a
-    malformed one: through the tokenizer's own response parsing where transformers has one for it (its
-    response_template), else in the Hermes format, <tool_call>{"name": ..., "arguments": {...}}</tool_call>."""
-    if getattr(task.tokenizer, "response_template", None) is not None:
-        try:
-            message = task.tokenizer.parse_response(text, tools=task.tools)
-        except Exception as error:  # the parser's own errors, whatever their type
-            return [{"error": f"the turn could not be parsed ({error})"}]
-        calls = [call.get("function", call) for call in message.get("tool_calls") or []]
-    else:
-        calls = []
-        for block in HERMES_CALL.findall(text):
-            try:
-                calls.append(json.loads(block))
-            except json.JSONDecodeError as error:
-                calls.append({"error": f"the tool call is not JSON ({error.msg}): {block.strip()!r:.80}"})
-        if text.count("<tool_call>") > text.count("</tool_call>"):
-            calls.append({"error": "a <tool_call> is not closed by </tool_call>"})
-    checked = []
-    for call in calls:
-        if not (isinstance(call, dict) and "error" in call):  # JSON of any kind: a number, a list, a dict
-            arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-            if isinstance(arguments, str):  # some formats give the arguments as a JSON string
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    arguments = None
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
-                call = {"error": f'a tool call is {{"name": ..., "arguments": {{...}}}}, got {call!r:.80}'}
-            else:
-                call = {"name": call["name"], "arguments": arguments}
-        checked.append(call)
-    return checked
-
-
-def episode_tools(env) -> dict:
-    """The tools of an episode's environment object, by name."""
-    return {tool.__name__: tool for tool in getattr(env, "tools", None) or []}
-
-
-def call_tools(tools: dict, calls: list[dict], errors_as_messages: bool) -> tuple[list[dict], int]:
-    """The turn's tool calls, one after the other: their results as `tool` messages, and how many were errors. A
-    malformed call, an unknown tool or arguments that do not fit it become a message saying so (the policy learns
-    from it); an exception in a tool too with `errors_as_messages` (--env_failure error_message), else it stops
-    the calls (--env_failure decides)."""
-    messages, errors = [], 0
-    for call in calls:
-        name = call.get("name", "")
-        problem = call.get("error") or (None if name in tools else
-                                        f"there is no tool {name!r}; the tools are {', '.join(tools)}")
-        if problem is None:
-            try:
-                inspect.signature(tools[name]).bind(**call["arguments"])
-            except TypeError as error:
-                problem = f"{name}: {error}"
-        if problem is None:
-            try:
-                result = tools[name](**call["arguments"])
-                content = result if isinstance(result, str) else json.dumps(result)
-            except Exception as error:
-                if not errors_as_messages:
-                    raise
-                problem = f"{name} raised {type(error).__name__}: {error}"
-        if problem is not None:
-            errors, content = errors + 1, f"error: {problem}"
-        messages.append({"role": "tool", "name": name, "content": content})
-    return messages, errors
 
 
 # ----------------------------------------------------------------------------------------------
@@ -563,15 +468,15 @@ class EpisodeLoop:
 
     def take_turn(self, episode: Episode, turn: Turn):
         """The policy's `turn` of `episode`: when the environment has tools and the turn calls them, the tools run on
-        the calls (call_tools); else its environment steps on the turn's text."""
+        the calls (tool_calls.call_tools); else its environment steps on the turn's text."""
         episode.pending, episode.step_started, text = turn, time.monotonic(), action_text(self.task, turn.ids)
-        tools = episode_tools(episode.env) if self.task.tools else {}
-        calls = parse_tool_calls(self.task, text) if tools else []
+        tools = tool_calls.episode_tools(episode.env) if self.task.tools else {}
+        calls = tool_calls.parse_tool_calls(self.task.tokenizer, self.task.tools, text) if tools else []
         self.stepping[episode.number] = episode, len(calls)
         if calls:
             errors_as_messages = self.env_args.env_failure == "error_message"
-            self.steps.start(episode.number, self.slowed(episode, lambda: call_tools(tools, calls, errors_as_messages)),
-                             f"{episode.where}: tool calls")
+            call = lambda: tool_calls.call_tools(tools, calls, errors_as_messages)  # noqa: E731
+            self.steps.start(episode.number, self.slowed(episode, call), f"{episode.where}: tool calls")
         else:
             self.steps.start(episode.number, self.slowed(episode, lambda: episode.env.step(text)),
                              f"{episode.where}: step")

@@ -6,8 +6,7 @@ the first update after it evaluated at 0.95 or more,
 samples, the later ones on samples of weights the run trained), and the final eval KL where the script has a
 reference. Flags that differ between the files (an --extra of one of them) name its rows.
 
-    python bench/horizon_table.py bench/results/off_policy_corrections_grpo_k16_total_episodes-8192_eval_in_trainer.json \
-        bench/results/off_policy_corrections_ppo_none_decoupled_m2po_k16_total_episodes-8192_eval_in_trainer*.json
+    python bench/horizon_table.py bench/results/off_policy_corrections_*k16_total_episodes-8192_eval_in_trainer*.json
 """
 
 import collections

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import environments
+import tool_calls
 from data import DatasetArgs
 from environments import EnvArgs, Turn
 
@@ -74,16 +75,14 @@ def test_malformed_calls_unknown_tools_and_bad_arguments_are_told_to_the_policy(
 
 
 def test_parse_tool_calls_reads_the_hermes_format():
-    task = environments.EnvTask(tokenizer=None, eos_ids=[0], env_class=None, env_name="e", train_rows=None,
-                                eval_rows=None, chat_template=True, end_of_turn_id=0, before_message=[],
-                                after_message=[])
+    """A tokenizer without a response parser of its own (None here): the Hermes format."""
     text = ('I will add. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call> then '
             '<tool_call>{"name": "divide", "arguments": "{\\"a\\": 4, \\"b\\": 2}"}</tool_call>')
-    assert environments.parse_tool_calls(task, text) == [{"name": "add", "arguments": {"a": 1, "b": 2}},
-                                                         {"name": "divide", "arguments": {"a": 4, "b": 2}}]
-    assert environments.parse_tool_calls(task, "no call here") == []
-    assert "error" in environments.parse_tool_calls(task, '<tool_call>{"arguments": {}}</tool_call>')[0]
-    assert "error" in environments.parse_tool_calls(task, "<tool_call>7</tool_call>")[0]  # JSON, not a call
+    assert tool_calls.parse_tool_calls(None, [], text) == [{"name": "add", "arguments": {"a": 1, "b": 2}},
+                                                          {"name": "divide", "arguments": {"a": 4, "b": 2}}]
+    assert tool_calls.parse_tool_calls(None, [], "no call here") == []
+    assert "error" in tool_calls.parse_tool_calls(None, [], '<tool_call>{"arguments": {}}</tool_call>')[0]
+    assert "error" in tool_calls.parse_tool_calls(None, [], "<tool_call>7</tool_call>")[0]  # JSON, not a call
 
 
 @pytest.mark.parametrize("failure", ["stop", "error_message", "drop_group"])
