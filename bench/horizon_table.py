@@ -1,10 +1,10 @@
 """The long-horizon table of bench/RESULTS.md ("The corrections on a long horizon"), drawn from the per-update curves
 that bench/off_policy_corrections.py keeps in its results JSON: for each run (algorithm, K, correction, the seeds
 pooled), accuracy at a few updates (mean ± std over the seeds), each seed's lowest accuracy after update 8 and where,
-the first update after it evaluated at 0.95 or more,
-`async/mismatch_kl` and `async/ess` averaged over windows of updates (the first K + 1 train on the starting policy's
-samples, the later ones on samples of weights the run trained), and the final eval KL where the script has a
-reference. Flags that differ between the files (an --extra of one of them) name its rows.
+the first update after it evaluated at 0.95 or more, `async/mismatch_kl` and `async/ess` averaged over windows of
+updates (1-(K+1): the starting policy's samples; (K+2)-32, 33-64, 65-128: samples of weights the run trained), and
+the final eval KL where the script has a reference. Flags that differ between the files (an --extra of one of them)
+name its rows.
 
     python bench/horizon_table.py bench/results/off_policy_corrections_*k16_total_episodes-8192_eval_in_trainer*.json
 """
@@ -55,9 +55,11 @@ def rows(paths: list[str]) -> dict:
 
 
 def main(paths: list[str]):
-    windows = ((1, 17), (18, 32), (33, 64), (65, 128))
+    def windows(k: int) -> tuple:  # the first K + 1 updates train on the starting policy's samples
+        return (1, k + 1), (k + 2, 32), (33, 64), (65, 128)
+
     print("| run | seeds | " + " | ".join(map(str, UPDATES)) + f" | lowest after 8 (update) | back to {BACK} (update) "
-          + "| mismatch KL " + " / ".join(f"{a}-{b}" for a, b in windows) + " | ESS 18-32 / 65-128 | final eval KL |")
+          "| mismatch KL 1-(K+1) / (K+2)-32 / 33-64 / 65-128 | ESS (K+2)-32 / 65-128 | final eval KL |")
     print("|" + " --- |" * (len(UPDATES) + 7))
     for (algorithm, k, correction, own), seeds in sorted(rows(paths).items()):
         seeds.sort(key=lambda seed: seed[0])
@@ -69,9 +71,9 @@ def main(paths: list[str]):
                                    if update > low and by_update[update] >= BACK), "-"))
                          for by_update, (_, low) in zip(accuracy, lows))
         drift = " / ".join(mean_std([window_mean(curve, "async/mismatch_kl", *window) for curve in curves])
-                           for window in windows)
+                           for window in windows(k))
         ess = " / ".join(mean_std([window_mean(curve, "async/ess", *window) for curve in curves], "{:.2f}")
-                         for window in ((18, 32), (65, 128)))
+                         for window in (windows(k)[1], windows(k)[3]))
         kl = mean_std([curve["eval/kl"][-1] for curve in curves], "{:.2f}") if "eval/kl" in curves[0] else "-"
         scores = " | ".join(mean_std([by_update[update] for by_update in accuracy]) for update in UPDATES)
         print(f"| {algorithm} k{k} {correction}{' ' + own if own else ''} | {','.join(str(s) for s, _ in seeds)} | "

@@ -173,16 +173,19 @@ def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
     for name, extra, curves in [("a", "--total_episodes 8192", {"ppo math k16 none seed1": curve(0.008),
                                                                  "ppo math k16 none seed2": curve(0.009)}),
                                 ("b", "--total_episodes 8192 --kl_penalty_logprobs start",
-                                 {"ppo math k16 none seed1": curve(0.007)})]:
+                                 {"ppo math k16 none seed1": curve(0.007)}),
+                                ("c", "--total_episodes 8192", {"ppo math k4 none seed1": curve(0.001)})]:
         (tmp_path / f"{name}.json").write_text(json.dumps({"args": {"extra": extra}, "curves": curves}))
         files.append(tmp_path / f"{name}.json")
     table = run_script(*files, script="bench/horizon_table.py").stdout.splitlines()
-    assert table[2] == ("| ppo k16 none | 1,2 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | "
+    assert table[3] == ("| ppo k16 none | 1,2 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | "
                         "0.850 ± 0.071 | 0.950 ± 0.071 | 0.50 (20), 0.50 (20) | -, 108 | "
                         "0.076 ± 0.006 / 0.212 ± 0.018 / 0.412 ± 0.034 / 0.820 ± 0.068 | 0.99 ± 0.00 / 0.99 ± 0.00 | "
                         "0.01 ± 0.00 |")
-    assert table[3].startswith("| ppo k16 none --kl_penalty_logprobs start | 1 | 0.700 |")
-    assert len(table) == 4
+    assert table[4].startswith("| ppo k16 none --kl_penalty_logprobs start | 1 | 0.700 |")
+    # K = 4: the windows 1-5 (the starting policy's samples), 6-32, 33-64, 65-128
+    assert table[2].endswith("| 0.10 (12) | - | 0.003 / 0.019 / 0.049 / 0.097 | 1.00 / 1.00 | 0.00 |"), table[2]
+    assert len(table) == 5
 
 
 def test_the_latency_table_is_drawn_from_the_sweeps_results(tmp_path):
