@@ -41,16 +41,17 @@ def flags(extra: str) -> list[str]:
 
 
 def rows(paths: list[str]) -> dict:
-    """Each run's seeds' curves, by (algorithm, K, correction, the flags that set its file apart)."""
+    """Each run's seeds' curves, by (algorithm, K, correction, the flags that set its file apart): {seed: curve}, a
+    run that two files hold (a sweep of a few corrections on more seeds) counted once."""
     results = [json.load(open(path)) for path in paths]
     extras = [set(flags(result["args"]["extra"])) for result in results]
     common = set.intersection(*extras)
-    runs = collections.defaultdict(list)
+    runs = collections.defaultdict(dict)
     for result, extra in zip(results, extras):
         own = " ".join(sorted(extra - common))
         for name, curve in result["curves"].items():
             algorithm, _, k, correction, seed = name.split()
-            runs[(algorithm, int(k[1:]), correction, own)].append((int(seed.removeprefix("seed")), curve))
+            runs[(algorithm, int(k[1:]), correction, own)][int(seed.removeprefix("seed"))] = curve
     return runs
 
 
@@ -61,8 +62,8 @@ def main(paths: list[str]):
     print("| run | seeds | " + " | ".join(map(str, UPDATES)) + f" | lowest after 8 (update) | back to {BACK} (update) "
           "| mismatch KL 1-(K+1) / (K+2)-32 / 33-64 / 65-128 | ESS (K+2)-32 / 65-128 | final eval KL |")
     print("|" + " --- |" * (len(UPDATES) + 7))
-    for (algorithm, k, correction, own), seeds in sorted(rows(paths).items()):
-        seeds.sort(key=lambda seed: seed[0])
+    for (algorithm, k, correction, own), by_seed in sorted(rows(paths).items()):
+        seeds = sorted(by_seed.items())
         curves = [curve for _, curve in seeds]
         accuracy = [dict(zip(curve["eval_update"], curve["eval/accuracy"])) for curve in curves]
         lows = [min((score, update) for update, score in by_update.items() if update > 8) for by_update in accuracy]

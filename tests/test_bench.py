@@ -163,7 +163,8 @@ def test_which_tokens_move_reads_a_runs_snapshots(tmp_path):
 
 def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
     """bench/horizon_table.py: each cell from the results JSON's per-update curves (two seeds pooled: mean ± std;
-    seed 2 back at 0.95 from update 108, seed 1 never), the rows of a file with a flag of its own named by it."""
+    seed 2 back at 0.95 from update 108, seed 1 never), the rows of a file with a flag of its own named by it, a run
+    two files hold counted once."""
     def curve(scale: float) -> dict:
         return {"update": list(range(1, 129)), "async/mismatch_kl": [scale * u for u in range(1, 129)],
                 "async/ess": [1.0 - scale] * 128, "eval_update": list(range(0, 129, 4)),
@@ -174,7 +175,8 @@ def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
                                                                  "ppo math k16 none seed2": curve(0.009)}),
                                 ("b", "--total_episodes 8192 --kl_penalty_logprobs start",
                                  {"ppo math k16 none seed1": curve(0.007)}),
-                                ("c", "--total_episodes 8192", {"ppo math k4 none seed1": curve(0.001)})]:
+                                ("c", "--total_episodes 8192", {"ppo math k4 none seed1": curve(0.001)}),
+                                ("d", "--total_episodes 8192", {"ppo math k16 none seed2": curve(0.009)})]:
         (tmp_path / f"{name}.json").write_text(json.dumps({"args": {"extra": extra}, "curves": curves}))
         files.append(tmp_path / f"{name}.json")
     table = run_script(*files, script="bench/horizon_table.py").stdout.splitlines()
