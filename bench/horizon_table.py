@@ -71,10 +71,11 @@ def main(paths: list[str]):
         back = ", ".join(str(next((update for update in sorted(by_update)
                                    if update > low and by_update[update] >= BACK), "-"))
                          for by_update, (_, low) in zip(accuracy, lows))
+        starting, trained, middle, late = windows(k)
         drift = " / ".join(mean_std([window_mean(curve, "async/mismatch_kl", *window) for curve in curves])
-                           for window in windows(k))
+                           for window in (starting, trained, middle, late))
         ess = " / ".join(mean_std([window_mean(curve, "async/ess", *window) for curve in curves], "{:.2f}")
-                         for window in (windows(k)[1], windows(k)[3]))
+                         for window in (trained, late))
         kl = mean_std([curve["eval/kl"][-1] for curve in curves], "{:.2f}") if "eval/kl" in curves[0] else "-"
         scores = " | ".join(mean_std([by_update[update] for by_update in accuracy]) for update in UPDATES)
         print(f"| {algorithm} k{k} {correction}{' ' + own if own else ''} | {','.join(str(s) for s, _ in seeds)} | "
