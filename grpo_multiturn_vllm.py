@@ -3,7 +3,7 @@ grpo_multiturn.py is its synchronous twin (`diff grpo_multiturn.py grpo_multitur
 part); ALGORITHMS.md has every formula, README "Multi-turn environments" the environment contract.
 
 Batch t is played with exactly the weights after update t-1-K (`--async_steps K`; 0 is synchronous): the
-generator process beside the engine plays its episodes turn by turn in the engine (vllm_generator.SampleEpisodes,
+generator process beside the engine plays its episodes turn by turn in the engine (rollouts.SampleEpisodes,
 through the episode loop play_episodes here uses, environments.EpisodeLoop). The ratios are taken against the
 engine's log-probs of the policy's tokens, which async/logprob_diff checks against the trainer's model under the
 same weights. With --inflight_updates the engine instead keeps a batch's worth of episodes in flight and takes
@@ -33,6 +33,7 @@ import evaluation
 import inflight
 import lora
 import outputs
+import rollouts
 import toy
 import vllm_generator
 from cli import ConfigFiles
@@ -304,10 +305,9 @@ def main(args: Args):
     # trainer evaluates. A resumed run first trains on the batches its checkpoint had played ahead (with older
     # weights), and plays from the checkpoint's weights after them. With --inflight_updates the engine plays
     # episodes in flight (inflight.InflightEpisodes): each turn sampled with the weights loaded then.
-    episodes = vllm_generator.SampleEpisodes(task, args.env, args.continuous_episodes)
-    generator = async_generator.AsyncGenerator(
-        args.asynchronous, args.vllm, args.generation, args.data, args.run, args.distributed.bf16, task, sampler, state,
-        num_updates, args.num_samples, episodes=episodes, eval_args=args.evaluation)
+    source = rollouts.SampleEpisodes.of(task, args.env, args.continuous_episodes, args.data, args.generation,
+                                              args.distributed.bf16, sampler, args.num_samples, args.evaluation)
+    generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, source, args.run, state, num_updates)
     # the starting policy's evaluation: here while the engine starts, or (by default) in the engine once started
     for evaluated, played in generator.evaluations(state.update, wait=False):
         logger.log_evaluation(evaluated, 0, played or evaluate(policy, task, args, evaluated))

@@ -29,6 +29,7 @@ import evaluation
 import inflight
 import lora
 import outputs
+import rollouts
 import vllm_generator
 from cli import ConfigFiles
 from common import DistributedArgs, GenerationArgs, RLOptimizerArgs
@@ -287,11 +288,11 @@ def main(args: Args):
     # the generator process scores each round of samples as final_scores does here.
     dynamic_sampling = None
     if args.dynamic_sampling:
-        dynamic_sampling = vllm_generator.DynamicSampling(functools.partial(final_scores, args=args), task, args.reward,
+        dynamic_sampling = rollouts.DynamicSampling(functools.partial(final_scores, args=args), task, args.reward,
                                                           args.max_sampling_rounds)
-    generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
-                                               args.distributed.bf16, task, sampler, state, num_updates,
-                                               args.num_samples, dynamic_sampling, eval_args=args.evaluation)
+    source = rollouts.SamplePrompts.of(task, args.data, args.generation, args.distributed.bf16, sampler,
+                                             args.num_samples, args.evaluation, dynamic_sampling)
+    generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, source, args.run, state, num_updates)
     # the starting policy's evaluation: here while the engine starts, or (by default) in the engine once started
     for evaluated, generated in generator.evaluations(state.update, wait=False):
         logger.log_evaluation(evaluated, 0, evaluate(policy, ref_policy, reward_model, evaluated, generated=generated))

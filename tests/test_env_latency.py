@@ -41,7 +41,7 @@ def test_a_fixed_latency_delays_every_step_and_the_steps_still_run_together(chat
     loop.replies(every_step=True)
     assert all(episode.step_times[0] >= 0.5 for episode in episodes)
     assert time.monotonic() - started < 3.0  # one after the other: 4 s at least
-    assert all(len(episode.actions) == 1 and not episode.failed_steps for episode in episodes)
+    assert all(len(episode.actions) == 1 and not episode.counts.failed_steps for episode in episodes)
 
 
 def test_a_share_of_the_steps_hang_past_the_timeout_and_env_failure_takes_them(chat_model):
@@ -49,7 +49,7 @@ def test_a_share_of_the_steps_hang_past_the_timeout_and_env_failure_takes_them(c
     loop, episodes = playing(chat_model, 8, env_latency_timeouts=0.5, env_timeout=0.3, env_failure="error_message")
     loop.replies(every_step=True)
     expected = [random.Random(f"7/{i}/latency").random() < 0.5 for i in range(8)]
-    assert [episode.timeouts for episode in episodes] == [int(hangs) for hangs in expected]
+    assert [episode.counts.timeouts for episode in episodes] == [int(hangs) for hangs in expected]
     assert 0 < sum(expected) < 8
     assert all(not episode.ended for episode, hangs in zip(episodes, expected) if hangs)  # told, and going on
 

@@ -52,7 +52,7 @@ def test_a_turn_that_calls_a_tool_gets_its_result_as_a_tool_message_rendered_by_
     assert first.endswith("assistant : ")
     loop.take_turn(episode, turn(task, call("add", a=2, b=3)))
     assert loop.replies(every_step=True) == [episode]
-    assert (episode.tool_calls, episode.tool_errors, episode.env.steps, episode.ended) == (1, 0, 0, False)
+    assert (episode.counts.tool_calls, episode.counts.tool_errors, episode.env.steps, episode.ended) == (1, 0, 0, False)
     action = len(episode.actions[0].ids)
     assert task.tokenizer.decode(episode.ids[action:]) == " tool : 5 assistant : "  # after the sampled <eos>
     assert episode.is_action == [True] * action + [False] * (len(episode.ids) - action)
@@ -67,7 +67,7 @@ def test_malformed_calls_unknown_tools_and_bad_arguments_are_told_to_the_policy(
     text = "<tool_call>{add 2 3}</tool_call>" + call("multiply", a=2, b=3) + call("add", a=2, c=3) + "<tool_call>"
     loop.take_turn(episode, turn(task, text))
     loop.replies(every_step=True)
-    assert (episode.tool_calls, episode.tool_errors, episode.ended) == (4, 4, False)
+    assert (episode.counts.tool_calls, episode.counts.tool_errors, episode.ended) == (4, 4, False)
     reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
     assert reply.count("tool : error: ") == 4, reply
     assert "the tool call is not JSON" in reply and "there is no tool 'multiply'; the tools are add, divide" in reply
@@ -101,9 +101,10 @@ def test_a_tool_that_raises_does_what_env_failure_says(chat_model, failure):
     if failure == "error_message":
         reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
         assert reply == " tool : error: divide raised ZeroDivisionError: division by zero assistant : "
-        assert (episode.tool_errors, episode.failed_steps, episode.ended) == (1, 0, False)  # the tool's own error
+        # the tool's own error
+        assert (episode.counts.tool_errors, episode.counts.failed_steps, episode.ended) == (1, 0, False)
     else:
-        assert episode.ended and episode.failed and episode.failed_steps == 1
+        assert episode.ended and episode.failed and episode.counts.failed_steps == 1
         batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
         assert environments.kept_groups(batch, 2).tolist() == [0.0, 0.0]  # the whole group leaves the loss
         assert environments.rollout_metrics(batch, 2)["rollout/dropped_groups"] == 1.0
@@ -118,7 +119,7 @@ def test_a_step_that_times_out_is_told_to_the_policy_with_error_message(chat_mod
     episode = episodes[0]
     reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
     assert reply == " user : error: step did not return within --env_timeout 0.5 s assistant : "
-    assert (episode.failed_steps, episode.timeouts, episode.ended) == (1, 1, False)
+    assert (episode.counts.failed_steps, episode.counts.timeouts, episode.ended) == (1, 1, False)
     batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
     metrics = environments.rollout_metrics(batch, 2)
     assert metrics["env/timeouts"] == 0.5 and metrics["env/failed_steps"] == 0.5
@@ -197,7 +198,7 @@ def test_the_readmes_tool_environment_calls_its_tool_and_answers(chat_model, tmp
     assert task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):]) == " tool : 6 assistant : "
     loop.take_turn(episode, turn(task, "6"))
     loop.replies(every_step=True)
-    assert episode.ended and episode.episode_return == 1.0 and episode.tool_calls == 1
+    assert episode.ended and episode.episode_return == 1.0 and episode.counts.tool_calls == 1
 
 
 # 6 updates of 4 rows, checkpointed every 2
