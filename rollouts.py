@@ -47,14 +47,14 @@ class SamplePrompts(RolloutSource):
     score: object = field(default=None, init=False, repr=False)  # --dynamic_sampling: group_scorer's, made by prepare
 
     @classmethod
-    def of(cls, task: common.Task, policy: data.DataArgs, generation: common.GenerationArgs, bf16: bool,
+    def of(cls, task: common.Task, data_args: data.DataArgs, generation: common.GenerationArgs, bf16: bool,
            sampler: data.PromptSampler, num_samples: int, eval_args: evaluation.SamplingEvalArgs,
            dynamic_sampling: DynamicSampling | None = None) -> "SamplePrompts":
         """k completions of each of `task`'s train prompts, with `dynamic_sampling` scoring each round as the trainer
         would."""
-        return cls(policy.model_name_or_path, bf16, generation, sampler, num_samples, task.eos_ids,
+        return cls(data_args.model_name_or_path, bf16, generation, sampler, num_samples, task.eos_ids,
                    task.tokenizer.pad_token_id, eval_args.eval_temperature, task.train_prompts["input_ids"],
-                   policy.max_prompt_length, None if task.eval_prompts is None else task.eval_prompts["input_ids"],
+                   data_args.max_prompt_length, None if task.eval_prompts is None else task.eval_prompts["input_ids"],
                    dynamic_sampling)
 
     def portable(self, evaluates: bool) -> "SamplePrompts":
@@ -123,11 +123,11 @@ class SampleEpisodes(RolloutSource):
     continuous: bool  # --continuous_episodes
 
     @classmethod
-    def of(cls, task: environments.EnvTask, env: environments.EnvArgs, continuous: bool, policy: data.DataArgs,
+    def of(cls, task: environments.EnvTask, env: environments.EnvArgs, continuous: bool, data_args: data.DataArgs,
            generation: common.GenerationArgs, bf16: bool, sampler: data.PromptSampler, num_samples: int,
            eval_args: evaluation.SamplingEvalArgs) -> "SampleEpisodes":
         """k episodes of each of `task`'s train rows, turn by turn or each at its own pace (`continuous`)."""
-        return cls(policy.model_name_or_path, bf16, generation, sampler, num_samples, task.eos_ids,
+        return cls(data_args.model_name_or_path, bf16, generation, sampler, num_samples, task.eos_ids,
                    task.tokenizer.pad_token_id, eval_args.eval_temperature, task, env, continuous)
 
     def portable(self, evaluates: bool) -> "SampleEpisodes":
