@@ -85,7 +85,7 @@ class Args:
     """weight of an entropy bonus: the loss minus entropy_coef times the policy's mean token entropy"""
     continuous_episodes: bool = False
     """the engine takes each episode's next turn as soon as its environment's step returns, instead of every
-    episode's turn waiting for the turn's slowest step (vllm_generator.play_continuously): shorter batches with slow
+    episode's turn waiting for the turn's slowest step (rollouts.play_continuously): shorter batches with slow
     or uneven environments, but the engine's batching then depends on the steps' timing, so a resumed run is no
     longer bit for bit the uninterrupted one (the staleness stays exactly K)"""
 
