@@ -17,6 +17,7 @@ naming it, the episode and what was wrong.
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import os
@@ -390,7 +391,11 @@ class Episode:
     is_action: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # the vLLM engine's of the policy's ids, INVALID_LOGPROB after
     versions: list[int] = field(default_factory=list)  # in flight: the version that sampled each policy id, -1 after
+    token_turns: list[int] = field(default_factory=list)  # each id's turn: the index of the turn that sampled it, or -1
     actions: list[Turn] = field(default_factory=list)  # every turn the environment has replied to (a replay's input)
+    turn_rewards: list[float] = field(default_factory=list)  # the reward of each turn's reply
+    # each turn's starting state, as the environment's state_key() names it (hashed: state_key_id), where it has one
+    state_keys: list[int] = field(default_factory=list)
     pending: Turn | None = None  # the turn its environment is stepping on
     episode_return: float = 0.0
     ended: bool = False
@@ -427,9 +432,11 @@ class Episode:
         message, reward, done = reply
         self.ids += turn.ids
         self.is_action += [True] * len(turn.ids)
+        self.token_turns += [self.turns] * len(turn.ids)
         self.logprobs += turn.logprobs or []
         self.versions += turn.versions or []
         self.actions.append(turn)
+        self.turn_rewards.append(reward)
         self.episode_return += reward
         self.missed_stop |= not turn.stopped
         if done:
@@ -441,6 +448,7 @@ class Episode:
             return
         self.ids += message_ids
         self.is_action += [False] * len(message_ids)
+        self.token_turns += [-1] * len(message_ids)
         if turn.logprobs is not None:
             self.logprobs += [common.INVALID_LOGPROB] * len(message_ids)
         if turn.versions is not None:
@@ -492,7 +500,7 @@ class EpisodeLoop:
                             f"turn in --max_episode_tokens {env_args.max_episode_tokens}")
             latency = random.Random(f"{starts[i][1]}/{i % k}/latency") if env_args.adds_latency else None
             episodes.append(Episode(env=env, number=first_episode + i, where=where[i], prompt_ids=prompt_ids,
-                                    latency=latency))
+                                    latency=latency, state_keys=[state_key_id(env)]))
         return episodes
 
     def take_turn(self, episode: Episode, turn: Turn):
@@ -554,6 +562,8 @@ class EpisodeLoop:
                 reply = check_step(result, where, self.task.chat_template)
             turn, episode.pending = episode.pending, None
             episode.add_turn(turn, reply, self.task, self.env_args.max_turns, self.env_args.max_episode_tokens)
+            if not episode.ended:  # the state its next turn starts from
+                episode.state_keys.append(state_key_id(episode.env))
             replied.append(episode)
         return replied
 
@@ -586,6 +596,16 @@ class EpisodeLoop:
                 self.take_turn(episode, t)
             self.replies(every_step=True)
         return episodes
+
+
+def state_key_id(env) -> int:
+    """The state the environment's next turn starts from, as its optional state_key() names it (any value; equal
+    values, equal states: GiGPO's anchor states, grpo_multiturn*.py --turn_advantage gigpo), as a number that is the
+    same in every process (a hash of its repr); -1 where the environment has no state_key."""
+    state_key = getattr(env, "state_key", None)
+    if state_key is None:
+        return -1
+    return int.from_bytes(hashlib.sha256(repr(state_key()).encode()).digest()[:7], "big")
 
 
 def draw_latency(generator: random.Random, env_args: EnvArgs) -> tuple[bool, float]:
@@ -649,13 +669,17 @@ class Episodes(common.Rollout):
     turns: torch.Tensor = None  # (N,)
     truncated: torch.Tensor = None  # (N,) ended by --max_turns or the context limit
     failed: torch.Tensor = None  # (N,) bool: ended by a failure (--env_failure drop_group)
+    token_turns: torch.Tensor = None  # (N, R) the turn each of the policy's tokens belongs to (its index), -1 elsewhere
+    turn_rewards: torch.Tensor = None  # (N, T) each turn's reward, 0 past an episode's last turn (T: the most turns)
+    state_keys: torch.Tensor = None  # (N, T) each turn's starting state (state_key_id), -1 past the last turn
     counts: EpisodeCounts = None  # (N,) each
     engine_logprobs: torch.Tensor | None = None  # (N, R) the vLLM engine's (INVALID_LOGPROB but at the policy's tokens)
     token_versions: torch.Tensor | None = None  # (N, R) in flight: the version of each policy token, -1 elsewhere
     step_times: list[float] = None  # seconds each step of the batch took
 
     # the values of each episode a vllm_generator.Batch carries by name (with the counts): Batch.episodes
-    PER_EPISODE = ("lengths", "contains_eos", "action_mask", "returns", "turns", "truncated", "failed")
+    PER_EPISODE = ("lengths", "contains_eos", "action_mask", "returns", "turns", "truncated", "failed", "token_turns",
+                   "turn_rewards", "state_keys")
 
     @property
     def mask(self) -> torch.Tensor:
@@ -686,10 +710,10 @@ class Episodes(common.Rollout):
 def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
     """The episodes as one Episodes batch (right-padded responses) on `device`."""
     query_ids, query_mask = common.left_pad([e.prompt_ids for e in episodes], pad_token_id, device)
-    width = max(1, max(len(e.ids) for e in episodes))
+    width, most_turns = max(1, max(len(e.ids) for e in episodes)), max(1, max(e.turns for e in episodes))
 
-    def padded(rows: list[list], value, dtype=None) -> torch.Tensor:  # (N, width)
-        return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=dtype, device=device)
+    def padded(rows: list[list], value, dtype=None, columns: int = width) -> torch.Tensor:  # (N, columns)
+        return torch.tensor([row + [value] * (columns - len(row)) for row in rows], dtype=dtype, device=device)
 
     number = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
     return Episodes(query_ids=query_ids, query_mask=query_mask,
@@ -700,6 +724,9 @@ def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
                     returns=number([e.episode_return for e in episodes]),
                     turns=number([e.turns for e in episodes]), truncated=number([e.truncated for e in episodes]),
                     failed=number([e.failed for e in episodes], torch.bool),
+                    token_turns=padded([e.token_turns for e in episodes], -1, torch.long),
+                    turn_rewards=padded([e.turn_rewards for e in episodes], 0.0, torch.float32, most_turns),
+                    state_keys=padded([e.state_keys[:e.turns] for e in episodes], -1, torch.long, most_turns),
                     counts=EpisodeCounts.columns(lambda name: number([getattr(e.counts, name) for e in episodes])),
                     engine_logprobs=(padded([e.logprobs for e in episodes], common.INVALID_LOGPROB, torch.float32)
                                      if any(e.logprobs for e in episodes) else None),
