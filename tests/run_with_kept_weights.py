@@ -32,8 +32,9 @@ if __name__ == "__main__":
         batch = batch_for(generator, update)
         if leader:
             kept["batches"][update] = {name: getattr(batch, name) for name in (
-                "queries", "responses", "logprobs", "version", "token_versions", "lengths", "action_mask")
-                if getattr(batch, name) is not None}  # the last two: grpo_multiturn_vllm.py's episodes
+                "queries", "responses", "logprobs", "version", "token_versions") if getattr(batch, name) is not None}
+            if batch.episodes is not None:  # grpo_multiturn_vllm.py's: the tokens after the first message, the policy's
+                kept["batches"][update] |= {name: batch.episodes[name] for name in ("lengths", "action_mask")}
             with open(os.path.join(args.run.output_dir, "trained_prompts.jsonl"), "a") as file:
                 file.write(json.dumps({"update": update, "prompt_indices": list(batch.prompt_indices)}) + "\n")
         return batch
