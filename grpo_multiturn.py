@@ -261,7 +261,8 @@ def main(args: Args):
     common.seed_everything(args.run.seed + rank, args.run.torch_deterministic)
     dtype = torch.bfloat16 if args.distributed.bf16 else torch.float32
     task = environments.load_env_task(args.data, args.env, args.evaluation.eval_num_prompts, args.lora, rank,
-                                      evaluate=args.run.eval_every > 0)
+                                      evaluate=args.run.eval_every > 0,
+                                      response_length=args.generation.response_length)
     sampler = data.PromptSampler(len(task.train_rows), local_batch_size, rank, world_size, args.run.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
         outputs.prepare_output_dir(args.run, cli.flag_values(args), environments.RESUME_MAY_CHANGE)
@@ -355,9 +356,8 @@ def main(args: Args):
         ratios, off_policy = torch.cat(stats.pop("ratio")), corrections.merge_diagnostics(stats.pop("off_policy"))
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         state.update, state.episode, state.data_position = update, state.episode + batch_size, sampler.position
-        rollout_stats = common.rollout_metrics(rollout, logprobs, None, scores)
-        if args.beta:
-            rollout_stats["objective/kl"] = common.masked_sum(logprobs - ref_logprobs, rollout.mask).mean().item()
+        # over the groups kept, as the loss (a group --env_failure drop_group dropped is reported apart)
+        rollout_stats = environments.objective_metrics(rollout, k, logprobs, ref_logprobs, scores)
         metrics = common.all_reduce_mean({
             "loss/policy_avg": stats["loss"],
             "policy/clipfrac_avg": stats["clipfrac"],

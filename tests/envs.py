@@ -172,10 +172,50 @@ class Calculator:
 
 
 class SlowCalculator(Calculator):
-    """Calculator whose step hangs past any --env_timeout of the tests."""
+    """Calculator whose step hangs past any --env_timeout of the tests, with a tool `wait` that may too."""
+
+    def __init__(self):
+        super().__init__()
+        self.tools.append(self.wait)
+
+    def wait(self, seconds: float) -> str:
+        """Wait.
+
+        Args:
+            seconds: how long
+        """
+        time.sleep(seconds)
+        return "waited"
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         time.sleep(3600)
+
+
+class OddCalculator(Calculator):
+    """Calculator with tools whose results are not JSON: a set, a numpy integer."""
+
+    def __init__(self):
+        super().__init__()
+        self.tools += [self.digits, self.numpy_add]
+
+    def digits(self, n: int) -> set:
+        """The digits of a number.
+
+        Args:
+            n: the number
+        """
+        return {int(digit) for digit in str(n)}
+
+    def numpy_add(self, a: int, b: int):
+        """Add two whole numbers in numpy.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        import numpy
+
+        return numpy.int64(a) + numpy.int64(b)
 
 
 class FlakyCalculator(Calculator):
