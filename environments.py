@@ -195,7 +195,7 @@ def render(tokenizer, messages: list[dict], tools: list[dict], template: str, te
         return tokenizer.apply_chat_template(messages, tools=tools or None, **template_kwargs, **kwargs)
     except Exception as error:  # the template's own raise_exception, or any error of its code
         common.fail(f"the chat template {template} cannot render the messages {messages[-3:]!r:.160} (it raised "
-                    f"{type(error).__name__}: {error}); give one that can, --chat_template_path FILE.jinja")
+                    f"{tool_calls.raised(error)}); give one that can, --chat_template_path FILE.jinja")
 
 
 ACTION, THINKING = "\x00ACTION\x00", "\x00THINKING\x00"

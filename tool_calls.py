@@ -52,6 +52,11 @@ def probe_call(name: str) -> dict:
         {"type": "function", "id": PROBE_CALL_ID, "function": {"name": name, "arguments": PROBE_ARGUMENTS}}]}
 
 
+def raised(error: BaseException) -> str:
+    """An exception on one line (a template's message may hold several), at most about 200 characters."""
+    return f"{type(error).__name__}: {' '.join(str(error).split()):.200}"
+
+
 def check_tool_template(tokenizer, tools: list[dict], template: str, template_kwargs: dict):
     """Refuse on one line a chat template (named by `template`) that cannot play tool episodes: rendering a user
     message, an assistant turn calling a tool and that tool's result must not raise, the tools' schemas must reach
@@ -67,7 +72,7 @@ def check_tool_template(tokenizer, tools: list[dict], template: str, template_kw
         rendered = render(user + [probe_call(names[0]), result], tools)
     except Exception as error:  # the template's own raise_exception, or any error of its code
         common.fail(f"the chat template {template} cannot render a tool call and its result (it raised "
-                    f"{type(error).__name__}: {error}); {way_out}")
+                    f"{raised(error)}); {way_out}")
     unseen = [name for name in names if with_tools.count(name) <= without.count(name)]
     if unseen:
         common.fail(f"the chat template {template} does not render the tools' schemas (no sign of "
@@ -269,7 +274,7 @@ def parse_tool_calls(tokenizer, tools: list[dict], tool_format: str, ids: list[i
         try:
             message = tokenizer.parse_response(ids, prefix=context, tools=tools)
         except Exception as error:  # the parser's own errors, whatever their type
-            return [ToolCall(error=f"the turn could not be parsed ({type(error).__name__}: {error})")]
+            return [ToolCall(error=f"the turn could not be parsed ({raised(error)})")]
         return [call_from(call.get("function", call)) for call in message.get("tool_calls") or []]
     ids = ids[:-1] if ids and ids[-1] in eos_ids else ids
     text = outside_reasoning(tokenizer.decode(ids, skip_special_tokens=False))
