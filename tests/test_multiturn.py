@@ -92,7 +92,7 @@ def test_trained_ids_are_the_sampled_ids_even_where_the_text_would_tokenize_othe
 
     tokenizer = byte_level_bpe_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    stop, before, after, _, _ = environments.template_around_message(tokenizer, [tokenizer.eos_token_id], "bpe", [])
+    stop, before, after, _ = environments.template_around_message(tokenizer, [tokenizer.eos_token_id], "bpe", [])
     assert stop == tokenizer.eos_token_id
     assert tokenizer.decode(before) == " user : " and tokenizer.decode(after) == " assistant : "
     task = environments.EnvTask(tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], env_class=None, env_name="e",
@@ -203,8 +203,9 @@ def test_an_environment_that_breaks_the_contract_stops_the_run_on_one_line(guess
 @pytest.mark.parametrize(("spec", "message"), [
     ("tests/envs.py:NeedsArguments", "--env 'tests/envs.py:NeedsArguments': building one with no arguments raised "
                                      "TypeError"),
-    ("tests/envs.py:NoStep", "--env 'tests/envs.py:NoStep': an environment needs reset(row, seed) and step(action); "
-                             "it has no step"),
+    ("tests/envs.py:NoStep", "--env 'tests/envs.py:NoStep' has reset but no step: a TRL-style environment "
+                             "(reset(**row), its public methods its tools) needs get_reward() -> float, the episode's "
+                             "return; or give it the kit's step(action)"),
     ("tests/envs.py:Missing", "--env 'tests/envs.py:Missing': 'tests/envs.py' has no class 'Missing'"),
     ("toy:chess", "--env 'toy:chess': no embedded environment 'chess'; there are toy:guess_number, "
                   "toy:guess_number_slow"),
