@@ -236,6 +236,20 @@ def template_around_message(tokenizer, eos_ids: list[int], template: str, tools:
     return stop_id, encode(end_of_action + prefix), encode(suffix), end_of_action
 
 
+def chat_template_contract(tokenizer, eos_ids: list[int], tools: list[dict], template: str, env_args: EnvArgs):
+    """The chat template's contract, checked at load (one line naming `template` and what it cannot render, before
+    anything is written): with `tools`, it renders them and a tool call's result (tool_calls.check_tool_template);
+    it appends a message without rewriting earlier turns (template_around_message). Returns template_around_message's
+    tokens and text, and the format the policy's calls are read in (tool_calls.choose_format; "" without tools)."""
+    template_kwargs = env_args.template_kwargs
+    if tools:
+        tool_calls.check_tool_template(tokenizer, tools, template, template_kwargs)
+    around = template_around_message(tokenizer, eos_ids, template, tools, template_kwargs)
+    tool_format = tool_calls.choose_format(tokenizer, env_args.tool_call_format, tools, template,
+                                           template_kwargs) if tools else ""
+    return *around, tool_format
+
+
 def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows: int, lora_args, rank: int,
                   evaluate: bool, response_length: int = 0) -> EnvTask:
     """The task of a multi-turn run; the embedded environment's policy and rows are built first when asked for.
@@ -270,17 +284,12 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
                     "--chat_template (or --chat_template_path)")
     template = (f"{env_args.chat_template_path!r} (--chat_template_path)" if env_args.chat_template_path else
                 f"of {data_args.model_name_or_path!r}")
-    template_kwargs, tool_format = env_args.template_kwargs, ""
-    if tools:
-        tool_calls.check_tool_template(tokenizer, tools, template, template_kwargs)
-    end_of_turn, before, after, end_of_action = (
-        template_around_message(tokenizer, eos_ids, template, tools, template_kwargs) if chat_template else
-        (eos_ids[0], [], [], ""))
-    if tools:
-        tool_format = tool_calls.choose_format(tokenizer, env_args.tool_call_format, tools, template, template_kwargs)
-        if rank == 0:
-            print(f"--env {env_args.env}: {len(tools)} tools, their calls read in the {tool_format} format "
-                  f"(--tool_call_format {env_args.tool_call_format})")
+    end_of_turn, before, after, end_of_action, tool_format = (
+        chat_template_contract(tokenizer, eos_ids, tools, template, env_args) if chat_template else
+        (eos_ids[0], [], [], "", ""))
+    if tools and rank == 0:
+        print(f"--env {env_args.env}: {len(tools)} tools, their calls read in the {tool_format} format "
+              f"(--tool_call_format {env_args.tool_call_format})")
     train_rows = data.load_split(data_args.dataset_name, data_args.train_split)
     eval_rows = None
     if data_args.eval_split not in data.split_names(data_args.dataset_name):  # held out even without evaluation
@@ -294,7 +303,7 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
     return EnvTask(tokenizer=tokenizer, eos_ids=eos_ids, env_class=env_class, env_name=env_args.env,
                    train_rows=train_rows, eval_rows=eval_rows, chat_template=chat_template,
                    end_of_turn_id=end_of_turn, before_message=before, after_message=after, tools=tools,
-                   end_of_action=end_of_action, template=template, template_kwargs=template_kwargs,
+                   end_of_action=end_of_action, template=template, template_kwargs=env_args.template_kwargs,
                    tool_call_format=tool_format, response_length=response_length)
 
 

@@ -367,3 +367,19 @@ def test_a_template_that_prints_the_date_plays_past_midnight(saved, tmp_path, mo
     loop.replies(every_step=True)
     assert task.tokenizer.decode(episode.ids).endswith(
         "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_templates_of_every_kind_play_or_are_refused_on_one_line():
+    """One in 25 of the package's templates (bench/tool_templates.py tries them all): each plays a scripted episode (a
+    call, its result, the answer) or is refused at load on one line; never another exception."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "bench" / "tool_templates.py"
+    spec = importlib.util.spec_from_file_location("tool_templates", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tokenizer = bench.tokenizer_for_templates()
+    outcomes = [bench.outcome(template, tokenizer) for template in bench.templates(every=25)]
+    assert len(outcomes) == 32 and not [result for result in outcomes if result.startswith("BUG")], outcomes
+    assert sum(result.startswith("plays") for result in outcomes) == 3, outcomes
