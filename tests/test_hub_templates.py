@@ -361,12 +361,14 @@ def test_a_template_that_prints_the_date_plays_past_midnight(saved, tmp_path, mo
     loop = environments.EpisodeLoop(task, env_args)
     episode = loop.start(task.train_rows[[0]], [7], 1)[0]
     assert task.tokenizer.decode(episode.prompt_ids).startswith("Today is 28 November 2026.")
-    today[0] = datetime.datetime(2026, 11, 29, 0, 1)
-    loop.take_turn(episode, Turn(task.tokenizer(f"<tool_call>\n{json.dumps(ADD)}\n</tool_call>")["input_ids"]
-                                 + task.eos_ids, True))
-    loop.replies(every_step=True)
-    assert task.tokenizer.decode(episode.ids).endswith(
-        "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    call = Turn(task.tokenizer(f"<tool_call>\n{json.dumps(ADD)}\n</tool_call>")["input_ids"] + task.eos_ids, True)
+    result = "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    for now in (datetime.datetime(2026, 11, 28, 23, 59, 30), datetime.datetime(2026, 11, 29, 0, 1)):
+        today[0] = now
+        loop.take_turn(episode, call)
+        loop.replies(every_step=True)
+        assert task.tokenizer.decode(episode.ids).endswith(result) and not episode.ended
+    assert episode.tool_calls == 2
 
 
 def test_templates_of_every_kind_play_or_are_refused_on_one_line():
