@@ -1,13 +1,13 @@
 """The trainer's side of the asynchronous scripts' vLLM engine (AsyncGenerator): it starts the generator
 process (vllm_generator.generate_ahead, or inflight.generate_inflight with --inflight_updates) where
 vllm_placement says, hands each rank its share of each batch, sends the weights (weight_transport), and keeps
-what a checkpoint needs so that a resumed run trains on exactly the same samples. The scripts' loops call
-batch_for, publish_weights and checkpoint_state."""
+what a checkpoint needs so that a resumed run trains on exactly the same samples. A script builds what its engine
+samples (rollouts.SamplePrompts or SampleEpisodes) and hands it over; its loop calls batch_for,
+publish_weights, evaluations and checkpoint_state."""
 
 import atexit
 import collections
 import contextlib
-import dataclasses
 import datetime
 import itertools
 import multiprocessing
@@ -18,8 +18,6 @@ import time
 import torch
 
 import common
-import data
-import evaluation
 import inflight
 import lora
 import outputs
@@ -59,42 +57,29 @@ class AsyncGenerator:
     engine in memory (SharedWeights, or over NCCL between two GPUs), announced by version number; under
     ZeRO-3 every rank gathers each bucket, so no weights cross nodes for it. Batches
     an interrupted run had sampled ahead (the leader's `state.pending_batches`) come first; the process
-    carries on drawing prompts from `sampler` (whole global batches, of which it samples its share) after
-    them. The process is stopped when the trainer exits, however it exits.
+    carries on drawing prompts from its source's sampler (whole global batches, of which it samples its share)
+    after them. The process is stopped when the trainer exits, however it exits. What it sends is typed
+    (vllm_generator's messages), each taken by its kind (_take).
     """
 
-    def __init__(self, asynchronous: AsyncArgs, engine_args: EngineArgs, generation: common.GenerationArgs,
-                 policy: data.DataArgs, run: outputs.RLRunArgs, bf16: bool, task: common.Task,
-                 sampler: data.PromptSampler, state: outputs.OnlineTrainerState, num_updates: int, num_samples: int,
-                 dynamic_sampling: vllm_generator.DynamicSampling | None = None,
-                 episodes: vllm_generator.SampleEpisodes | None = None,
-                 eval_args: evaluation.SamplingEvalArgs | None = None):
-        """What the engine samples: k completions of each of `task`'s train prompts (with `dynamic_sampling`,
-        --dynamic_sampling's, scoring each round as the trainer would), or `episodes`: k episodes of each of an
-        environment task's rows (grpo_multiturn_vllm.py; `task` is then its environments.EnvTask, and the engine's
-        context --max_episode_tokens). With `eval_args` (the run's near-greedy sampling), the first engine also
+    def __init__(self, asynchronous: AsyncArgs, engine_args: EngineArgs, source: vllm_generator.RolloutSource,
+                 run: outputs.RLRunArgs, state: outputs.OnlineTrainerState, num_updates: int):
+        """What the engine samples, and how: `source` (SamplePrompts' completions of the train prompts, scored each
+        round with --dynamic_sampling, or SampleEpisodes' episodes of an environment task). The first engine also
         evaluates the weights of each update the run evaluates (`evaluations`), unless --eval_in_trainer, or the
         engine cannot (in flight, or taking turns with the trainer)."""
-        self.asynchronous = asynchronous
+        self.asynchronous, self.num_updates, self.save_every = asynchronous, num_updates, run.save_every
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.num_updates, self.num_samples, self.save_every = num_updates, num_samples, run.save_every
         engine_ranks = vllm_placement.ranks_per_engine(engine_args.vllm_engines_per_node, world_size, os.environ)
         self.share = (rank // engine_ranks, world_size // engine_ranks)  # this rank's engine: (index, engines)
         self.leader = rank % engine_ranks == 0
         # each rank's batch comes from its leader
         self.engine_group, _ = torch.distributed.new_subgroups(
             engine_ranks, timeout=datetime.timedelta(seconds=vllm_generator.process_group_timeout(asynchronous)))
-        self.prompts_per_rank = sampler.global_batch_size // world_size
-        # a checkpoint holds its batches as dicts (outputs.save_checkpoint)
-        self.sampled_ahead = collections.deque(Batch(**batch) for batch in state.pending_batches)
-        engines = [batch.engine for batch in self.sampled_ahead] + ([state.engine_snapshot["engine"]]
-                                                                   if state.engine_snapshot else [])
-        if any(tuple(engine) != self.share for engine in engines):
-            sampled_for = engines[0]
-            common.fail(f"--resume: the checkpoint's sampled-ahead batches are engine {sampled_for[0]} of "
-                        f"{sampled_for[1]}'s, and this rank's engine would be {self.share[0]} of {self.share[1]}: "
-                        "resume with the nodes, ranks per node and engines per node of the interrupted run")
-        sampler.position = self.sampled_ahead[-1].data_position if self.sampled_ahead else state.data_position
+        self.num_samples, self.prompts_per_rank = source.num_samples, source.sampler.global_batch_size // world_size
+        self.sampled_ahead = collections.deque(map(Batch.from_checkpoint, state.pending_batches))
+        self._check_engines_of(state)
+        source.sampler.position = self.sampled_ahead[-1].data_position if self.sampled_ahead else state.data_position
         self.channels = self.process = self.placement = None
         self.store = self.channel = None  # over NCCL
         self.shared, self.free_shared = {}, []  # SharedWeights by handle, and those the generator handed back
@@ -102,49 +87,55 @@ class AsyncGenerator:
         self.snapshots = {}  # --inflight_updates: the engine's snapshots by the update whose checkpoint takes them
         self.requested = state.update + len(self.sampled_ahead)  # the last update whose batch was asked for
         self.due = evaluated_updates(run.eval_every, state.update, num_updates)  # in the engine or in the trainer
-        self.in_engine = eval_args is not None and not (asynchronous.eval_in_trainer or asynchronous.inflight_updates
-                                                         or engine_args.vllm_device == "shared")
+        self.in_engine = not (asynchronous.eval_in_trainer or asynchronous.inflight_updates
+                              or engine_args.vllm_device == "shared")
         self.engine_versions = set(self.due) if self.in_engine else set()  # published past the last batch's
         self.arrived = {}  # the engine's evaluations by version, not yet handed to the ranks
         if self.leader:
-            context = multiprocessing.get_context("spawn")
-            node_engine = (rank % vllm_placement.ranks_per_node(world_size, os.environ)) // engine_ranks  # in the node
-            self.placement = vllm_placement.engine_placement(engine_args, world_size, node_engine)
-            if self.placement.weights_over_nccl:  # the group's rendezvous, on a free port; the group itself
-                self.store = torch.distributed.TCPStore(  # once the engine has started
-                    "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=asynchronous.generator_timeout))
-            # the engine samples a batch when the trainer asks for it; in flight, makes a snapshot
-            requests = context.Queue() if self.placement.takes_turns or asynchronous.inflight_updates else None
-            self.channels = vllm_generator.Channels(context.Queue(), context.Queue(), context.Queue(), requests,
-                                                    self.store.port if self.store else 0)
-            first_update = state.update + len(self.sampled_ahead) + 1
-            if episodes is not None:  # what crosses processes: the environment class is loaded again there
-                sample = dataclasses.replace(episodes, task=dataclasses.replace(episodes.task, env_class=None,
-                                                                                eval_rows=None))
-            else:
-                sample = vllm_generator.SamplePrompts(task.train_prompts["input_ids"], dynamic_sampling and (
-                    dataclasses.replace(dynamic_sampling, task=dataclasses.replace(
-                        dynamic_sampling.task, reward_fn=None, eval_prompts=None, gold_score=None))))
-            job = vllm_generator.GeneratorJob(
-                asynchronous=asynchronous, engine_args=engine_args, generation=generation,
-                policy_path=policy.model_name_or_path, bf16=bf16, seed=run.seed,
-                max_model_len=(episodes.env.max_episode_tokens if episodes else
-                               policy.max_prompt_length + generation.response_length), save_every=run.save_every,
-                placement=self.placement, share=self.share, sample=sample,
-                sampler=sampler, updates=range(first_update, num_updates + 1), first_version=state.update,
-                num_samples=num_samples, eos_ids=task.eos_ids, pad_token_id=task.tokenizer.pad_token_id,
-                channels=self.channels, snapshot=state.engine_snapshot,
-                evaluation=vllm_generator.EngineEvaluation(
-                    task.eval_rows[:] if episodes is not None else task.eval_prompts["input_ids"], self.due,
-                    eval_args.eval_temperature) if self.in_engine and self.due and self.share[0] == 0 else None)
-            # looked up now: a test may have put a faulty one in its place
-            target = inflight.generate_inflight if asynchronous.inflight_updates else vllm_generator.generate_ahead
-            self.process = vllm_placement.start_generator(self.placement, target, (job,))
-            atexit.register(self.stop)  # however the trainer exits
-            common.STOP_BEFORE_FAILING.append(self.stop)
+            self._start_process(engine_args, source, run.seed, state)
             if self.placement.takes_turns:  # on the trainer's GPU, it measures its memory before the trainer's
                 self.wait_for_engine()      # first evaluation takes some
+
+    def _check_engines_of(self, state: outputs.OnlineTrainerState):
+        """A resumed run's engines must be the interrupted run's: its sampled-ahead batches (and in-flight snapshot)
+        are this rank's engine's share."""
+        engines = [batch.engine for batch in self.sampled_ahead] + ([state.engine_snapshot["engine"]]
+                                                                   if state.engine_snapshot else [])
+        if any(tuple(engine) != self.share for engine in engines):
+            sampled_for = engines[0]
+            common.fail(f"--resume: the checkpoint's sampled-ahead batches are engine {sampled_for[0]} of "
+                        f"{sampled_for[1]}'s, and this rank's engine would be {self.share[0]} of {self.share[1]}: "
+                        "resume with the nodes, ranks per node and engines per node of the interrupted run")
+
+    def _start_process(self, engine_args: EngineArgs, source: vllm_generator.RolloutSource, seed: int,
+                       state: outputs.OnlineTrainerState):
+        """The leader's generator process (vllm_generator.generate_ahead, or inflight.generate_inflight), where
+        vllm_placement places it, with what crosses processes of `source`; stopped when the trainer exits, however
+        it exits."""
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        engine_ranks = torch.distributed.get_world_size(self.engine_group)
+        node_engine = (rank % vllm_placement.ranks_per_node(world_size, os.environ)) // engine_ranks  # in the node
+        self.placement = vllm_placement.engine_placement(engine_args, world_size, node_engine)
+        if self.placement.weights_over_nccl:  # the group's rendezvous, on a free port; the group itself once the
+            self.store = torch.distributed.TCPStore(  # engine has started
+                "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.asynchronous.generator_timeout))
+        context = multiprocessing.get_context("spawn")
+        # the engine samples a batch when the trainer asks for it; in flight, makes a snapshot
+        requests = context.Queue() if self.placement.takes_turns or self.asynchronous.inflight_updates else None
+        self.channels = vllm_generator.Channels(context.Queue(), context.Queue(), context.Queue(), requests,
+                                                self.store.port if self.store else 0)
+        evaluated = self.due if self.in_engine and self.share[0] == 0 else []
+        job = vllm_generator.GeneratorJob(
+            asynchronous=self.asynchronous, engine_args=engine_args, source=source.portable(bool(evaluated)),
+            seed=seed, save_every=self.save_every, placement=self.placement, share=self.share,
+            updates=range(state.update + len(self.sampled_ahead) + 1, self.num_updates + 1),
+            first_version=state.update, channels=self.channels, snapshot=state.engine_snapshot, evaluated=evaluated)
+        # looked up now: a test may have put a faulty one in its place
+        target = inflight.generate_inflight if self.asynchronous.inflight_updates else vllm_generator.generate_ahead
+        self.process = vllm_placement.start_generator(self.placement, target, (job,))
+        atexit.register(self.stop)  # however the trainer exits
+        common.STOP_BEFORE_FAILING.append(self.stop)
 
     def _receive(self, timeout: float, timeout_error: str):
         """The process's next message; stops within a second when it has failed or died, and with
@@ -153,21 +144,35 @@ class AsyncGenerator:
         while True:
             alive = self.process.is_alive()  # before reading, so that what it sent before it ended is read first
             try:
-                item = self.channels.batches.get(timeout=0.5)
+                return self.channels.messages.get(timeout=0.5)
             except queue.Empty:
                 if not alive:
                     common.fail(ENGINE_DIED)
                 if time.time() > deadline:
                     common.fail(timeout_error)
-                continue
-            return self._unless_failed(item)
 
-    @staticmethod
-    def _unless_failed(item):
-        """`item`, unless it is the text of the error that stopped the process: then stop with that error."""
-        if isinstance(item, str):
-            common.fail(f"generation failed: {item}")
-        return item
+    def _take(self, message) -> Batch | None:
+        """A message from the process: a batch as tensors; an evaluation, a snapshot or the engine's start kept
+        (None); a failure stops the run with the process's error."""
+        return self.TAKES[type(message)](self, message)
+
+    def _take_batch(self, batch: Batch) -> Batch:
+        return batch.as_tensors()
+
+    def _take_evaluation(self, arrived: vllm_generator.Evaluation):
+        self.arrived[arrived.version] = arrived
+
+    def _take_snapshot(self, snapshot: vllm_generator.Snapshot):
+        self.snapshots[snapshot.checkpoint] = snapshot.state
+
+    def _take_start(self, started: vllm_generator.EngineStarted):
+        self.engine_started = True
+
+    def _take_failure(self, failure: vllm_generator.Failure):
+        common.fail(f"generation failed: {failure.text}")
+
+    TAKES = {Batch: _take_batch, vllm_generator.Evaluation: _take_evaluation, vllm_generator.Snapshot: _take_snapshot,
+             vllm_generator.EngineStarted: _take_start, vllm_generator.Failure: _take_failure}
 
     def _next_batch(self) -> Batch:
         """The next whole batch from the process (asked for first, when the engine shares the trainer's
@@ -183,29 +188,18 @@ class AsyncGenerator:
         return batch
 
     def _next_message(self) -> Batch | None:
-        """The next batch from the process, its arrays as tensors; None for a snapshot (--inflight_updates: a
-        dict) or an evaluation, which are kept."""
+        """The process's next message taken (_take): a batch, its arrays as tensors, or None."""
         timeout = self.asynchronous.generator_timeout
-        item = self._receive(timeout, f"no batch from the generator within --generator_timeout {timeout:g} s")
-        return self._keep(item)
-
-    def _keep(self, item) -> Batch | None:
-        """A batch from the process as tensors; a snapshot or an evaluation kept (None)."""
-        if isinstance(item, dict):
-            self.snapshots[item["snapshot"]] = item
-            return None
-        if isinstance(item, vllm_generator.Evaluation):
-            self.arrived[item.version] = item
-            return None
-        return item.as_tensors()
+        return self._take(self._receive(timeout, f"no batch from the generator within --generator_timeout "
+                                                 f"{timeout:g} s"))
 
     def wait_for_engine(self):
         """Wait until the engine has started (it loads the model and warms up while the trainer sets up and
         makes its first evaluation; on the trainer's own device, before that evaluation: see __init__)."""
         if self.leader and not self.engine_started:
             timeout = self.asynchronous.engine_start_timeout
-            self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout {timeout:g} s")
-            self.engine_started = True
+            self._take(self._receive(timeout, f"the vLLM engine did not start within --engine_start_timeout "
+                                              f"{timeout:g} s"))
             if self.placement.weights_over_nccl:
                 self.channels.published.put(weight_transport.CONNECTING)  # the generator process builds its end now
                 self.channel = weight_transport.connect_weight_channel(self.store, self.process,
@@ -238,7 +232,7 @@ class AsyncGenerator:
         if rank == 0 and self.engine_started:  # the leader of engine 0, the one that evaluates
             with contextlib.suppress(queue.Empty):
                 while True:  # what the process has sent by now, without waiting
-                    if (batch := self._keep(self._unless_failed(self.channels.batches.get_nowait()))) is not None:
+                    if (batch := self._take(self.channels.messages.get_nowait())) is not None:
                         self.sampled_ahead.append(batch)
             while wait and any(version not in self.arrived for version in due):
                 if (batch := self._next_message()) is not None:

@@ -15,6 +15,7 @@ import re
 import sys
 
 import common
+import flag_history
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # configs/<script stem>/<preset>.yaml
 
@@ -79,34 +80,6 @@ TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_
                                                           "GUESS_DATASET", "TOOLS_POLICY", "TOOLS_DATASET")}
 
 
-# flags that others replaced: the one-line pointer to what replaces them (given the old value)
-REPLACED = {"decoupled_weight_cap": "--off_policy_correction pure_is --is_cap {value}"}
-
-# flags renamed, their meaning kept (old name: new name): a file, an older run's args.json, may say the old one.
-# is_level sat beside GRPO's --importance_sampling_level, the level of GSPO's ratio, not of the correction's weights
-RENAMED = {"is_level": "correction_level"}
-
-
-# What the flags in a file mean: args.json records it (flags_format), a YAML file may say it (`flags_format: 2`).
-# Format 2: --off_policy_correction decoupled is AReaL's decoupled PPO; before (1), it named what is now pure_is.
-FLAGS_FORMAT = 2
-
-
-def in_current_names(values: dict, flags_format: int) -> dict:
-    """`values` (a file's flags by name: an args.json's, a YAML file's) written in format `flags_format`, under
-    today's names (RENAMED) and in today's meaning: a new dict."""
-    current = {RENAMED.get(name, name): value for name, value in values.items()}
-    if flags_format < 2 and current.get("off_policy_correction") == "decoupled":
-        current["off_policy_correction"] = "pure_is"
-    return current
-
-
-def check_replaced(name: str, value, where: str):
-    """Stop with a pointer to the new flags when `name` (given a value) was replaced; None: the old default."""
-    if name in REPLACED and value is not None:
-        common.fail(f"{where}--{name} is now {REPLACED[name].format(value=value)}")
-
-
 def parse(args_class, run_fields: tuple[str, ...] = ()):
     """Parse the command line into `args_class` with tyro, in three layers: `--preset NAME` (the file
     configs/<script>/NAME.yaml), then `--config FILE`, then every flag given, each overriding the one before
@@ -124,12 +97,13 @@ def parse(args_class, run_fields: tuple[str, ...] = ()):
     parser.add_argument("--preset")
     parser.add_argument("--config")
     parser.add_argument("--run_dir")
-    for name in (*REPLACED, *RENAMED):
+    for name in (*flag_history.REPLACED, *flag_history.RENAMED):
         parser.add_argument(f"--{name}")
     given = parser.parse_known_args()[0]
-    for name in REPLACED:
-        check_replaced(name, getattr(given, name), "")
-    for old, new in RENAMED.items():  # typed: the new name taught (a file's old name is read as the new one)
+    for name in flag_history.REPLACED:
+        flag_history.check_replaced(name, getattr(given, name), "")
+    # typed: the new name taught (a file's old name is read as the new one)
+    for old, new in flag_history.RENAMED.items():
         if getattr(given, old) is not None:
             common.fail(f"--{old} is now --{new}")
     file_flags, file_preset = config_flags(given.config, args_class) if given.config else ([], None)
@@ -184,7 +158,7 @@ def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> 
     flags_format = values.pop("flags_format", 1) if isinstance(values, dict) else 1
     if recorded_run:  # a run's args.json
         written = values["args"]
-        values = in_current_names(written, flags_format)
+        values = flag_history.in_current_names(written, flags_format)
         if values.get("off_policy_correction") != written.get("off_policy_correction") and (
                 os.environ.get("RANK", "0") == "0"):
             print(f"--config {path!r}: written when --off_policy_correction decoupled named what is now pure_is: "
@@ -194,7 +168,7 @@ def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> 
                     "flags_format 2, and was what is now pure_is before: write pure_is for the earlier objective, "
                     "or add `flags_format: 2` to the file for AReaL's")
     elif isinstance(values, dict):  # a YAML file: its renamed flags (a decoupled that would change stopped above)
-        values = in_current_names(values, flags_format)
+        values = flag_history.in_current_names(values, flags_format)
     if not isinstance(values, dict) or not values:
         common.fail(f"--config {path!r} must map Args fields to values (one `name: value` per line)")
     fields = flag_names(args_class)
@@ -202,8 +176,8 @@ def config_flags(path: str, args_class, only: tuple[str, ...] | None = None) -> 
     for name, value in values.items():
         if only is not None and name not in only:
             continue
-        if name in REPLACED:  # an older run's or file's flag
-            check_replaced(name, value, f"--config {path!r}: ")
+        if name in flag_history.REPLACED:  # an older run's or file's flag
+            flag_history.check_replaced(name, value, f"--config {path!r}: ")
             continue
         if name not in fields:
             nearest = difflib.get_close_matches(str(name), fields, n=1)

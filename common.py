@@ -208,7 +208,7 @@ def init_distributed(timeout_seconds: float = 1800):
 def load_deepspeed():
     """DeepSpeed, with its all-reduce through shared memory on a CPU switched off: it serves DeepSpeed's
     inference kernels only (the kit's collectives are torch.distributed's), and off, DeepSpeed neither compiles
-    it on a machine's first run (30 s on 2 cores) nor maps a 66 MB buffer a rank in /dev/shm (never unlinked)."""
+    it on a machine's first run nor maps a 66 MB buffer a rank in /dev/shm (never unlinked)."""
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -288,7 +288,7 @@ def prepare_deepspeed(model, distributed: DistributedArgs, training: OptimizerAr
     replicated (stage 0) under ZeRO-2, where partitioning would only save optimizer state they
     do not have. On a single rank ZeRO-2 has nothing to partition, so the policy takes stage 0 too,
     without the all-reduce of its gradients (a copy of every gradient, with no other rank to average
-    with): the same AdamW step without ZeRO's bookkeeping, about 5 ms an update less on the toy task.
+    with): the same AdamW step without ZeRO's bookkeeping.
     """
     import deepspeed
 

@@ -15,7 +15,9 @@ re-tokenized. The environment's tokens are masked out of everything the policy i
 naming it, the episode and what was wrong.
 """
 
+import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -104,8 +106,8 @@ class EnvArgs(common.FlagGroup):
         return json.loads(self.chat_template_kwargs or "{}")
 
     @property
-    def slowed(self) -> bool:
-        """Whether --env_latency or --env_latency_timeouts wrap the steps (EpisodeLoop.slowed)."""
+    def adds_latency(self) -> bool:
+        """Whether --env_latency or --env_latency_timeouts wrap the steps (EpisodeLoop.with_latency)."""
         return self.env_latency > 0 or self.env_latency_timeouts > 0
 
 
@@ -431,6 +433,27 @@ class Turn(NamedTuple):
 
 
 @dataclass
+class EpisodeCounts:
+    """What an episode counts as it plays, a field each: an int per episode (Episode.counts), a (N,) column per batch
+    of episodes (Episodes.counts; the engine's Batch carries them by name), each averaged per episode in
+    rollout_metrics. A new count is three edits: its field here, where it counts, its metric."""
+
+    tool_calls: int = 0  # the tool calls of its turns
+    tool_errors: int = 0  # those that came back as an error
+    failed_steps: int = 0  # steps and turns of tool calls that raised or timed out (--env_failure)
+    timeouts: int = 0  # those that timed out
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [count.name for count in dataclasses.fields(cls)]
+
+    @classmethod
+    def columns(cls, values) -> "EpisodeCounts":
+        """The counts of a batch: values(name) -> its column, for each count."""
+        return cls(**{name: values(name) for name in cls.names()})
+
+
+@dataclass
 class Episode:
     """One episode as tokens: the first message (`prompt_ids`), then every later token (`ids`), the policy's
     (`is_action` True) and the environment's, in the order they came."""
@@ -443,16 +466,17 @@ class Episode:
     is_action: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # the vLLM engine's of the policy's ids, INVALID_LOGPROB after
     versions: list[int] = field(default_factory=list)  # in flight: the version that sampled each policy id, -1 after
+    token_turns: list[int] = field(default_factory=list)  # each id's turn: the index of the turn that sampled it, or -1
     actions: list[Turn] = field(default_factory=list)  # every turn the environment has replied to (a replay's input)
+    turn_rewards: list[float] = field(default_factory=list)  # the reward of each turn's reply
+    # each turn's starting state, as the environment's state_key() names it (hashed: state_key_id), where it has one
+    state_keys: list[int] = field(default_factory=list)
     pending: Turn | None = None  # the turn its environment is stepping on
     episode_return: float = 0.0
     ended: bool = False
     truncated: bool = False  # ended by --max_turns or --max_episode_tokens, not by the environment
     missed_stop: bool = False  # a turn ran out of tokens before its stop token
-    tool_calls: int = 0  # the tool calls of its turns
-    tool_errors: int = 0  # those that came back as an error
-    failed_steps: int = 0  # steps and turns of tool calls that raised or timed out (--env_failure)
-    timeouts: int = 0  # those that timed out
+    counts: EpisodeCounts = field(default_factory=EpisodeCounts)
     failed: bool = False  # ended by a failure, with --env_failure drop_group
     step_times: list[float] = field(default_factory=list)  # seconds each step (or turn of tool calls) took
     step_started: float = 0.0  # time.monotonic() when its running step started
@@ -461,6 +485,16 @@ class Episode:
     @property
     def turns(self) -> int:
         return len(self.actions)
+
+    def portable(self) -> dict:
+        """Its values but its environment object: plain data an in-flight snapshot keeps (from_portable)."""
+        values = {name: value for name, value in vars(self).items() if name != "env"}
+        return values | {"counts": dataclasses.asdict(self.counts)}
+
+    @classmethod
+    def from_portable(cls, values: dict) -> "Episode":
+        """An episode a snapshot kept (portable), without an environment."""
+        return cls(env=None, **values | {"counts": EpisodeCounts(**values["counts"])})
 
     def budget(self, max_new_tokens: int, max_episode_tokens: int) -> int:
         """Tokens the next turn may sample: a turn's, or what is left of the context."""
@@ -473,9 +507,11 @@ class Episode:
         message, reward, done = reply
         self.ids += turn.ids
         self.is_action += [True] * len(turn.ids)
+        self.token_turns += [self.turns] * len(turn.ids)
         self.logprobs += turn.logprobs or []
         self.versions += turn.versions or []
         self.actions.append(turn)
+        self.turn_rewards.append(reward)
         self.episode_return += reward
         self.missed_stop |= not turn.stopped
         if done:
@@ -487,6 +523,7 @@ class Episode:
             return
         self.ids += message_ids
         self.is_action += [False] * len(message_ids)
+        self.token_turns += [-1] * len(message_ids)
         if turn.logprobs is not None:
             self.logprobs += [common.INVALID_LOGPROB] * len(message_ids)
         if turn.versions is not None:
@@ -496,7 +533,7 @@ class Episode:
 class EpisodeLoop:
     """Where every episode is played, whichever way its turns are sampled: with HF generate turn by turn
     (grpo_multiturn*.py's play_episodes), in the vLLM engine K updates ahead, turn by turn or each episode at its
-    own pace (vllm_generator.SampleEpisodes), and in flight across weight loads (inflight.InflightEpisodes). The
+    own pace (rollouts.SampleEpisodes), and in flight across weight loads (inflight.InflightEpisodes). The
     mode samples each turn within Episode.budget and hands it over (take_turn); the loop owns the rest: the
     environments' resets and steps (the only calls into an environment, each in a thread of its own under
     --env_timeout, each reply checked), and every turn and reply appended to its episode as tokens (token in, token
@@ -538,7 +575,8 @@ class EpisodeLoop:
                             f"turn in --max_episode_tokens {env_args.max_episode_tokens}: "
                             + sizes_that_fit(task, env_args, len(prompt_ids)))
             episodes.append(Episode(env=env, number=first_episode + i, where=where[i], prompt_ids=prompt_ids,
-                                    latency=latency_generator(env_args, starts[i][1], i % k)))
+                                    latency=latency_generator(env_args, starts[i][1], i % k),
+                                    state_keys=[state_key_id(env)]))
         return episodes
 
     def take_turn(self, episode: Episode, turn: Turn):
@@ -551,18 +589,18 @@ class EpisodeLoop:
                                             episode.prompt_ids + episode.ids, task.eos_ids) if tools else []
         self.stepping[episode.number] = episode, calls
         if calls:
-            first = episode.tool_calls  # the number of the turn's first call in the episode
+            first = episode.counts.tool_calls  # the number of the turn's first call in the episode
 
             def call():
                 return *tool_calls.call_tools(tools, task.tools, calls, first), tool_calls.turn_reward(episode.env)
 
-            self.steps.start(episode.number, self.slowed(episode, call), f"{episode.where}: tool calls")
+            self.steps.start(episode.number, self.with_latency(episode, call), f"{episode.where}: tool calls")
         else:
             text = action_text(task, turn.ids)
-            self.steps.start(episode.number, self.slowed(episode, lambda: episode.env.step(text)),
+            self.steps.start(episode.number, self.with_latency(episode, lambda: episode.env.step(text)),
                              f"{episode.where}: step")
 
-    def slowed(self, episode: Episode, step):
+    def with_latency(self, episode: Episode, step):
         """`step` (no arguments) as --env_latency makes it: after the latency the episode's generator draws
         (draw_latency), or, for a --env_latency_timeouts share of the steps, hanging past --env_timeout without
         reaching the environment."""
@@ -595,36 +633,39 @@ class EpisodeLoop:
         for number, where, result, error in sorted(finished, key=lambda call: call[0]):
             episode, calls = self.stepping.pop(number)
             episode.step_times.append(time.monotonic() - episode.step_started)
-            episode.tool_calls += len(calls)
+            episode.counts.tool_calls += len(calls)
             if error is not None:
-                reply = self.failed(episode, calls, where, error)
+                reply = self.reply_to_failure(episode, calls, where, error)
             elif calls:
                 messages, errors, reward = result
-                episode.tool_errors += errors
+                episode.counts.tool_errors += errors
                 reply = messages, reward, False
             else:
                 reply = check_step(result, where, self.task.chat_template)
             turn, episode.pending = episode.pending, None
             episode.add_turn(turn, reply, self.task, self.env_args.max_turns, self.env_args.max_episode_tokens)
+            if not episode.ended:  # the state its next turn starts from
+                episode.state_keys.append(state_key_id(episode.env))
             replied.append(episode)
         return replied
 
-    def failed(self, episode: Episode, calls: list[tool_calls.ToolCall], where: str, error: BaseException) -> tuple:
+    def reply_to_failure(self, episode: Episode, calls: list[tool_calls.ToolCall], where: str,
+                         error: BaseException) -> tuple:
         """The reply to a turn whose step raised or timed out, or whose tool calls timed out (an error inside a tool
         is its message already), as --env_failure says: the run stops (stop), the error goes to the policy
         (error_message: the message, or each call's tool message), or the episode ends there, failed (drop_group).
         Counted the same in every mode: a failed step (failed_steps), a timeout, each call of the turn an error."""
         if self.env_args.env_failure == "stop":
             common.fail(failure_line(where, error))
-        episode.failed_steps += 1
-        episode.timeouts += isinstance(error, CallTimeout)
-        episode.tool_errors += len(calls)
+        episode.counts.failed_steps += 1
+        episode.counts.timeouts += isinstance(error, CallTimeout)
+        episode.counts.tool_errors += len(calls)
         if self.env_args.env_failure == "drop_group":
             episode.failed = True
             return None, 0.0, True
         text = "error: " + failure_line(where.rsplit(": ", 1)[-1], error)
         if calls:
-            first = episode.tool_calls - len(calls)
+            first = episode.counts.tool_calls - len(calls)
             messages = [tool_calls.tool_message(call.name, number, text) for number, call in enumerate(calls, first)]
             return messages, 0.0, False
         return text, 0.0, False
@@ -660,7 +701,17 @@ def latency_generator(env_args: EnvArgs, seed: int, position: int) -> random.Ran
     """The generator that draws the --env_latency of each step of the episode at `position` in the group of reset
     seed `seed` (None without --env_latency): the same for that episode in every mode, and in a resumed run's
     replay."""
-    return random.Random(f"{seed}/{position}/latency") if env_args.slowed else None
+    return random.Random(f"{seed}/{position}/latency") if env_args.adds_latency else None
+
+
+def state_key_id(env) -> int:
+    """The state the environment's next turn starts from, as its optional state_key() names it (any value; equal
+    values, equal states: GiGPO's anchor states, grpo_multiturn*.py --turn_advantage gigpo), as a number that is the
+    same in every process (a hash of its repr); -1 where the environment has no state_key."""
+    state_key = getattr(env, "state_key", None)
+    if state_key is None:
+        return -1
+    return int.from_bytes(hashlib.sha256(repr(state_key()).encode()).digest()[:7], "big")
 
 
 def draw_latency(generator: random.Random, env_args: EnvArgs) -> tuple[bool, float]:
@@ -723,31 +774,33 @@ class Episodes(common.Rollout):
     returns: torch.Tensor = None  # (N,) the sum of each episode's rewards
     turns: torch.Tensor = None  # (N,)
     truncated: torch.Tensor = None  # (N,) ended by --max_turns or the context limit
+    failed: torch.Tensor = None  # (N,) bool: ended by a failure (--env_failure drop_group)
+    token_turns: torch.Tensor = None  # (N, R) the turn each of the policy's tokens belongs to (its index), -1 elsewhere
+    turn_rewards: torch.Tensor = None  # (N, T) each turn's reward, 0 past an episode's last turn (T: the most turns)
+    state_keys: torch.Tensor = None  # (N, T) each turn's starting state (state_key_id), -1 past the last turn
+    counts: EpisodeCounts = None  # (N,) each
     engine_logprobs: torch.Tensor | None = None  # (N, R) the vLLM engine's (INVALID_LOGPROB but at the policy's tokens)
     token_versions: torch.Tensor | None = None  # (N, R) in flight: the version of each policy token, -1 elsewhere
-    tool_calls: torch.Tensor = None  # (N,) each episode's tool calls
-    tool_errors: torch.Tensor = None  # (N,) those that came back as an error
-    failed_steps: torch.Tensor = None  # (N,) steps and turns of tool calls that raised or timed out
-    timeouts: torch.Tensor = None  # (N,) those that timed out
-    failed: torch.Tensor = None  # (N,) bool: ended by a failure (--env_failure drop_group)
     step_times: list[float] = None  # seconds each step of the batch took
+
+    # the values of each episode a vllm_generator.Batch carries by name (with the counts): Batch.episodes
+    PER_EPISODE = ("lengths", "contains_eos", "action_mask", "returns", "turns", "truncated", "failed", "token_turns",
+                   "turn_rewards", "state_keys")
 
     @property
     def mask(self) -> torch.Tensor:
         return self.action_mask
 
     def as_arrays(self) -> dict:
-        """The batch as a generator process sends it, its fields of a vllm_generator.Batch: the first messages as
-        token lists, the rest as numpy arrays (they cross processes by value)."""
+        """The batch as a generator process sends it, the fields of a vllm_generator.Batch: the first messages as
+        token lists, the rest as numpy arrays (they cross processes by value), each episode's values by name."""
         queries = [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
         numpy = lambda tensor: None if tensor is None else tensor.cpu().numpy()  # noqa: E731
+        per_episode = {name: numpy(getattr(self, name)) for name in self.PER_EPISODE}
+        counts = {name: numpy(getattr(self.counts, name)) for name in EpisodeCounts.names()}
         return {"queries": queries, "responses": numpy(self.responses), "logprobs": numpy(self.engine_logprobs),
-                "token_versions": numpy(self.token_versions), "lengths": numpy(self.lengths),
-                "contains_eos": numpy(self.contains_eos), "action_mask": numpy(self.action_mask),
-                "returns": numpy(self.returns), "turns": numpy(self.turns), "truncated": numpy(self.truncated),
-                "tool_calls": numpy(self.tool_calls), "tool_errors": numpy(self.tool_errors),
-                "failed_steps": numpy(self.failed_steps), "timeouts": numpy(self.timeouts),
-                "failed": numpy(self.failed), "step_times": self.step_times}
+                "token_versions": numpy(self.token_versions), "episodes": per_episode | counts,
+                "step_times": self.step_times}
 
     @classmethod
     def from_batch(cls, batch, pad_token_id: int, device) -> "Episodes":
@@ -755,22 +808,18 @@ class Episodes(common.Rollout):
         query_ids, query_mask = common.left_pad(batch.queries, pad_token_id, device)
         on_device = lambda tensor: None if tensor is None else tensor.to(device)  # noqa: E731
         return cls(query_ids=query_ids, query_mask=query_mask, responses=on_device(batch.responses),
-                   lengths=on_device(batch.lengths), contains_eos=on_device(batch.contains_eos),
-                   action_mask=on_device(batch.action_mask), returns=on_device(batch.returns),
-                   turns=on_device(batch.turns), truncated=on_device(batch.truncated),
                    engine_logprobs=on_device(batch.logprobs), token_versions=on_device(batch.token_versions),
-                   tool_calls=on_device(batch.tool_calls), tool_errors=on_device(batch.tool_errors),
-                   failed_steps=on_device(batch.failed_steps), timeouts=on_device(batch.timeouts),
-                   failed=on_device(batch.failed), step_times=batch.step_times)
+                   counts=EpisodeCounts.columns(lambda name: on_device(batch.episodes[name])),
+                   step_times=batch.step_times, **{name: on_device(batch.episodes[name]) for name in cls.PER_EPISODE})
 
 
 def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
     """The episodes as one Episodes batch (right-padded responses) on `device`."""
     query_ids, query_mask = common.left_pad([e.prompt_ids for e in episodes], pad_token_id, device)
-    width = max(1, max(len(e.ids) for e in episodes))
+    width, most_turns = max(1, max(len(e.ids) for e in episodes)), max(1, max(e.turns for e in episodes))
 
-    def padded(rows: list[list], value, dtype=None) -> torch.Tensor:  # (N, width)
-        return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=dtype, device=device)
+    def padded(rows: list[list], value, dtype=None, columns: int = width) -> torch.Tensor:  # (N, columns)
+        return torch.tensor([row + [value] * (columns - len(row)) for row in rows], dtype=dtype, device=device)
 
     number = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
     return Episodes(query_ids=query_ids, query_mask=query_mask,
@@ -780,29 +829,16 @@ def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
                     action_mask=padded([e.is_action for e in episodes], False),
                     returns=number([e.episode_return for e in episodes]),
                     turns=number([e.turns for e in episodes]), truncated=number([e.truncated for e in episodes]),
+                    failed=number([e.failed for e in episodes], torch.bool),
+                    token_turns=padded([e.token_turns for e in episodes], -1, torch.long),
+                    turn_rewards=padded([e.turn_rewards for e in episodes], 0.0, torch.float32, most_turns),
+                    state_keys=padded([e.state_keys[:e.turns] for e in episodes], -1, torch.long, most_turns),
+                    counts=EpisodeCounts.columns(lambda name: number([getattr(e.counts, name) for e in episodes])),
                     engine_logprobs=(padded([e.logprobs for e in episodes], common.INVALID_LOGPROB, torch.float32)
                                      if any(e.logprobs for e in episodes) else None),
                     token_versions=(padded([e.versions for e in episodes], -1, torch.long)
                                     if any(e.versions for e in episodes) else None),
-                    tool_calls=number([e.tool_calls for e in episodes]),
-                    tool_errors=number([e.tool_errors for e in episodes]),
-                    failed_steps=number([e.failed_steps for e in episodes]),
-                    timeouts=number([e.timeouts for e in episodes]),
-                    failed=number([e.failed for e in episodes], torch.bool),
                     step_times=[t for e in episodes for t in e.step_times])
-
-
-def engine_logprob_diff(sampling_policy, episodes: Episodes, rows: list[int] | slice,
-                        generation: common.GenerationArgs) -> float:
-    """The mean |engine log-prob - trainer log-prob| over the policy's tokens of episodes `rows`, the trainer's
-    recomputed with `sampling_policy`, which holds the weights that sampled them (async/logprob_diff)."""
-    device = sampling_policy.device
-    trainer_logprobs = common.response_logprobs(  # (rows, R)
-        sampling_policy, episodes.query_ids[rows].to(device), episodes.query_mask[rows].to(device),
-        episodes.responses[rows].to(device), episodes.lengths[rows].to(device), generation.temperature,
-        generation.top_p)
-    difference = (episodes.engine_logprobs[rows].to(device) - trainer_logprobs).abs()
-    return common.masked_mean(difference, episodes.action_mask[rows].to(device))
 
 
 def rollout_metrics(episodes: Episodes, k: int) -> dict[str, float]:
@@ -817,14 +853,14 @@ def rollout_metrics(episodes: Episodes, k: int) -> dict[str, float]:
     step_times = np.array(episodes.step_times or [0.0])
     kept = common.all_reduce_masked_means({
         "rollout/return_mean": episodes.returns, "rollout/turns_mean": episodes.turns,
-        "rollout/truncated_episodes": episodes.truncated, "rollout/tool_calls_mean": episodes.tool_calls,
-        "rollout/tool_errors_mean": episodes.tool_errors, "environment's tokens": (real & ~episodes.action_mask).sum(1),
-        "tokens": real.sum(1)}, kept_groups(episodes, k))
+        "rollout/truncated_episodes": episodes.truncated, "rollout/tool_calls_mean": episodes.counts.tool_calls,
+        "rollout/tool_errors_mean": episodes.counts.tool_errors,
+        "environment's tokens": (real & ~episodes.action_mask).sum(1), "tokens": real.sum(1)}, kept_groups(episodes, k))
     environment_tokens, tokens = kept.pop("environment's tokens"), kept.pop("tokens")
     return {**kept, "rollout/env_tokens_frac": environment_tokens / tokens if tokens else 0.0,
             "rollout/dropped_groups": episodes.failed.view(-1, k).any(dim=1).float().mean().item(),
-            "env/failed_steps": episodes.failed_steps.mean().item(),
-            "env/timeouts": episodes.timeouts.mean().item(),
+            "env/failed_steps": episodes.counts.failed_steps.mean().item(),
+            "env/timeouts": episodes.counts.timeouts.mean().item(),
             "env/step_time_median": float(np.median(step_times)),
             "env/step_time_p95": float(np.percentile(step_times, 95))}
 

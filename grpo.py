@@ -227,15 +227,16 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
                 ref_logprobs=None, entropy=None, weights=1.0, clip: bool = True):
     """The GRPO-family loss of n rows (completions, or episodes), over the tokens of `mask` (an episode's: the
     policy's): new_logprobs (the training forward), old_logprobs (those the ratio is taken against), ref_logprobs
-    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,); step_tokens and max_tokens,
-    the averages' denominators (token_average); weights, each policy term's importance weight (1, or those of
-    --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio
-    unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,), or (n, R) a token's own;
+    step_tokens and max_tokens, the averages' denominators (token_average); weights, each policy term's importance
+    weight (1, or those of --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False
+    (m2po) takes the ratio unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or
+    (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)
-    a = advantages[:, None]
+    a = advantages[:, None] if advantages.dim() == 1 else advantages  # (n, 1), or (n, R): each token its own
     if args.loss_type == "cispo":  # REINFORCE weighted by the clipped ratio, no gradient through it
         bound = upper_clip(args) if clip else math.inf
         per_token = -torch.clamp(ratio, max=bound).detach() * a * new_logprobs

@@ -50,6 +50,16 @@ class Args:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage = reward - its group's mean, divided by the group's std (group), the whole batch's (batch),
     or nothing (none: Dr. GRPO); each std plus 1e-4"""
+    turn_advantage: Literal["episode", "reward_to_go", "turn_index_norm", "unbiased", "gigpo"] = "episode"
+    """how credit goes to each turn (ALGORITHMS.md, "Credit per turn"), each turn's advantage on its own tokens:
+    episode, every turn its episode's return against its group's (--scale_rewards); reward_to_go, its discounted
+    return from that turn on (--gamma) against the group's mean at the same turn index; turn_index_norm, the
+    return-to-go of the turn rewards normalised per turn index across the group (as several papers do; biased where
+    the policy decides when to stop); unbiased, against the mean of the group's other episodes at that turn;
+    gigpo, GiGPO's episode advantage plus a step advantage among the group's turns that start from the same
+    environment state (the environment's state_key())"""
+    gamma: float = 1.0
+    """the discount of later turns' rewards in a turn's return-to-go (every --turn_advantage but episode)"""
     epsilon: float = 0.2
     """the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = None
@@ -99,6 +109,11 @@ def check_args(args: Args, world_size: int) -> tuple[int, int]:
     if args.epsilon_high is not None and args.epsilon_high <= 0:
         common.fail(f"--epsilon_high must be positive (the ratio's upper clip is 1 + epsilon_high), "
                     f"got {args.epsilon_high}")
+    if not 0 < args.gamma <= 1:
+        common.fail(f"--gamma must be in (0, 1], got {args.gamma}")
+    if args.gamma != 1 and args.turn_advantage == "episode":
+        common.fail(f"--gamma {args.gamma} discounts the turns' returns-to-go: it applies to --turn_advantage "
+                    "reward_to_go, turn_index_norm, unbiased or gigpo, not to episode")
     if args.delta is not None and args.delta <= 1 + upper_clip(args):
         common.fail(f"--delta caps the unclipped ratio above its clip, so it must exceed 1 + epsilon_high = "
                     f"{1 + upper_clip(args):g}, got {args.delta}")
@@ -189,6 +204,78 @@ def evaluate(policy, task: environments.EnvTask, args, update: int) -> dict[str,
             "eval/truncated_episodes": truncated / count}
 
 
+def returns_to_go(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma G_{t+1}: each turn's discounted return from that turn on. rewards: (N, T) -> (N, T)"""
+    returns, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for turn in reversed(range(rewards.shape[1])):
+        running = rewards[:, turn] + gamma * running
+        returns[:, turn] = running
+    return returns
+
+
+def turn_advantages(turn_rewards: torch.Tensor, turns: torch.Tensor, state_keys: torch.Tensor, scores: torch.Tensor,
+                    k: int, args) -> torch.Tensor:
+    """Each turn's advantage under --turn_advantage (ALGORITHMS.md, "Credit per turn"), for groups of k adjacent
+    episodes: reward_to_go, G_t against the mean G_t of the group's episodes that took a turn t; turn_index_norm, the
+    return-to-go of the turn rewards normalised per turn index across the group (biased when the policy decides when
+    to stop); unbiased, G_t against the mean G_t of the group's other episodes that took a turn t (0 if none); gigpo,
+    the episode's group advantage (group_advantages of `scores`) plus the turn's G_t normalised among the group's
+    turns that start from the same state (state_keys; 0 for a state no other turn starts from).
+    turn_rewards, state_keys: (N, T); turns, scores: (N,) -> (N, T), 0 past each episode's last turn"""
+    width = turn_rewards.shape[1]
+    played = (torch.arange(width, device=turns.device) < turns[:, None]).float()  # (N, T)
+    in_groups = lambda values: values.view(-1, k, width)  # noqa: E731  (groups, k, T)
+    if args.turn_advantage == "turn_index_norm":
+        rewards, taken = in_groups(turn_rewards), in_groups(played)
+        count = taken.sum(dim=1, keepdim=True)  # (groups, 1, T) episodes with a turn t
+        mean = (rewards * taken).sum(dim=1, keepdim=True) / count.clamp(min=1)
+        std = (((rewards - mean) ** 2 * taken).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        normalised = ((rewards - mean) / (std + 1e-4) * taken).view(-1, width)
+        return returns_to_go(normalised, args.gamma) * played
+    returns = returns_to_go(turn_rewards, args.gamma) * played  # (N, T)
+    if args.turn_advantage == "gigpo":
+        return group_advantages(scores, k, args.scale_rewards)[:, None] * played + step_advantages(
+            returns, played, state_keys, k)
+    group_returns, taken = in_groups(returns), in_groups(played)
+    total, count = (group_returns * taken).sum(dim=1, keepdim=True), taken.sum(dim=1, keepdim=True)
+    if args.turn_advantage == "reward_to_go":
+        baseline = total / count.clamp(min=1)
+    else:  # unbiased: the others' (leave-one-out), which do not depend on this episode's actions
+        baseline = (total - group_returns) / (count - 1).clamp(min=1)
+    return ((group_returns - baseline) * taken).view(-1, width)
+
+
+def step_advantages(returns: torch.Tensor, played: torch.Tensor, state_keys: torch.Tensor, k: int) -> torch.Tensor:
+    """GiGPO's step level: each turn's return-to-go against those of the turns of its group that start from the same
+    state (its anchor group), divided by their std (+ 1e-4); 0 for a turn whose state no other turn of the group
+    starts from. returns, played, state_keys: (N, T) -> (N, T)"""
+    width = returns.shape[1]
+    keys, g, taken = (values.reshape(-1, k * width) for values in (state_keys, returns, played))  # (groups, kT)
+    # (groups, kT, kT): two turns of a group that were taken and start from the same state
+    same = (keys[:, :, None] == keys[:, None, :]) & (taken[:, :, None] > 0) & (taken[:, None, :] > 0)
+    count = same.sum(dim=2)  # (groups, kT) the turns of each turn's anchor group, itself included
+    mean = (same * g[:, None, :]).sum(dim=2) / count.clamp(min=1)
+    std = ((same * (g[:, None, :] - mean[:, :, None]) ** 2).sum(dim=2) / (count - 1).clamp(min=1)).sqrt()
+    step = (g - mean) / (std + 1e-4) * taken  # 0 for a turn alone in its anchor group: it is its own mean
+    return step.view(-1, width)
+
+
+def token_advantages(per_turn: torch.Tensor, token_turns: torch.Tensor) -> torch.Tensor:
+    """Each of the policy's tokens takes its turn's advantage; every other token 0.
+    per_turn: (N, T), token_turns: (N, R) -> (N, R)"""
+    return per_turn.gather(1, token_turns.clamp(min=0)) * (token_turns >= 0)
+
+
+def final_turn_rewards(episodes: environments.Episodes, args) -> torch.Tensor:
+    """(N, T) each turn's reward, as final_scores takes the returns: with --missing_eos_penalty an episode with a turn
+    that ran out of tokens before its stop token has --penalty_reward_value at its last turn and 0 before."""
+    if not args.generation.missing_eos_penalty:
+        return episodes.turn_rewards
+    last = torch.arange(episodes.turn_rewards.shape[1], device=episodes.turns.device) == episodes.turns[:, None] - 1
+    penalised = torch.where(last, args.generation.penalty_reward_value, 0.0)
+    return torch.where(episodes.contains_eos[:, None], episodes.turn_rewards, penalised)
+
+
 def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL estimate of the policy from the reference, r = ref_logp - logp: k1 -r, k2 r^2 / 2, k3
     exp(r) - r - 1 (unbiased and never negative; Schulman, 2020)."""
@@ -220,15 +307,16 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
                 ref_logprobs=None, entropy=None, weights=1.0, clip: bool = True):
     """The GRPO-family loss of n rows (completions, or episodes), over the tokens of `mask` (an episode's: the
     policy's): new_logprobs (the training forward), old_logprobs (those the ratio is taken against), ref_logprobs
-    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,); step_tokens and max_tokens,
-    the averages' denominators (token_average); weights, each policy term's importance weight (1, or those of
-    --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio
-    unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,), or (n, R) a token's own;
+    step_tokens and max_tokens, the averages' denominators (token_average); weights, each policy term's importance
+    weight (1, or those of --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False
+    (m2po) takes the ratio unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or
+    (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)
-    a = advantages[:, None]
+    a = advantages[:, None] if advantages.dim() == 1 else advantages  # (n, 1), or (n, R): each token its own
     if args.loss_type == "cispo":  # REINFORCE weighted by the clipped ratio, no gradient through it
         bound = upper_clip(args) if clip else math.inf
         per_token = -torch.clamp(ratio, max=bound).detach() * a * new_logprobs
@@ -263,6 +351,9 @@ def main(args: Args):
     task = environments.load_env_task(args.data, args.env, args.evaluation.eval_num_prompts, args.lora, rank,
                                       evaluate=args.run.eval_every > 0,
                                       response_length=args.generation.response_length)
+    if args.turn_advantage == "gigpo" and not callable(getattr(task.env_class, "state_key", None)):
+        common.fail(f"--turn_advantage gigpo groups turns by the state they start from, which the environment names: "
+                    f"--env {args.env.env!r} has no state_key() method")
     sampler = data.PromptSampler(len(task.train_rows), local_batch_size, rank, world_size, args.run.seed)
     if rank == 0:  # only now, so that bad input leaves no output directory behind
         outputs.prepare_output_dir(args.run, cli.flag_values(args), environments.RESUME_MAY_CHANGE)
@@ -309,8 +400,14 @@ def main(args: Args):
         logprobs = common.start_logprobs_but_first_step(policy, rollout, args.generation, first_rows)
         start_logprobs = logprobs  # the sampler is the trainer, at the start of the update
 
-        # Advantages: each return against its group's; the tokens that count in the loss (the policy's).
-        advantages = group_advantages(scores, k, args.scale_rewards)  # (N,)
+        # Advantages: each return against its group's (--turn_advantage episode), or each turn's on its own tokens;
+        # the tokens that count in the loss (the policy's).
+        if args.turn_advantage == "episode":
+            advantages = group_advantages(scores, k, args.scale_rewards)  # (N,)
+        else:
+            per_turn = turn_advantages(final_turn_rewards(rollout, args), rollout.turns, rollout.state_keys, scores,
+                                       k, args)  # (N, T)
+            advantages = token_advantages(per_turn, rollout.token_turns)  # (N, R)
         mask = rollout.mask.float()  # (N, R)
         if args.mask_truncated_completions:
             mask = mask * (1 - rollout.truncated[:, None])

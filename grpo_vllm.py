@@ -29,6 +29,7 @@ import evaluation
 import inflight
 import lora
 import outputs
+import rollouts
 import vllm_generator
 from cli import ConfigFiles
 from common import DistributedArgs, GenerationArgs, RLOptimizerArgs
@@ -210,15 +211,16 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, args, step_tokens:
                 ref_logprobs=None, entropy=None, weights=1.0, clip: bool = True):
     """The GRPO-family loss of n rows (completions, or episodes), over the tokens of `mask` (an episode's: the
     policy's): new_logprobs (the training forward), old_logprobs (those the ratio is taken against), ref_logprobs
-    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,); step_tokens and max_tokens,
-    the averages' denominators (token_average); weights, each policy term's importance weight (1, or those of
-    --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False (m2po) takes the ratio
-    unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or (n, 1))."""
+    (with --beta), entropy (with --entropy_coef) and mask, all (n, R); advantages (n,), or (n, R) a token's own;
+    step_tokens and max_tokens, the averages' denominators (token_average); weights, each policy term's importance
+    weight (1, or those of --off_policy_correction: corrections.off_policy_terms), (n, R) or (n, 1); `clip` False
+    (m2po) takes the ratio unclipped. Returns (loss, share of masked tokens whose clip binds, the ratios (n, R) or
+    (n, 1))."""
     log_ratio = new_logprobs - old_logprobs  # (n, R)
     if args.importance_sampling_level == "sequence":  # GSPO: exp of the mean per-token log-ratio
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)
-    a = advantages[:, None]
+    a = advantages[:, None] if advantages.dim() == 1 else advantages  # (n, 1), or (n, R): each token its own
     if args.loss_type == "cispo":  # REINFORCE weighted by the clipped ratio, no gradient through it
         bound = upper_clip(args) if clip else math.inf
         per_token = -torch.clamp(ratio, max=bound).detach() * a * new_logprobs
@@ -287,11 +289,11 @@ def main(args: Args):
     # the generator process scores each round of samples as final_scores does here.
     dynamic_sampling = None
     if args.dynamic_sampling:
-        dynamic_sampling = vllm_generator.DynamicSampling(functools.partial(final_scores, args=args), task, args.reward,
+        dynamic_sampling = rollouts.DynamicSampling(functools.partial(final_scores, args=args), task, args.reward,
                                                           args.max_sampling_rounds)
-    generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
-                                               args.distributed.bf16, task, sampler, state, num_updates,
-                                               args.num_samples, dynamic_sampling, eval_args=args.evaluation)
+    source = rollouts.SamplePrompts.of(task, args.data, args.generation, args.distributed.bf16, sampler,
+                                             args.num_samples, args.evaluation, dynamic_sampling)
+    generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, source, args.run, state, num_updates)
     # the starting policy's evaluation: here while the engine starts, or (by default) in the engine once started
     for evaluated, generated in generator.evaluations(state.update, wait=False):
         logger.log_evaluation(evaluated, 0, evaluate(policy, ref_policy, reward_model, evaluated, generated=generated))

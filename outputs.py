@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-import cli
 import common
+import flag_history
 import lora
 from common import fail
 
@@ -130,7 +130,7 @@ def prepare_output_dir(run: RunArgs, flags: dict, may_change: tuple[str, ...] = 
     if run.resume and latest_checkpoint(run.output_dir) and os.path.isfile(recorded_path):
         with open(recorded_path) as f:
             recorded = json.load(f)
-        recorded["args"] = cli.in_current_names(recorded["args"], recorded.get("flags_format", 1))
+        recorded["args"] = flag_history.in_current_names(recorded["args"], recorded.get("flags_format", 1))
         changed = [f"--{name} {recorded['args'][name]!r} -> {record['args'].get(name)!r}"
                    for name in recorded["args"] if name not in (*RESUME_MAY_CHANGE, *may_change)
                    and recorded["args"][name] != record["args"].get(name)]
@@ -141,7 +141,7 @@ def prepare_output_dir(run: RunArgs, flags: dict, may_change: tuple[str, ...] = 
                  "resume with its own (its args.json) or start a new run")
         return
     os.makedirs(run.output_dir, exist_ok=True)
-    record.update(flags_format=cli.FLAGS_FORMAT, versions=stack_versions(), argv=sys.argv)
+    record.update(flags_format=flag_history.FLAGS_FORMAT, versions=stack_versions(), argv=sys.argv)
     write_atomically(recorded_path, json.dumps(record, indent=2))
 
 

@@ -27,6 +27,7 @@ import evaluation
 import inflight
 import lora
 import outputs
+import rollouts
 import vllm_generator
 from cli import ConfigFiles
 from common import DistributedArgs, GenerationArgs, RLOptimizerArgs
@@ -227,9 +228,9 @@ def main(args: Args):
     # The generator process beside rank 0 holds the engine; it starts while the trainer evaluates. A
     # resumed run first trains on the batches its checkpoint had sampled ahead (with older weights),
     # and samples from the checkpoint's weights after them: whole batches, or in flight.
-    generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, args.generation, args.data, args.run,
-                                               args.distributed.bf16, task, sampler, state, num_updates, 1,
-                                               eval_args=args.evaluation)
+    source = rollouts.SamplePrompts.of(task, args.data, args.generation, args.distributed.bf16, sampler, 1,
+                                             args.evaluation)
+    generator = async_generator.AsyncGenerator(args.asynchronous, args.vllm, source, args.run, state, num_updates)
     # the starting policy's evaluation: here while the engine starts, or (by default) in the engine once started
     for evaluated, generated in generator.evaluations(state.update, wait=False):
         logger.log_evaluation(evaluated, 0, evaluate(agent, ref_policy, reward_model, evaluated, generated=generated))

@@ -1,16 +1,17 @@
 """The generator process of the asynchronous scripts (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py,
 grpo_vllm.py, grpo_multiturn_vllm.py): the vLLM engine that samples their batches, K updates ahead of the trainer.
-Its flags (AsyncArgs), the staleness rule (sampling_version, staleness), the batch it hands the trainer (Batch),
-what it samples (SamplePrompts, or SampleEpisodes: episodes of an environment, played through
-environments.EpisodeLoop), what a generator process is given (GeneratorJob), and the process itself
-(generate_ahead: whole batches; inflight.generate_inflight takes new weights between two decode steps). The
+Its flags (AsyncArgs), the staleness rule (sampling_version, staleness), the messages it sends the trainer (Batch,
+Evaluation, ...), what it samples: a RolloutSource, one of two kinds, SamplePrompts (completions) or SampleEpisodes
+(episodes of an environment, played through environments.EpisodeLoop), each owning its engine side (sampling a
+batch, evaluating, checking the engine's log-probs, playing in flight); what a generator process is given
+(GeneratorJob), and the process itself (generate_ahead: whole batches; inflight.generate_inflight takes new weights
+between two decode steps). The
 trainer's side of it is async_generator.AsyncGenerator; where it runs is vllm_placement's, how the weights reach
 it weight_transport's. Nothing here imports vLLM until an engine starts.
 """
 
 import contextlib
 import dataclasses
-import functools
 import multiprocessing
 import queue
 import random
@@ -22,7 +23,6 @@ import torch
 
 import common
 import data
-import environments
 import evaluation
 import vllm_placement
 import weight_transport
@@ -134,11 +134,38 @@ class Channels:
 
     published: object  # queue: the weight versions the trainer announces
     released: object  # queue: the shared buffers handed back once loaded
-    batches: object  # queue: ENGINE_STARTED, then each batch, or the error that stopped the process, as text
+    messages: object  # queue: the process's messages (EngineStarted, Batch, Evaluation, Snapshot, Failure)
     # queue: the updates whose batch the trainer asks for (an engine on its device), or with --inflight_updates
     # whose checkpoint asks for the engine's snapshot
     requests: object | None
     weight_port: int  # the NCCL channel's rendezvous port (0: the weights come through shared memory)
+
+
+# What a generator process sends its trainer on Channels.messages: EngineStarted first, then its batches and the
+# evaluations between them, the snapshots a checkpoint asks for (--inflight_updates), or the Failure that stopped it.
+@dataclass
+class EngineStarted:
+    """The engine has started: it loaded the model and warmed up."""
+
+
+@dataclass
+class Failure:
+    """What stopped the process: the line the trainer stops with (failure_text)."""
+
+    text: str
+
+
+@dataclass
+class Snapshot:
+    """--inflight_updates: the engine's state for the checkpoint after update `checkpoint` (inflight.py), plain data a
+    checkpoint keeps."""
+
+    checkpoint: int
+    state: dict
+
+
+Array = numpy.ndarray | torch.Tensor  # numpy while a batch crosses processes, a tensor once received
+PER_ROW = {"per_row": True}  # the metadata of a Batch field with a value per row: Batch.rows takes a share of it
 
 
 @dataclass
@@ -149,54 +176,43 @@ class Batch:
 
     update: int
     prompt_indices: list[int]  # the train split's rows the groups start from, one per group
-    queries: list[list[int]]  # (N,) each row's prompt (an episode's first message) as token ids
-    responses: object  # (N, R) right-padded: a completion, or every token of an episode after its first message
-    logprobs: object  # (N, R) the engine's log-probs of the policy's tokens, INVALID_LOGPROB elsewhere
+    queries: list[list[int]] = field(metadata=PER_ROW)  # (N,) each row's prompt (an episode's first message) as ids
+    # (N, R) right-padded: a completion, or every token of an episode after its first message
+    responses: Array = field(metadata=PER_ROW)
+    # (N, R) the engine's log-probs of the policy's tokens, INVALID_LOGPROB elsewhere
+    logprobs: Array = field(metadata=PER_ROW)
     metrics: dict[str, float] = field(default_factory=dict)  # the engine's: time/*, async/logprob_diff, ...
     version: int = 0  # the weights that sampled it (in flight: those of its oldest token)
     engine: tuple[int, int] = (0, 1)  # the engine that sampled it: (index, engines)
     data_position: int = 0  # the global batches drawn up to it
-    scores: object | None = None  # (N,) --dynamic_sampling: the rewards the engine chose the groups by
-    token_versions: object | None = None  # (N, R) --inflight_updates: the version of each policy token, -1 elsewhere
-    # grpo_multiturn_vllm.py's episodes (environments.Episodes.from_batch)
-    lengths: object | None = None  # (N,) tokens after the first message
-    contains_eos: object | None = None  # (N,) every turn reached its stop token
-    action_mask: object | None = None  # (N, R) the policy's tokens
-    returns: object | None = None  # (N,)
-    turns: object | None = None  # (N,)
-    truncated: object | None = None  # (N,)
-    tool_calls: object | None = None  # (N,)
-    tool_errors: object | None = None  # (N,)
-    failed_steps: object | None = None  # (N,)
-    timeouts: object | None = None  # (N,)
-    failed: object | None = None  # (N,)
+    scores: Array | None = field(default=None, metadata=PER_ROW)  # (N,) --dynamic_sampling: the rewards it chose by
+    # (N, R) --inflight_updates: the version of each policy token, -1 elsewhere
+    token_versions: Array | None = field(default=None, metadata=PER_ROW)
+    # grpo_multiturn_vllm.py's episodes: each of environments.Episodes' values per episode, by name (N, ...) each
+    # (Episodes.as_arrays, Episodes.from_batch)
+    episodes: dict[str, Array] | None = None
     step_times: list[float] | None = None  # seconds each step of the whole batch took (every rank's share holds all)
-
-    ROWS = ("queries", "responses", "logprobs", "scores", "token_versions", "lengths", "contains_eos", "action_mask",
-            "returns", "turns", "truncated", "tool_calls", "tool_errors", "failed_steps", "timeouts",
-            "failed")  # a value per row
 
     def rows(self, start: int, stop: int, group_size: int) -> "Batch":
         """Rows start..stop (whole groups of `group_size`) as a batch of their own."""
-        fields = {name: getattr(self, name)[start:stop] for name in self.ROWS if getattr(self, name) is not None}
+        share = {item.name: getattr(self, item.name)[start:stop] for item in dataclasses.fields(self)
+                 if item.metadata.get("per_row") and getattr(self, item.name) is not None}
+        episodes = self.episodes and {name: values[start:stop] for name, values in self.episodes.items()}
         return dataclasses.replace(self, prompt_indices=self.prompt_indices[start // group_size:stop // group_size],
-                                   **fields)
+                                   episodes=episodes, **share)
 
     def as_tensors(self) -> "Batch":
         """The batch with its numpy arrays as tensors (sharing their memory)."""
-        return dataclasses.replace(self, **{name: torch.from_numpy(getattr(self, name)) for name in self.ROWS
-                                            if isinstance(getattr(self, name), numpy.ndarray)})
+        tensor = lambda value: torch.from_numpy(value) if isinstance(value, numpy.ndarray) else value  # noqa: E731
+        episodes = self.episodes and {name: tensor(values) for name, values in self.episodes.items()}
+        return dataclasses.replace(self, episodes=episodes, **{
+            item.name: tensor(getattr(self, item.name)) for item in dataclasses.fields(self)
+            if item.metadata.get("per_row")})
 
-
-@dataclass
-class DynamicSampling:
-    """--dynamic_sampling in the generator process: it scores each round as the trainer would, and samples
-    more rounds of prompts while too few groups have unequal rewards."""
-
-    score: object  # (reward_model, rollout, prompt_rows, task, update=) -> (N,) rewards: the script's own function
-    task: common.Task  # the run's (AsyncGenerator leaves out what does not cross processes)
-    reward: data.RewardArgs  # the reward model or function it scores with (its own copy, on its device)
-    max_rounds: int  # --max_sampling_rounds
+    @classmethod
+    def from_checkpoint(cls, saved: dict) -> "Batch":
+        """A batch a checkpoint saved (outputs.save_checkpoint keeps its fields as a dict)."""
+        return cls(**saved)
 
 
 @dataclass
@@ -205,34 +221,16 @@ class GeneratorJob:
 
     asynchronous: AsyncArgs
     engine_args: vllm_placement.EngineArgs
-    generation: common.GenerationArgs  # how it samples
-    policy_path: str  # the starting policy the engine loads
-    bf16: bool
+    source: "RolloutSource"  # what a batch is, and how the engine samples it
     seed: int
-    max_model_len: int  # the engine's context: --max_prompt_length + --response_length, or --max_episode_tokens
     save_every: int  # --save_every: with --inflight_deterministic, the versions the engine takes a snapshot at
     placement: vllm_placement.Placement
     share: tuple[int, int]  # (index, engines): this engine samples the index-th of `engines` equal shares of each batch
-    sample: "SamplePrompts | SampleEpisodes"  # what a batch is
-    sampler: object  # data.PromptSampler: the global batches' rows, from the first one not sampled yet
     updates: range  # the updates whose batches it samples
     first_version: int  # the weights the run starts from: 0, or a resumed run's checkpoint's update
-    num_samples: int  # k: completions or episodes per row
-    eos_ids: list[int]
-    pad_token_id: int
     channels: Channels
     snapshot: dict | None = None  # --inflight_updates: the engine state a resumed run continues from
-    evaluation: "EngineEvaluation | None" = None  # the evaluations it makes between its batches
-
-
-@dataclass
-class EngineEvaluation:
-    """What the engine evaluates between its batches (evaluate_version): the weights of each of `versions`, on
-    every evaluation prompt, or every evaluation row of an environment task."""
-
-    prompts: object  # the evaluation split's prompts as token ids, or the environment task's rows {column: values}
-    versions: list[int]  # the updates whose weights it evaluates, in order
-    temperature: float  # --eval_temperature, of the near-greedy completions
+    evaluated: list[int] = field(default_factory=list)  # the updates whose weights it evaluates between its batches
 
 
 @dataclass
@@ -255,124 +253,47 @@ class Evaluation:
 
 
 @dataclass
-class SamplePrompts:
-    """The single-turn scripts' batches: k completions of each of the train split's prompts the sampler draws."""
+class RolloutSource:
+    """What an engine samples, and how: the one protocol of the two kinds of rollout, SamplePrompts (the single-turn
+    scripts' completions) and SampleEpisodes (grpo_multiturn_vllm.py's episodes). A script builds its source and
+    hands it to async_generator.AsyncGenerator; nothing outside the two kinds asks which one it holds."""
 
-    prompts: list[list[int]]  # the train split's prompts, as token ids
-    dynamic_sampling: DynamicSampling | None = None  # --dynamic_sampling: how the engine scores each round
+    policy_path: str  # the starting policy the engine loads
+    bf16: bool
+    generation: common.GenerationArgs  # how it samples
+    sampler: data.PromptSampler  # the global batches' rows, from the first one not sampled yet
+    num_samples: int  # k: completions or episodes per row
+    eos_ids: list[int]
+    pad_token_id: int
+    eval_temperature: float  # --eval_temperature: the near-greedy sampling of the engine's evaluations
 
-    def sample(self, llm, sampling_policy, indices: list[int], update: int, job: GeneratorJob) -> Batch:
-        """generate_ahead's batch of `update`: k completions of each of the prompts `indices` (this engine's share
-        of the global batch), seeded by their rows in it (sample_batch)."""
-        queries = [self.prompts[i] for i in indices for _ in range(job.num_samples)]
-        rows = range(job.share[0] * len(queries), (job.share[0] + 1) * len(queries))  # in the global batch
-        return sample_batch(llm, sampling_policy, indices, queries, row_seeds(job.seed, update, rows), update, job)
+    def portable(self, evaluates: bool) -> "RolloutSource":
+        """What crosses to the generator process (with the evaluation rows when its engine evaluates)."""
+        raise NotImplementedError
 
+    def max_model_len(self) -> int:
+        """The engine's context length."""
+        raise NotImplementedError
 
-@dataclass
-class SampleEpisodes:
-    """grpo_multiturn_vllm.py's batches: k episodes of each of an environment task's rows the sampler draws, from
-    the row's reset seed, played in the engine through environments.EpisodeLoop: turn by turn (every episode's next
-    turn waits for the turn's slowest step) or, `continuous`, each episode at its own pace (play_continuously)."""
-
-    task: environments.EnvTask  # without its environment class, which sample loads again from --env
-    env: environments.EnvArgs
-    continuous: bool  # --continuous_episodes
-
-    def loop(self) -> environments.EpisodeLoop:
-        """An episode loop in the generator process, the environment class loaded there."""
-        task = dataclasses.replace(self.task, env_class=environments.load_env_class(self.env.env))
-        return environments.EpisodeLoop(task, self.env)
+    def prepare(self, job: GeneratorJob, device):
+        """In the generator process, once its engine has started: what sampling needs made there, once."""
 
     def sample(self, llm, sampling_policy, indices: list[int], update: int, job: GeneratorJob) -> Batch:
-        """generate_ahead's batch of `update`: k episodes of each of this engine's rows `indices` of the global
-        batch, every turn seeded by (seed, update, the episode's row in the global batch, turn); on checked batches
-        (logprob_checked) async/logprob_diff over the policy's tokens of the first --logprob_check_rows episodes,
-        against `sampling_policy`, an HF model that holds the engine's weights."""
-        loop, k, generation = self.loop(), job.num_samples, job.generation
-        first_prompt = job.share[0] * len(indices)  # this engine's rows in the global batch
-        seeds = [environments.reset_seed(job.seed, job.sampler.position, first_prompt + i) for i in range(len(indices))]
-        t0 = time.time()
-        episodes = loop.start(loop.task.train_rows[indices], seeds, k, first_prompt * k)
+        """generate_ahead's batch of `update` from this engine's rows `indices` of the global batch."""
+        raise NotImplementedError
 
-        def turn_seed(episode: environments.Episode) -> int:
-            return random.Random(f"{job.seed}/{update}/{episode.number}/{episode.turns}").getrandbits(63)
+    def evaluate(self, llm, sampling_policy, version: int, job: GeneratorJob) -> Evaluation:
+        """The engine's evaluation of the weights of `version`, which it holds now (as `sampling_policy` does)."""
+        raise NotImplementedError
 
-        if self.continuous:
-            play_continuously(llm, loop, episodes, generation, job.eos_ids, turn_seed)
-        else:
-            loop.play_turn_by_turn(episodes, self.engine_turns(llm, generation, job.eos_ids, turn_seed))
-        rollout = environments.collate(episodes, job.pad_token_id, "cpu")
-        t1 = time.time()
-        metrics = {"time/generate": t1 - t0}
-        if logprob_checked(update, job.asynchronous):
-            rows = slice(0, job.asynchronous.logprob_check_rows)
-            logprob_diff = environments.engine_logprob_diff(sampling_policy, rollout, rows, generation)
-            metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
-        return Batch(update=update, prompt_indices=indices, metrics=metrics, **rollout.as_arrays())
+    def logprob_diff(self, sampling_policy, batch: Batch, rows: list[int]) -> float:
+        """async/logprob_diff: the mean |engine log-prob - trainer log-prob| per policy token of `batch`'s `rows`, the
+        trainer's recomputed with `sampling_policy`, which holds the weights that sampled them."""
+        raise NotImplementedError
 
-    def engine_turns(self, llm, generation: common.GenerationArgs, eos_ids: list[int], turn_seed):
-        """EpisodeLoop.play_turn_by_turn's sample_turn in the engine: a turn of each episode still playing, each
-        seeded by turn_seed(episode)."""
-
-        def engine_turn(episodes: list[environments.Episode], turn: int) -> list:
-            playing = [episode for episode in episodes if not episode.ended]
-            sampled = vllm_sample(llm, [e.prompt_ids + e.ids for e in playing], [turn_seed(e) for e in playing],
-                                  generation, eos_ids,
-                                  [e.budget(generation.response_length, self.env.max_episode_tokens) for e in playing])
-            turns = {e.number: environments.Turn.sampled(ids, eos_ids, logprobs)
-                     for e, (ids, logprobs) in zip(playing, sampled)}
-            return [turns.get(episode.number) for episode in episodes]
-
-        return engine_turn
-
-    def evaluate(self, llm, version: int, job: GeneratorJob) -> dict[str, float]:
-        """The engine's evaluation of the weights of `version` (grpo_multiturn_vllm.py's `evaluate`, played here):
-        one near-greedy episode (--eval_temperature) of each evaluation row from the reset seed the trainer's
-        evaluation gives it, turn by turn; eval/return_mean, eval/turns_mean, eval/truncated_episodes."""
-        loop, rows = self.loop(), job.evaluation.prompts
-        count = len(next(iter(rows.values())))
-        seeds = [environments.reset_seed(job.seed, -1, i) for i in range(count)]
-        episodes = loop.start(rows, seeds, 1)
-        near_greedy = dataclasses.replace(job.generation, temperature=job.evaluation.temperature, top_p=1.0)
-
-        def turn_seed(episode: environments.Episode) -> int:
-            return random.Random(f"{job.seed}/eval/{version}/{episode.number}/{episode.turns}").getrandbits(63)
-
-        loop.play_turn_by_turn(episodes, self.engine_turns(llm, near_greedy, job.eos_ids, turn_seed))
-        played = environments.collate(episodes, job.pad_token_id, "cpu")
-        return {"eval/return_mean": played.returns.float().mean().item(),
-                "eval/turns_mean": played.turns.float().mean().item(),
-                "eval/truncated_episodes": played.truncated.float().mean().item()}
-
-
-def play_continuously(llm, loop: environments.EpisodeLoop, episodes: list[environments.Episode],
-                      generation: common.GenerationArgs, eos_ids: list[int], turn_seed):
-    """`episodes` played to their end in the engine, each at its own pace (--continuous_episodes): an episode's next
-    turn goes into the engine as soon as its environment's step returns, and its step starts as soon as its turn is
-    sampled, while the engine samples the other episodes' turns. turn_seed(episode): the seed of its next turn."""
-    from vllm.inputs import TokensPrompt
-
-    engine, by_number = llm.llm_engine, {episode.number: episode for episode in episodes}
-    max_episode_tokens = loop.env_args.max_episode_tokens
-
-    def next_turn(episode: environments.Episode):
-        params = sampling_params(generation, eos_ids, turn_seed(episode),
-                                 episode.budget(generation.response_length, max_episode_tokens))
-        engine.add_request(f"{episode.number}/{episode.turns}",
-                           TokensPrompt(prompt_token_ids=episode.prompt_ids + episode.ids), params)
-
-    for episode in episodes:
-        next_turn(episode)
-    while engine.has_unfinished_requests() or loop.running:
-        for output in engine.step() if engine.has_unfinished_requests() else []:
-            if output.finished:  # a turn sampled: its environment steps on it
-                episode, completion = by_number[int(output.request_id.split("/")[0])], output.outputs[0]
-                loop.take_turn(episode, environments.Turn.sampled(list(completion.token_ids), eos_ids,
-                                                                  list(completion.logprobs.logprobs)))
-        for episode in loop.replies(wait=0.0 if engine.has_unfinished_requests() else 0.005):
-            if not episode.ended:
-                next_turn(episode)
+    def in_flight(self, job: GeneratorJob, llm, receiver, sampling_policy, one_to_one):
+        """--inflight_updates: what plays this kind in flight (inflight.InflightCompletions or InflightEpisodes)."""
+        raise NotImplementedError
 
 
 def sampling_params(generation: common.GenerationArgs, eos_ids, seed: int, max_tokens: int, delta: bool = False):
@@ -416,9 +337,6 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], generation: c
     return responses, logprobs
 
 
-ENGINE_STARTED = {"engine": "started"}  # the generator process's first message (errors are text)
-
-
 def row_seeds(seed: int, update: int, rows: range, sampling_round: int = 0) -> list[int]:
     """The sampling seeds of rows `rows` of the global batch of `update` (and of its further rounds of prompts,
     with --dynamic_sampling). They depend on (seed, update, round, row) alone: the samples do not depend on
@@ -434,40 +352,17 @@ def logprob_checked(update: int, asynchronous: AsyncArgs) -> bool:
 
 
 @torch.no_grad()
-def sample_batch(llm, sampling_policy, prompt_indices: list[int], queries: list[list[int]], seeds: list[int],
-                 update: int, job: GeneratorJob) -> Batch:
-    """One completion per row of `queries` (those of the groups of `prompt_indices`) from the engine (row_seeds),
-    and its engine's metrics: the time it took and, where logprob_checked, async/logprob_diff with its cost,
-    time/logprob_check: the mean |engine log-prob - trainer log-prob| over the first --logprob_check_rows rows,
-    the trainer's recomputed with `sampling_policy`, an HF model that holds the weights the engine sampled with.
-    Its arrays are numpy (Batch)."""
+def check_logprobs(job: GeneratorJob, sampling_policy, batch: Batch, update: int, rows: list[int]) -> float | None:
+    """On a checked batch (logprob_checked) with rows to check: async/logprob_diff over the first --logprob_check_rows
+    of `rows` (the source's logprob_diff, against `sampling_policy`, an HF model that holds the weights the engine
+    sampled them with) and its cost, time/logprob_check, into the batch's metrics; the difference, or None."""
+    rows = rows[:job.asynchronous.logprob_check_rows]
+    if not (logprob_checked(update, job.asynchronous) and rows):
+        return None
     t0 = time.time()
-    responses, logprobs = vllm_generate(llm, queries, seeds, job.generation, job.eos_ids, job.pad_token_id)  # (N, R)
-    t1 = time.time()
-    batch = Batch(update=update, prompt_indices=prompt_indices, queries=queries, responses=responses.numpy(),
-                  logprobs=logprobs.numpy(), metrics={"time/generate": t1 - t0})
-    if not logprob_checked(update, job.asynchronous):
-        return batch
-    checked = slice(0, job.asynchronous.logprob_check_rows)
-    logprob_diff = engine_logprob_diff(sampling_policy, queries[checked], responses[checked], logprobs[checked], job)
-    batch.metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t1})
-    return batch
-
-
-def engine_logprob_diff(sampling_policy, queries: list[list[int]], responses: torch.Tensor, logprobs: torch.Tensor,
-                        job: GeneratorJob) -> float:
-    """The mean |engine log-prob - trainer log-prob| per token of these rows, the trainer's recomputed with
-    `sampling_policy`, which holds the weights the engine sampled them with.  responses, logprobs: (rows, R)"""
-    device, generation = sampling_policy.device, job.generation
-    query_ids, query_mask = common.left_pad(queries, job.pad_token_id, device)
-    responses = responses.to(device)
-    _, lengths, _ = common.truncate_after_eos(responses, job.eos_ids, job.pad_token_id)
-    trainer_logprobs = common.in_chunks(
-        functools.partial(common.response_logprobs, sampling_policy, temperature=generation.temperature,
-                          top_p=generation.top_p),
-        generation.local_rollout_forward_batch_size, query_ids, query_mask, responses, lengths)
-    mask = common.response_mask(lengths, generation.response_length)
-    return common.masked_mean((logprobs.to(device) - trainer_logprobs).abs(), mask)
+    logprob_diff = job.source.logprob_diff(sampling_policy, batch, rows)
+    batch.metrics.update({"async/logprob_diff": logprob_diff, "time/logprob_check": time.time() - t0})
+    return logprob_diff
 
 
 def evaluation_completions(llm, prompts: list[list[int]], seed: int, update: int, generation: common.GenerationArgs,
@@ -484,32 +379,16 @@ def evaluation_completions(llm, prompts: list[list[int]], seed: int, update: int
 @torch.no_grad()
 def evaluate_version(job: GeneratorJob, llm, sampling_policy, version: int):
     """The engine's evaluation of `version` (the weights it holds now, as the sampling policy does), handed to the
-    trainer when `version` is one the run evaluates: the near-greedy and the sampled completions of every
-    evaluation prompt, seeded as eval_checkpoints.py --vllm seeds them (evaluation.engine_seeds), and the sampled
-    ones' log-probs (for the evaluation's KL); or, for episodes, their metrics (SampleEpisodes.evaluate)."""
-    wanted = job.evaluation
-    if wanted is None or version not in wanted.versions:
-        return
-    if isinstance(job.sample, SampleEpisodes):
-        job.channels.batches.put(Evaluation(version, metrics=job.sample.evaluate(llm, version, job)))
-        return
-    greedy, sampled = evaluation_completions(llm, wanted.prompts, job.seed, version, job.generation,
-                                             wanted.temperature, job.eos_ids, job.pad_token_id)
-    device, generation = sampling_policy.device, job.generation
-    query_ids, query_mask = common.left_pad(wanted.prompts, job.pad_token_id, device)
-    sampled, lengths, _ = common.truncate_after_eos(sampled.to(device), job.eos_ids, job.pad_token_id)
-    logprobs = common.in_chunks(
-        functools.partial(common.response_logprobs, sampling_policy, temperature=generation.temperature,
-                          top_p=generation.top_p),
-        generation.local_rollout_forward_batch_size, query_ids, query_mask, sampled, lengths)
-    job.channels.batches.put(Evaluation(version, (greedy.numpy(), sampled.cpu().numpy(), logprobs.cpu().numpy())))
+    trainer when `version` is one the run evaluates (the source's evaluate)."""
+    if version in job.evaluated:
+        job.channels.messages.put(job.source.evaluate(llm, sampling_policy, version, job))
 
 
 def check_engine_took_weights(logprob_diff: float, version: int, job: GeneratorJob):
     """vLLM has had bugs where a reload kept serving the old weights: a checked batch right after a load
     must have the trainer's log-probs (async/logprob_diff, from the sampling policy, which holds the
     weights just sent) within --max_logprob_diff."""
-    most = max_logprob_diff(job.asynchronous, job.bf16)
+    most = max_logprob_diff(job.asynchronous, job.source.bf16)
     if logprob_diff > most:
         raise RuntimeError(
             f"after loading the weights of update {version}, the engine's log-probs differ from the trainer's "
@@ -523,62 +402,10 @@ def engine_share(indices: list[int], share: tuple[int, int]) -> list[int]:
     return indices[index * len(indices) // engines:(index + 1) * len(indices) // engines]
 
 
-def group_scorer(job: GeneratorJob, device):
-    """--dynamic_sampling in the generator process: a function (batch, update) -> (N,) rewards of the batch's
-    rows, as the trainer computes them (the script's score function), with the run's reward model (a copy on
-    `device`) or --reward_fn."""
-    dynamic = job.sample.dynamic_sampling
-    reward = dynamic.reward
-    reward_fn = data.load_python_object(reward.reward_fn, "--reward_fn", "function") if reward.reward_fn else None
-    task = dataclasses.replace(dynamic.task, reward_fn=reward_fn)
-    reward_model = None
-    if not reward.reward_fn:
-        dtype = torch.bfloat16 if job.bf16 else torch.float32
-        reward_model = data.load_reward_model(reward.reward_model_path, dtype).to(device).eval()
-
-    @torch.no_grad()
-    def score(batch: Batch, update: int) -> torch.Tensor:
-        query_ids, query_mask = common.left_pad(batch.queries, job.pad_token_id, device)
-        responses = torch.from_numpy(batch.responses).to(device)
-        rollout = common.truncate_rollout(query_ids, query_mask, responses, task)
-        rows = task.train_prompts[batch.prompt_indices]
-        return dynamic.score(reward_model, rollout, rows, task, update=update).cpu()
-
-    return score
-
-
-def sample_with_signal(job: GeneratorJob, llm, batch: Batch, update: int, score) -> Batch:
-    """--dynamic_sampling in this engine (common.fill_with_signal): `batch` is the first round; further rounds are
-    this engine's share of the sampler's next global batches, sampled with the same weights. The batch is then the
-    groups chosen, with their rewards (`scores`) and dynamic_sampling/* in its metrics."""
-    k, t0, sampled = job.num_samples, time.time(), [batch]
-
-    def next_round() -> tuple[Batch, torch.Tensor]:
-        indices = engine_share(job.sampler.next_indices(), job.share)
-        queries = [job.sample.prompts[i] for i in indices for _ in range(k)]
-        rows = range(job.share[0] * len(queries), (job.share[0] + 1) * len(queries))  # in the global batch
-        responses, logprobs = vllm_generate(llm, queries, row_seeds(job.seed, update, rows, len(sampled)),
-                                            job.generation, job.eos_ids, job.pad_token_id)
-        sampled.append(Batch(update, indices, queries, responses.numpy(), logprobs.numpy()))
-        return sampled[-1], score(sampled[-1], update)
-
-    rounds, groups, metrics = common.fill_with_signal((batch, score(batch, update)), next_round, k,
-                                                      len(batch.prompt_indices), job.sample.dynamic_sampling.max_rounds)
-    groups = groups.tolist()
-    rows = [group * k + sample for group in groups for sample in range(k)]
-    prompt_indices = [index for round_batch, _ in rounds for index in round_batch.prompt_indices]
-    queries = [query for round_batch, _ in rounds for query in round_batch.queries]
-    every = lambda name: numpy.concatenate([getattr(round_batch, name) for round_batch, _ in rounds])[rows]  # noqa: E731
-    return dataclasses.replace(
-        batch, prompt_indices=[prompt_indices[g] for g in groups], queries=[queries[r] for r in rows],
-        responses=every("responses"), logprobs=every("logprobs"),
-        scores=torch.cat([scores for _, scores in rounds])[rows].numpy(),
-        metrics={**batch.metrics, **metrics, "time/dynamic_sampling": time.time() - t0})  # scoring, further rounds
-
-
 def start_engine(job: GeneratorJob):
     """The generator process's engine (vllm_placement.start_vllm), the HF model that holds its sampling weights
-    (for async/logprob_diff and each load), the tensors check_engine_holds compares, and the weight receiver."""
+    (for async/logprob_diff and each load), the tensors check_engine_holds compares one to one, and the weight
+    receiver; the source prepared (RolloutSource.prepare)."""
     import threading
 
     import tqdm
@@ -591,8 +418,9 @@ def start_engine(job: GeneratorJob):
     # the trainer's model code holding the sampling weights, for async/logprob_diff, on the engine's GPU of
     # its own (this process sees only that one); on the CPU beside an engine that shares the trainer's GPU,
     # which holds the trainer's models, pinned, so that the engine loads each version from it at full speed
+    source = job.source
     sampling_policy = AutoModelForCausalLM.from_pretrained(
-        job.policy_path, dtype=torch.bfloat16 if job.bf16 else torch.float32).eval()
+        source.policy_path, dtype=torch.bfloat16 if source.bf16 else torch.float32).eval()
     reserved = 0  # GPU memory this process allocates once the engine has started
     if torch.cuda.is_available() and not job.placement.takes_turns:
         sampling_policy.to("cuda")
@@ -602,7 +430,7 @@ def start_engine(job: GeneratorJob):
     elif torch.cuda.is_available():
         for parameter in sampling_policy.parameters():
             parameter.data = parameter.data.pin_memory()
-    llm = vllm_placement.start_vllm(job.policy_path, job.bf16, job.seed, job.max_model_len,
+    llm = vllm_placement.start_vllm(source.policy_path, source.bf16, job.seed, source.max_model_len(),
                                     job.engine_args.vllm_enforce_eager, job.placement.gpu_memory_utilization,
                                     job.placement.sleeps_between_turns, reserved, job.asynchronous.inflight_updates)
     # vLLM runs some architectures (GPT-NeoX, i.e. Pythia, in vLLM 0.32) through its Transformers
@@ -610,33 +438,33 @@ def start_engine(job: GeneratorJob):
     # that class can then only be made before the engine (as above), and must opt out of it
     for module in sampling_policy.modules():
         module.do_not_compile = True
-    checked = weight_transport.one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
+    one_to_one = weight_transport.one_to_one_tensors(llm, sampling_policy)  # both hold the starting weights now
     receiver = weight_transport.WeightReceiver(job.asynchronous.generator_timeout, job.channels.weight_port,
                                                sampling_policy, job.channels.published, job.channels.released)
-    return llm, sampling_policy, checked, receiver
+    source.prepare(job, sampling_policy.device)
+    return llm, sampling_policy, one_to_one, receiver
 
 
 def generate_ahead(job: GeneratorJob):
     """The generator process of engine `job.share` = (index, engines), beside the first of its ranks, which
     holds the vLLM engine: for update t it samples its ranks' share of the global batch, with exactly the
-    weights sampling_version(t) names: job.sample's batch (SamplePrompts' completions, SampleEpisodes' episodes).
+    weights sampling_version(t) names: job.source's batch (SamplePrompts' completions, SampleEpisodes' episodes).
 
     The trainer announces each weight version on the queue `published`, written to a shared buffer (handed
-    back on `released` once loaded) or sent over NCCL (weight_transport.WeightReceiver); ENGINE_STARTED, then
-    the batches (or the error that stopped this process, as text) go to the queue `batches`. With `requests`
+    back on `released` once loaded) or sent over NCCL (weight_transport.WeightReceiver); EngineStarted, then
+    the batches and the evaluations between them (or the Failure that stopped this process) go to the queue
+    `messages`. With `requests`
     (an engine sharing the trainer's device), batch t is sampled only once the trainer has asked for it there,
     so that the two take turns. It ends after the last batch, when the trainer kills it, or once the trainer
     is gone.
     """
     channels, async_steps = job.channels, job.asynchronous.async_steps
     try:
-        llm, sampling_policy, checked, receiver = start_engine(job)
-        dynamic_sampling = isinstance(job.sample, SamplePrompts) and job.sample.dynamic_sampling is not None
-        score = group_scorer(job, sampling_policy.device) if dynamic_sampling else None
+        llm, sampling_policy, one_to_one, receiver = start_engine(job)
         loaded = 0  # the engine starts with the SFT weights, version 0
         if job.placement.sleeps_between_turns:  # the trainer's GPU memory until it asks for a batch
             sleep_until(job.updates.start, llm, loaded, async_steps, job.first_version)
-        channels.batches.put(ENGINE_STARTED)
+        channels.messages.put(EngineStarted())
         requested, evaluated = 0, None
         for update in job.updates:
             version = sampling_version(update, async_steps, job.first_version)
@@ -652,36 +480,34 @@ def generate_ahead(job: GeneratorJob):
                 llm.wake_up(tags=["weights"])
             if version != loaded:
                 receiver.load(version, llm)
-                weight_transport.check_engine_holds(llm, sampling_policy, checked, version)
+                weight_transport.check_engine_holds(llm, sampling_policy, one_to_one, version)
             if job.placement.sleeps_between_turns:
                 llm.wake_up(tags=["kv_cache"])
             weight_load = time.time() - t0
-            indices = engine_share(job.sampler.next_indices(), job.share)  # of the global batch's prompts
-            batch = job.sample.sample(llm, sampling_policy, indices, update, job)
+            indices = engine_share(job.source.sampler.next_indices(), job.share)  # of the global batch's prompts
+            batch = job.source.sample(llm, sampling_policy, indices, update, job)
             if version != loaded and "async/logprob_diff" in batch.metrics:  # and the layers it cannot see
                 check_engine_took_weights(batch.metrics["async/logprob_diff"], version, job)
-            if score is not None:
-                batch = sample_with_signal(job, llm, batch, update, score)
             loaded = version
             if job.placement.sleeps_between_turns:
                 sleep_until(update + 1, llm, loaded, async_steps, job.first_version)
             batch.metrics["time/weight_load"] = weight_load
-            channels.batches.put(dataclasses.replace(batch, engine=job.share, version=version,
-                                                     data_position=job.sampler.position))  # global batches drawn
+            channels.messages.put(dataclasses.replace(batch, engine=job.share, version=version,
+                                                      data_position=job.source.sampler.position))  # batches drawn
             if version != evaluated:  # once the trainer has its batch
                 evaluate_version(job, llm, sampling_policy, version)
                 evaluated = version
         # the versions evaluated that no batch samples with: the last K + 1 updates'
-        for version in (job.evaluation.versions if job.evaluation else []):
+        for version in job.evaluated:
             if version > loaded:
                 if not receiver.wait_for(version):
                     return
                 receiver.load(version, llm)
-                weight_transport.check_engine_holds(llm, sampling_policy, checked, version)
+                weight_transport.check_engine_holds(llm, sampling_policy, one_to_one, version)
                 evaluate_version(job, llm, sampling_policy, version)
                 loaded = version
     except BaseException as error:  # any failure must reach the trainer, which stops with it
-        channels.batches.put(failure_text(error))
+        channels.messages.put(Failure(failure_text(error)))
 
 
 def failure_text(error: BaseException) -> str:

@@ -111,8 +111,9 @@ def outcome(path, tokenizer) -> str:
         call = tokenizer(rendered_call(task, episode) or WRITTEN[tool_format])["input_ids"] + eos
         loop.take_turn(episode, environments.Turn(call, True))
         loop.replies(every_step=True)
-        if (episode.tool_calls, episode.tool_errors) != (1, 0) or "5" not in tokenizer.decode(episode.ids[len(call):]):
-            return f"BUG: the call of add(2, 3) came back as {tokenizer.decode(episode.ids[len(call):])!r:.200}"
+        reply = tokenizer.decode(episode.ids[len(call):])
+        if (episode.counts.tool_calls, episode.counts.tool_errors) != (1, 0) or "5" not in reply:
+            return f"BUG: the call of add(2, 3) came back as {reply!r:.200}"
         loop.take_turn(episode, environments.Turn(tokenizer("It is 5.")["input_ids"] + eos, True))
         loop.replies(every_step=True)
         if not episode.ended or episode.episode_return != 1.0:

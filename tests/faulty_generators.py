@@ -8,6 +8,7 @@ injected there, in the generator's own copy of vllm_generator (or of weight_tran
 import os
 import time
 
+import rollouts
 import vllm_generator
 import weight_transport
 
@@ -31,7 +32,7 @@ def raise_fault():
 
 def failing_generate_ahead(*args):
     """Raises at the second batch (the evaluations between batches sample too, but not through sample_batch)."""
-    vllm_generator.sample_batch = with_fault(vllm_generator.sample_batch, raise_fault, at_call=2)
+    rollouts.sample_batch = with_fault(rollouts.sample_batch, raise_fault, at_call=2)
     vllm_generator.generate_ahead(*args)
 
 
@@ -42,7 +43,7 @@ def never_starting_generate_ahead(*args):
 
 def hanging_generate_ahead(*args):
     """Hangs at batch 3, which checkpoint 2 waits for (it saves the batches sampled ahead)."""
-    vllm_generator.sample_batch = with_fault(vllm_generator.sample_batch, lambda: time.sleep(3600), at_call=3)
+    rollouts.sample_batch = with_fault(rollouts.sample_batch, lambda: time.sleep(3600), at_call=3)
     vllm_generator.generate_ahead(*args)
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import async_generator
 import cli
 import common
+import rollouts
 import vllm_generator
 import vllm_placement
 
@@ -29,15 +30,12 @@ class InlineGenerator:
     """Stands in for async_generator.AsyncGenerator: batch t is sampled with the weights published after
     update t-1 (the definition of K=0), in this process, with the same per-row seeds."""
 
-    def __init__(self, asynchronous, engine_args, generation, policy, run, bf16, task, sampler, state, num_updates,
-                 num_samples, dynamic_sampling=None, eval_args=None):
+    def __init__(self, asynchronous, engine_args, source, run, state, num_updates):
         assert asynchronous.async_steps == 0 and state.update == 0 and torch.distributed.get_world_size() == 1
         self.due = async_generator.evaluated_updates(run.eval_every, state.update, num_updates)  # in the trainer
-        self.engine_args, self.policy, self.seed, self.bf16 = engine_args, policy, run.seed, bf16
-        self.task, self.sampler, self.num_samples = task, sampler, num_samples
+        self.engine_args, self.source, self.seed = engine_args, source, run.seed
         # what sample_batch reads of a generator process's job
-        self.job = SimpleNamespace(generation=generation, asynchronous=asynchronous, bf16=bf16, eos_ids=task.eos_ids,
-                                   pad_token_id=task.tokenizer.pad_token_id)
+        self.job = SimpleNamespace(asynchronous=asynchronous, source=source)
         self.published, self.version = tempfile.mkdtemp(), 0  # weights by version, as safetensors folders
         # the trainer's threads as start_generator leaves them (the thread count changes float sums)
         cores = len(os.sched_getaffinity(0))
@@ -53,11 +51,10 @@ class InlineGenerator:
         with mock.patch.dict(os.environ, environment):
             for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 os.environ.pop(name)  # the engine's processes are not training ranks
-            self.llm = vllm_placement.start_vllm(
-                self.policy.model_name_or_path, self.bf16, self.seed,
-                self.policy.max_prompt_length + self.job.generation.response_length,
-                self.engine_args.vllm_enforce_eager, placement.gpu_memory_utilization)
-        self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.policy.model_name_or_path).eval()
+            self.llm = vllm_placement.start_vllm(self.source.policy_path, self.source.bf16, self.seed,
+                                                 self.source.max_model_len(), self.engine_args.vllm_enforce_eager,
+                                                 placement.gpu_memory_utilization)
+        self.sampling_policy = AutoModelForCausalLM.from_pretrained(self.source.policy_path).eval()
 
     def batch_for(self, update: int) -> vllm_generator.Batch:
         if self.version != update - 1:  # through a folder: this engine runs in processes of its own
@@ -66,11 +63,10 @@ class InlineGenerator:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
             self.llm.reset_prefix_cache()  # as weight_transport.load_engine_weights does
             self.sampling_policy.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
-        prompts = self.task.train_prompts["input_ids"]
-        indices = self.sampler.next_indices()
-        queries = [prompts[i] for i in indices for _ in range(self.num_samples)]
+        indices = self.source.sampler.next_indices()
+        queries = [self.source.prompts[i] for i in indices for _ in range(self.source.num_samples)]
         seeds = vllm_generator.row_seeds(self.seed, update, range(len(queries)))
-        batch = vllm_generator.sample_batch(self.llm, self.sampling_policy, indices, queries, seeds, update, self.job)
+        batch = rollouts.sample_batch(self.llm, self.sampling_policy, indices, queries, seeds, update, self.job)
         batch.metrics["time/weight_load"] = 0.0
         return dataclasses.replace(batch.as_tensors(), version=self.version)
 

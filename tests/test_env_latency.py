@@ -41,7 +41,7 @@ def test_a_fixed_latency_delays_every_step_and_the_steps_still_run_together(chat
     loop.replies(every_step=True)
     assert all(episode.step_times[0] >= 0.5 for episode in episodes)
     assert time.monotonic() - started < 3.0  # one after the other: 4 s at least
-    assert all(len(episode.actions) == 1 and not episode.failed_steps for episode in episodes)
+    assert all(len(episode.actions) == 1 and not episode.counts.failed_steps for episode in episodes)
 
 
 def test_a_share_of_the_steps_hang_past_the_timeout_and_env_failure_takes_them(chat_model):
@@ -49,7 +49,7 @@ def test_a_share_of_the_steps_hang_past_the_timeout_and_env_failure_takes_them(c
     loop, episodes = playing(chat_model, 8, env_latency_timeouts=0.5, env_timeout=0.3, env_failure="error_message")
     loop.replies(every_step=True)
     expected = [random.Random(f"7/{i}/latency").random() < 0.5 for i in range(8)]
-    assert [episode.timeouts for episode in episodes] == [int(hangs) for hangs in expected]
+    assert [episode.counts.timeouts for episode in episodes] == [int(hangs) for hangs in expected]
     assert 0 < sum(expected) < 8
     assert all(not episode.ended for episode, hangs in zip(episodes, expected) if hangs)  # told, and going on
 
@@ -92,24 +92,25 @@ def test_a_resumed_run_replays_each_episode_in_flight_with_its_own_latency(chat_
 
     def engine_state() -> inflight.InflightEpisodes:  # what restoring reads, without an engine
         in_flight = object.__new__(inflight.InflightEpisodes)
-        in_flight.job = types.SimpleNamespace(seed=1, share=(0, 1), num_samples=2)
+        in_flight.job = types.SimpleNamespace(seed=1, share=(0, 1))
+        in_flight.source = types.SimpleNamespace(num_samples=2)
         in_flight.loop = environments.EpisodeLoop(task, env_args)
         return in_flight
 
     in_flight = engine_state()
-    group = {"serial": 1, "prompt_index": 0}
-    group["samples"] = in_flight.new_samples(group)
-    ended, running = (state["episode"] for state in group["samples"])
+    group = inflight.InflightGroup(serial=1, prompt_index=0)
+    group.samples = in_flight.new_samples(group)
+    ended, running = (state.episode for state in group.samples)
     encode = lambda text: Turn(task.tokenizer(text)["input_ids"] + task.eos_ids, True)  # noqa: E731
     call = encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
     in_flight.loop.take_turn(ended, encode("five"))
     in_flight.loop.take_turn(running, call)
     in_flight.loop.replies(every_step=True)
     in_flight.loop.take_turn(running, call)  # its second turn's step: running when the snapshot is taken
-    assert ended.ended and not running.ended and running.tool_calls == 1
-    own = environments.latency_generator(env_args, group["reset_seed"], 1)
+    assert ended.ended and not running.ended and running.counts.tool_calls == 1
+    own = environments.latency_generator(env_args, group.reset_seed, 1)
     draws = [environments.draw_latency(own, env_args) for _ in range(3)]  # the second episode's steps' latencies
-    replayed = engine_state().restored(in_flight.portable(group))["samples"][1]["episode"]
+    replayed = engine_state().restored(in_flight.portable(group)).samples[1].episode
     assert replayed.turns == 1 and replayed.pending == call
     assert environments.draw_latency(replayed.latency, env_args) == draws[1]  # its running step starts again
     assert environments.draw_latency(running.latency, env_args) == draws[2]

@@ -69,6 +69,22 @@ def test_the_four_grpo_scripts_hold_the_same_loss():
 SHARED_LOSS = ("upper_clip", "group_advantages", "token_kl", "token_average", "policy_loss")
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_a_tokens_own_advantage_equal_to_its_rows_gives_the_rows_loss_bit_for_bit(script, loss_type):
+    """Advantages per token (the multi-turn scripts' --turn_advantage: each turn's on its tokens) that are each row's
+    advantage on every token: the loss and its gradient are the per-row advantages', bit for bit (so --turn_advantage
+    episode, which passes one per row, trains as before)."""
+    overrides = {"loss_type": loss_type, **({"epsilon_high": 5.0} if loss_type == "cispo" else {})}
+    args = grpo_args(script, **overrides)
+    results = []
+    for advantages in (ADVANTAGES, ADVANTAGES[:, None].expand_as(MASK).contiguous()):
+        new = NEW.clone().requires_grad_()
+        loss = script.policy_loss(new, NEW - LOG_RATIO, advantages, MASK, args, 9.0, MAX_TOKENS)[0]
+        loss.backward()
+        results.append((loss.detach(), new.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize(("loss_type", "expected"), [
     ("grpo", (-2.7 / 3 + 1.5 - 1.0 / 2 + 1.5 / 3) / 4),  # each row's mean, then their mean: 0.15
     ("bnpo", -0.7 / 9),  # over the micro-batch's 9 tokens

@@ -117,7 +117,8 @@ def test_a_hub_template_plays_tool_episodes_the_conversation_as_it_renders_it(sa
     call = sampled(task, messages, assistant_calls(ADD))
     loop.take_turn(episode, Turn(call, True))
     loop.replies(every_step=True)
-    assert (episode.tool_calls, episode.tool_errors, episode.env.steps, episode.ended) == (1, 0, 0, False)
+    assert (episode.counts.tool_calls, episode.counts.tool_errors, episode.env.steps) == (1, 0, 0)
+    assert not episode.ended
     conversation = messages + [assistant_calls(ADD), tool_calls.tool_message("add", 0, "5")]
     assert decode(episode.prompt_ids + episode.ids) == task.render(conversation, tokenize=False,
                                                                    add_generation_prompt=True)
@@ -202,8 +203,8 @@ def test_qwen3_plays_with_a_training_template_its_arguments_and_reasoning(saved,
     loop.take_turn(thinking, Turn(encode(f"<think>I could {call}</think>It is 5."), True))
     loop.take_turn(called, Turn(encode(f"<think>I will add.</think>{call}"), True))
     loop.replies(every_step=True)
-    assert (thinking.tool_calls, thinking.ended, thinking.episode_return) == (0, True, 1.0)
-    assert (called.tool_calls, called.tool_errors, called.ended) == (1, 0, False)
+    assert (thinking.counts.tool_calls, thinking.ended, thinking.episode_return) == (0, True, 1.0)
+    assert (called.counts.tool_calls, called.counts.tool_errors, called.ended) == (1, 0, False)
     assert "<tool_response>\n5\n</tool_response>" in task.tokenizer.decode(called.ids)
 
 
@@ -286,9 +287,9 @@ def test_the_tokenizers_own_response_parser_reads_the_calls_with_the_prompt_befo
     loop.take_turn(thought, Turn(encode(f"<think>{call}</think>It is 5."), True))
     loop.take_turn(answered, Turn(encode("It is 5."), True))
     loop.replies(every_step=True)
-    assert (called.tool_calls, called.tool_errors, called.ended) == (1, 0, False)
+    assert (called.counts.tool_calls, called.counts.tool_errors, called.ended) == (1, 0, False)
     assert "<tool_response>\n5\n</tool_response>" in task.tokenizer.decode(called.ids)
-    assert [(e.tool_calls, e.ended, e.episode_return) for e in (thought, answered)] == [(0, True, 1.0)] * 2
+    assert [(e.counts.tool_calls, e.ended, e.episode_return) for e in (thought, answered)] == [(0, True, 1.0)] * 2
 
 
 def test_a_first_message_that_leaves_no_room_names_the_sizes_that_fit(saved):
@@ -331,9 +332,9 @@ def test_a_trl_style_environment_runs_as_it_is_written(saved, env):
                 loop.take_turn(episode, Turn(ids[turn], True))
         loop.replies(every_step=True)
     assert answered.ended and not answered.truncated and answered.episode_return == 1.0
-    assert (answered.tool_calls, answered.tool_errors, answered.turns) == (2, 0, 3)
+    assert (answered.counts.tool_calls, answered.counts.tool_errors, answered.turns) == (2, 0, 3)
     assert truncated.ended and truncated.truncated and truncated.episode_return == 1.0
-    assert (truncated.tool_calls, truncated.tool_errors, truncated.turns) == (4, 2, 4)
+    assert (truncated.counts.tool_calls, truncated.counts.tool_errors, truncated.turns) == (4, 2, 4)
     assert "error: guess raised ValueError: Game over." in task.tokenizer.decode(truncated.ids)
 
 
@@ -368,7 +369,7 @@ def test_a_template_that_prints_the_date_plays_past_midnight(saved, tmp_path, mo
         loop.take_turn(episode, call)
         loop.replies(every_step=True)
         assert task.tokenizer.decode(episode.ids).endswith(result) and not episode.ended
-    assert episode.tool_calls == 2
+    assert episode.counts.tool_calls == 2
 
 
 def test_templates_of_every_kind_play_or_are_refused_on_one_line():

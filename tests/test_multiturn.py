@@ -141,6 +141,35 @@ def test_an_episode_ends_at_done_max_turns_or_the_context_limit():
     assert out_of_context.turns == 2
 
 
+def test_each_episodes_values_and_counts_reach_the_trainer_by_name(one_rank_group):
+    """Every value of an episode a batch carries (Episodes.PER_EPISODE) and every count (environments.EpisodeCounts,
+    iterated by name: a new count is its field, where it counts and its metric) crosses from the engine to a rank's
+    share of the batch as it was counted: collate, as_arrays, Batch.rows, as_tensors, Episodes.from_batch; and
+    rollout_metrics averages each count per episode: rollout/* over the groups kept (not the second, whose episode 3
+    failed), env/* over every episode."""
+    import vllm_generator
+
+    names = environments.EpisodeCounts.names()
+    episodes = [environments.Episode(env=None, number=i, where="", prompt_ids=[1, 2 + i], ids=[3, 4, 5][:1 + i % 3],
+                                     is_action=[True, False, True][:1 + i % 3], episode_return=0.5 * i,
+                                     truncated=i == 2, failed=i == 3, actions=[None] * (i + 1),
+                                     counts=environments.EpisodeCounts(**{name: 10 * i + j for j, name in
+                                                                          enumerate(names)}))
+                for i in range(4)]
+    played = environments.collate(episodes, 0, "cpu")
+    batch = vllm_generator.Batch(update=1, prompt_indices=[7, 8], **played.as_arrays())
+    share = environments.Episodes.from_batch(batch.rows(2, 4, group_size=2).as_tensors(), 0, "cpu")  # episodes 2, 3
+    for name in names:
+        assert getattr(share.counts, name).tolist() == [10.0 * i + names.index(name) for i in (2, 3)], name
+    for name in environments.Episodes.PER_EPISODE:
+        assert torch.equal(getattr(share, name), getattr(played, name)[2:4]), name
+    assert share.query_ids.tolist() == [[1, 4], [1, 5]] and share.responses.tolist() == played.responses[2:].tolist()
+    metrics = environments.rollout_metrics(played, k=2)
+    assert (metrics["rollout/tool_calls_mean"], metrics["rollout/tool_errors_mean"], metrics["env/failed_steps"],
+            metrics["env/timeouts"]) == (5.0, 6.0, 17.0, 18.0)
+    assert (metrics["rollout/turns_mean"], metrics["rollout/dropped_groups"]) == (1.5, 0.5)
+
+
 def test_a_group_is_k_episodes_from_one_initial_state(guess_task, one_rank_group):
     """k adjacent episodes share a row and a reset seed, the groups' seeds differ, and they depend on the run's seed
     and the batch only: a resumed run replays the same episodes."""

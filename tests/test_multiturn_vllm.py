@@ -309,7 +309,8 @@ def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environmen
 
     def engine_state(env: str) -> inflight.InflightEpisodes:  # what restoring reads, without an engine
         in_flight = object.__new__(inflight.InflightEpisodes)
-        in_flight.job = types.SimpleNamespace(seed=1, share=(0, 1), num_samples=2)
+        in_flight.job = types.SimpleNamespace(seed=1, share=(0, 1))
+        in_flight.source = types.SimpleNamespace(num_samples=2)
         in_flight.loop = environments.EpisodeLoop(
             dataclasses.replace(task, env_class=environments.load_env_class(env)), args.env)
         return in_flight
@@ -317,26 +318,26 @@ def test_a_resumed_run_replays_the_episodes_in_flight_and_stops_on_an_environmen
     in_flight = engine_state(args.env.env)
     secret = task.train_rows[0]["secret"]
     miss = 1 if secret != 1 else 2
-    group = {"serial": 1, "prompt_index": 0}
-    group["samples"] = in_flight.new_samples(group)
-    for state, guesses, replied in zip(group["samples"], ([miss, secret], [miss, secret]), (2, 1)):
+    group = inflight.InflightGroup(serial=1, prompt_index=0)
+    group.samples = in_flight.new_samples(group)
+    for state, guesses, replied in zip(group.samples, ([miss, secret], [miss, secret]), (2, 1)):
         for turn, guess in enumerate(guesses):
             ids = task.tokenizer(str(guess), add_special_tokens=False)["input_ids"] + [task.eos_ids[0]]
-            in_flight.loop.take_turn(state["episode"], environments.Turn(ids, True, [-0.5] * len(ids),
-                                                                         [turn] * len(ids)))
+            in_flight.loop.take_turn(state.episode, environments.Turn(ids, True, [-0.5] * len(ids),
+                                                                      [turn] * len(ids)))
             if turn < replied:
-                assert in_flight.loop.replies(every_step=True) == [state["episode"]]
-    ended, running = (state["episode"] for state in group["samples"])
+                assert in_flight.loop.replies(every_step=True) == [state.episode]
+    ended, running = (state.episode for state in group.samples)
     assert ended.ended and not running.ended and running.pending is not None
     reply_tokens = len(running.ids) - 2
     assert ended.versions == [0, 0] + [-1] * reply_tokens + [1, 1] and reply_tokens > 0
     saved = in_flight.portable(group)
     assert all("env" not in state["episode"] for state in saved["samples"])
     restored = engine_state(args.env.env).restored(saved)
-    for before, after in zip((ended, running), (state["episode"] for state in restored["samples"])):
+    for before, after in zip((ended, running), (state.episode for state in restored.samples)):
         assert vars(after) | {"env": None} == vars(before) | {"env": None}
-    assert restored["samples"][0]["episode"].env is None and restored["samples"][1]["episode"].env is not None
-    assert restored["samples"][1]["episode"].pending == running.pending  # to step again
+    assert restored.samples[0].episode.env is None and restored.samples[1].episode.env is not None
+    assert restored.samples[1].episode.pending == running.pending  # to step again
     with pytest.raises(SystemExit) as stopped:
         engine_state("tests/envs.py:AnswersOtherwise").restored(saved)
     assert str(stopped.value) == (

@@ -331,7 +331,7 @@ def test_decoupled_in_a_file_written_before_it_became_areals_keeps_its_meaning(t
 
 
 def test_a_renamed_flag_in_an_older_file_reads_as_its_new_name(tmp_path, monkeypatch):
-    """--is_level is --correction_level now (cli.RENAMED): a run's args.json or a YAML file that says is_level
+    """--is_level is --correction_level now (flag_history.RENAMED): a run's args.json or a YAML file that says is_level
     replays as --correction_level, and resuming that run under the new name changes nothing; typed, the old
     name points to the new."""
     recorded = cli.flag_values(parse(ppo, "--off_policy_correction", "tis"))

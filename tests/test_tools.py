@@ -52,7 +52,7 @@ def test_a_turn_that_calls_a_tool_gets_its_result_as_a_tool_message_rendered_by_
     assert first.endswith("assistant : ")
     loop.take_turn(episode, turn(task, call("add", a=2, b=3)))
     assert loop.replies(every_step=True) == [episode]
-    assert (episode.tool_calls, episode.tool_errors, episode.env.steps, episode.ended) == (1, 0, 0, False)
+    assert (episode.counts.tool_calls, episode.counts.tool_errors, episode.env.steps, episode.ended) == (1, 0, 0, False)
     action = len(episode.actions[0].ids)
     assert task.tokenizer.decode(episode.ids[action:]) == " tool : 5 assistant : "  # after the sampled <eos>
     assert episode.is_action == [True] * action + [False] * (len(episode.ids) - action)
@@ -67,7 +67,7 @@ def test_malformed_calls_unknown_tools_and_bad_arguments_are_told_to_the_policy(
     text = "<tool_call>{add 2 3}</tool_call>" + call("multiply", a=2, b=3) + call("add", a=2, c=3) + "<tool_call>"
     loop.take_turn(episode, turn(task, text))
     loop.replies(every_step=True)
-    assert (episode.tool_calls, episode.tool_errors, episode.ended) == (4, 4, False)
+    assert (episode.counts.tool_calls, episode.counts.tool_errors, episode.ended) == (4, 4, False)
     reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
     assert reply.count("tool : error: ") == 4, reply
     assert "the tool call is not JSON" in reply and "there is no tool 'multiply'; the tools are add, divide" in reply
@@ -107,7 +107,8 @@ def test_tool_errors_are_the_policys_to_learn_from_in_every_env_failure_mode(cha
                      " tool : error: add: argument 'a' is string '2', the tool takes integer"
                      " tool : error: add: missing a required argument: 'a'"
                      " tool : {1, 2} tool : 5 assistant : "), reply
-    assert (episode.tool_calls, episode.tool_errors, episode.failed_steps, episode.ended) == (5, 3, 0, False)
+    counts = episode.counts
+    assert (counts.tool_calls, counts.tool_errors, counts.failed_steps, episode.ended) == (5, 3, 0, False)
     batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
     metrics = environments.rollout_metrics(batch, 2)
     assert (metrics["rollout/tool_calls_mean"], metrics["rollout/tool_errors_mean"]) == (2.5, 1.5)
@@ -152,10 +153,12 @@ def test_a_step_and_a_turn_of_tool_calls_that_time_out_are_told_to_the_policy_wi
     stepped, called = episodes
     reply = task.tokenizer.decode(stepped.ids[len(stepped.actions[0].ids):])
     assert reply == " user : error: step did not return within --env_timeout 0.5 s assistant : "
-    assert (stepped.failed_steps, stepped.timeouts, stepped.tool_calls, stepped.tool_errors) == (1, 1, 0, 0)
+    counts = stepped.counts
+    assert (counts.failed_steps, counts.timeouts, counts.tool_calls, counts.tool_errors) == (1, 1, 0, 0)
     reply = task.tokenizer.decode(called.ids[len(called.actions[0].ids):])
     assert reply == " tool : error: tool calls did not return within --env_timeout 0.5 s" * 2 + " assistant : "
-    assert (called.failed_steps, called.timeouts, called.tool_calls, called.tool_errors) == (1, 1, 2, 2)
+    counts = called.counts
+    assert (counts.failed_steps, counts.timeouts, counts.tool_calls, counts.tool_errors) == (1, 1, 2, 2)
     assert not stepped.ended and not called.ended
     batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
     metrics = environments.rollout_metrics(batch, 2)
@@ -237,7 +240,7 @@ def test_the_readmes_tool_environment_calls_its_tool_and_answers(chat_model, tmp
     assert task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):]) == " tool : 6 assistant : "
     loop.take_turn(episode, turn(task, "6"))
     loop.replies(every_step=True)
-    assert episode.ended and episode.episode_return == 1.0 and episode.tool_calls == 1
+    assert episode.ended and episode.episode_return == 1.0 and episode.counts.tool_calls == 1
 
 
 # 6 updates of 4 rows, checkpointed every 2

@@ -47,9 +47,12 @@ def test_a_ranks_share_of_a_batch_holds_its_own_groups():
     batch = vllm_generator.Batch(update=3, prompt_indices=[10, 11, 12, 13],
                                  queries=[[index] for index in (10, 10, 11, 11, 12, 12, 13, 13)],
                                  responses=numpy.arange(8)[:, None], logprobs=numpy.zeros((8, 1)),
-                                 scores=numpy.arange(8.0), step_times=[0.1])
+                                 scores=numpy.arange(8.0), episodes={"returns": numpy.arange(8.0) / 10},
+                                 step_times=[0.1])
     share = batch.rows(4, 8, group_size=2)  # the second of two ranks
     assert share.prompt_indices == [12, 13] and share.queries == [[12], [12], [13], [13]]
     assert share.responses[:, 0].tolist() == [4, 5, 6, 7] and share.scores.tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert share.episodes["returns"].tolist() == [0.4, 0.5, 0.6, 0.7]
     assert (share.update, share.step_times, share.token_versions) == (3, [0.1], None)
     assert isinstance(batch.as_tensors().responses, torch.Tensor) and batch.as_tensors().queries == batch.queries
+    assert isinstance(batch.as_tensors().episodes["returns"], torch.Tensor)
