@@ -257,7 +257,7 @@ def choose_format(tokenizer, requested: str, tools: list[dict], template: str, t
             return format_name
     vocabulary = tokenizer.get_vocab()
     for marker, format_name in MARKERS:
-        if marker in tokenizer.chat_template or marker in vocabulary:
+        if marker in str(tokenizer.chat_template) or marker in vocabulary:  # (a dict: a tokenizer's named ones)
             return format_name
     common.fail(f"the chat template {template} renders no tool call in a format the kit reads ({', '.join(PARSERS)}) "
                 "and names none: give --tool_call_format")
@@ -268,7 +268,7 @@ def parse_tool_calls(tokenizer, tools: list[dict], tool_format: str, ids: list[i
     """The tool calls in a turn the policy sampled (`ids`, after the episode's `context`): through the tokenizer's
     own response parser (tool_format "response_template"), or decoded with its special tokens (markers such as
     [TOOL_CALLS] and <|python_tag|> are special tokens) but its stop token, reasoning blocks left out, by the
-    format's parser. None for a turn without a call."""
+    format's parser. No calls (an empty list) for a turn without one."""
     schemas = {schema["function"]["name"]: schema["function"] for schema in tools}
     if tool_format == "response_template":
         try:

