@@ -360,3 +360,21 @@ def test_drop_group_leaves_the_failed_groups_out_of_the_loss(tool_policy, tmp_pa
         losses[failure] = [m["loss/policy_avg"] for m in read_metrics(tmp_path / failure) if "loss/policy_avg" in m]
     assert losses["drop_group"] == [0.0] * 4, losses
     assert all(loss != 0.0 for loss in losses["error_message"]), losses
+
+
+def test_the_embedded_tool_tasks_template_keeps_the_contract_and_is_read_as_hermes():
+    """toy:add_with_tool's template renders only the tools' names and a message's content: it passes the contract at
+    load, and the format its policy writes is found by the markers of its vocabulary (the template renders no call)."""
+    from transformers.utils import get_json_schema
+
+    import toy
+
+    tokenizer = toy.make_tokenizer(toy.TOOLS_WORDS)
+    tokenizer.chat_template = toy.TOOLS_TEMPLATE
+    tools = [get_json_schema(tool) for tool in toy.AddWithTool().tools]
+    *_, tool_format = environments.chat_template_contract(tokenizer, [tokenizer.eos_token_id], tools, "toy",
+                                                          EnvArgs(env="toy:add_with_tool"))
+    assert tool_format == "hermes"
+    ids = tokenizer(toy.tool_call_text(12, 34), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tool_calls.parse_tool_calls(tokenizer, tools, "hermes", ids, [], [tokenizer.eos_token_id]) == [
+        tool_calls.ToolCall("add", {"a": 12, "b": 34})]
