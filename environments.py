@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import json
 import math
 import os
 import queue
@@ -44,7 +45,8 @@ class EnvArgs(common.FlagGroup):
 
     env: str = "toy:guess_number"
     """the environment class: path/to/file.py:Class, module:Class, or toy:NAME for an embedded one (toy:guess_number;
-    toy:guess_number_slow, whose steps take 25-75 ms); one object per episode, built with no arguments"""
+    toy:guess_number_slow, whose steps take 25-75 ms); one object per episode, built with no arguments. A TRL-style
+    class (reset(**row), no step, its public methods its tools, get_reward()) runs as it is written"""
     max_turns: int = toy.GUESS_TURNS
     """the policy's turns an episode may take; one that is not done after them is truncated
     (rollout/truncated_episodes)"""
@@ -55,14 +57,24 @@ class EnvArgs(common.FlagGroup):
     env_timeout: float = 60.0
     """seconds a reset, a step or a turn's tool calls may take (past it: --env_failure)"""
     env_failure: Literal["stop", "error_message", "drop_group"] = "stop"
-    """what an exception or a timeout in a step or a tool does: stop, the run stops with one line naming the
-    episode; error_message, the error goes to the policy as the environment's reply (a tool's as its tool message)
-    and the episode goes on; drop_group, the episode ends there and its group leaves the loss (rollout/dropped_groups).
-    A reset's failure, or a reply that breaks the contract, always stops the run"""
+    """what an exception or a timeout in a step, or a timeout in a turn of tool calls, does: stop, the run stops with
+    one line naming the episode; error_message, the error goes to the policy as the environment's reply (as each
+    call's tool message for tool calls) and the episode goes on; drop_group, the episode ends there and its group
+    leaves the loss (rollout/dropped_groups). A reset's failure, or a reply that breaks the contract, always stops the
+    run; an exception in a tool the policy called, or a call that does not fit the tool, is always a tool message"""
     chat_template_path: str | None = None
     """a chat template (a .jinja file) that replaces the tokenizer's for the episodes (implies --chat_template): e.g.
     a training template that keeps earlier turns as they were sampled, where the model's own rewrites history
     (Qwen3's drops an earlier turn's <think> block once a user message follows), which the run refuses"""
+    chat_template_kwargs: str | None = None
+    """a JSON object of arguments every rendering of the chat template gets, e.g. '{"enable_thinking": false}' for
+    Qwen3's"""
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_xml"] = "auto"
+    """how the policy's tool calls are read from the ids it sampled: auto, the tokenizer's own response parser where
+    it has one (transformers' response_template), else the format of the calls the chat template renders (else
+    whose markers it or the vocabulary holds); hermes, <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    (Qwen2.5, Qwen3, Hermes); llama3_json, {"name": ..., "parameters": {...}} (Llama 3.x); mistral, [TOOL_CALLS]...;
+    qwen3_xml, <tool_call><function=NAME><parameter=KEY>... (Qwen3-Coder, Qwen3.5)"""
 
     env_latency: float = 0.0
     """seconds every step (or turn of tool calls) takes on top of the environment's own: the median of a log-normal
@@ -81,6 +93,18 @@ class EnvArgs(common.FlagGroup):
         if not 0 <= self.env_latency_timeouts < 1:
             common.fail(f"--env_latency_timeouts is a share of the steps, from 0 up to (not) 1, got "
                         f"{self.env_latency_timeouts}")
+        try:
+            kwargs = json.loads(self.chat_template_kwargs or "{}")
+        except json.JSONDecodeError as error:
+            common.fail(f"--chat_template_kwargs {self.chat_template_kwargs!r} is not JSON ({error.msg})")
+        if not isinstance(kwargs, dict):
+            common.fail(f"--chat_template_kwargs {self.chat_template_kwargs!r} is not a JSON object of arguments, "
+                        """e.g. '{"enable_thinking": false}'""")
+
+    @property
+    def template_kwargs(self) -> dict:
+        """--chat_template_kwargs as a dict (check() has refused anything else)."""
+        return json.loads(self.chat_template_kwargs or "{}")
 
     @property
     def adds_latency(self) -> bool:
@@ -94,7 +118,8 @@ RESUME_MAY_CHANGE = ("env_timeout", "env_latency", "env_latency_spread")  # besi
 @functools.cache  # once a process: the generator process asks for it every batch (SampleEpisodes.loop)
 def load_env_class(spec: str):
     """The class --env names, `path/to/file.py:Class`, `module:Class` or `toy:NAME`; one built here with no
-    arguments must have reset and step (one line otherwise, before the run writes anything)."""
+    arguments must have reset and step (one line otherwise, before the run writes anything). A TRL-style class
+    (reset(**row) and no step: its public methods are its tools) runs through tool_calls.TRLEnvironment."""
     if spec.startswith("toy:"):
         if spec[4:] not in toy.ENVIRONMENTS:
             common.fail(f"--env {spec!r}: no embedded environment {spec[4:]!r}; there are "
@@ -105,6 +130,8 @@ def load_env_class(spec: str):
         env = env_class()
     except Exception as error:
         common.fail(f"--env {spec!r}: building one with no arguments raised {type(error).__name__}: {error}")
+    if callable(getattr(env, "reset", None)) and not callable(getattr(env, "step", None)):
+        return tool_calls.trl_environment(env_class, spec)
     missing = [name for name in ("reset", "step") if not callable(getattr(env, name, None))]
     if missing:
         common.fail(f"--env {spec!r}: an environment needs reset(row, seed) and step(action); it has no "
@@ -128,32 +155,50 @@ class EnvTask:
     before_message: list[int]  # the template's tokens between the policy's stop token and a message
     after_message: list[int]  # and between the message and the policy's next turn
     tools: list[dict] = field(default_factory=list)  # the environment's tools' JSON schemas (the template renders them)
-    probe: str = ""  # the template's rendering of a short conversation (template_around_message)
     end_of_action: str = ""  # the template's text after an assistant turn's stop token
+    template: str = "of the policy"  # the chat template's name in errors: its --chat_template_path, or the model's
+    template_kwargs: dict = field(default_factory=dict)  # --chat_template_kwargs, for every rendering
+    tool_call_format: str = ""  # how the policy's calls are read (tool_calls.choose_format), with tools
+    response_length: int = 0  # --response_length, for the sizes an error suggests
+
+    def render(self, messages: list[dict], **kwargs):
+        """The chat template's rendering of `messages` with the tools and --chat_template_kwargs (render)."""
+        return render(self.tokenizer, messages, self.tools, self.template, self.template_kwargs, **kwargs)
 
     def first_message_ids(self, message: str | list[dict]) -> list[int]:
         """The first message (or messages: a system prompt, then the user's) as tokens: through the chat template,
         as a user message and with the tools' schemas, with --chat_template."""
         if self.chat_template:
             messages = [{"role": "user", "content": message}] if isinstance(message, str) else message
-            return self.tokenizer.apply_chat_template(messages, tools=self.tools or None, add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False)
+            return self.render(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return self.tokenizer(message, add_special_tokens=False)["input_ids"]
 
     def message_ids(self, message: str | list[dict]) -> list[int]:
         """A later message as the tokens appended after the policy's turn (its stop token included): a user
         message's text between the template's tokens around it, or a list of messages (tool results, user
-        messages) as the template renders them after an assistant turn."""
+        messages) as the template renders them after an assistant turn: the rendering's delta over a probe rendered
+        with it (a date the template prints changes both)."""
         encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         if isinstance(message, str):
             return self.before_message + encode(message) + self.after_message
-        rendered = self.tokenizer.apply_chat_template(PROBE + message, tools=self.tools or None, tokenize=False,
-                                                      add_generation_prompt=True)
-        if not rendered.startswith(self.probe):
-            common.fail(f"the chat template renders an episode differently once the messages {message!r:.120} are "
-                        "added; the turns of an episode must be appended as they were sampled: give a template that "
-                        "keeps them, --chat_template_path FILE.jinja")
-        return encode(self.end_of_action + rendered[len(self.probe):])
+        for _ in range(2):  # twice: the clock may pass midnight between the two renderings
+            probe = self.render(PROBE, tokenize=False)
+            rendered = self.render(PROBE + message, tokenize=False, add_generation_prompt=True)
+            if rendered.startswith(probe):
+                return encode(self.end_of_action + rendered[len(probe):])
+        common.fail(f"the chat template {self.template} renders an episode differently once the messages "
+                    f"{message!r:.120} are added; the turns of an episode must be appended as they were sampled: "
+                    "give a template that keeps them, --chat_template_path FILE.jinja")
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict], template: str, template_kwargs: dict, **kwargs):
+    """The chat template's rendering of `messages` with `tools` and `template_kwargs` (apply_chat_template's
+    `kwargs`); one line naming the template (`template`), should it raise."""
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools or None, **template_kwargs, **kwargs)
+    except Exception as error:  # the template's own raise_exception, or any error of its code
+        common.fail(f"the chat template {template} cannot render the messages {messages[-3:]!r:.160} (it raised "
+                    f"{tool_calls.raised(error)}); give one that can, --chat_template_path FILE.jinja")
 
 
 ACTION, THINKING = "\x00ACTION\x00", "\x00THINKING\x00"
@@ -162,19 +207,27 @@ ACTION, THINKING = "\x00ACTION\x00", "\x00THINKING\x00"
 PROBE = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": f"<think>{THINKING}</think>{ACTION}"}]
 
 
-def template_around_message(tokenizer, eos_ids: list[int], model: str, tools: list[dict]):
+def template_around_message(tokenizer, eos_ids: list[int], template: str, tools: list[dict],
+                            template_kwargs: dict | None = None):
     """(the stop token that ends an assistant turn, the template's tokens from there to a user message's text, and
-    from its text to the next assistant turn, the probe's rendering, the template's text after the stop token),
-    read off the template's rendering of a short conversation. A template that renders the conversation otherwise
-    once a message is added is refused."""
+    from its text to the next assistant turn, the template's text after the stop token), read off the template's
+    rendering of a short conversation. A template (named `template` in errors) that renders the conversation
+    otherwise once a user message, or with `tools` a tool message, is added is refused."""
     marker = "\x00MESSAGE\x00"
-    before = tokenizer.apply_chat_template(PROBE, tools=tools or None, tokenize=False)
-    after = tokenizer.apply_chat_template(PROBE + [{"role": "user", "content": marker}], tools=tools or None,
-                                          tokenize=False, add_generation_prompt=True)
-    if not after.startswith(before) or marker not in after:
-        common.fail(f"the chat template of {model!r} renders a conversation differently once a message is added (it "
-                    "rewrites earlier turns); the turns of an episode must be appended as they were sampled: give a "
-                    "template that keeps them, --chat_template_path FILE.jinja")
+    rendering = functools.partial(render, tokenizer, tools=tools, template=template,
+                                  template_kwargs=template_kwargs or {}, tokenize=False)
+    before = rendering(PROBE)
+    after = rendering(PROBE + [{"role": "user", "content": marker}], add_generation_prompt=True)
+    followed = {"user": after}
+    if tools:
+        result = tool_calls.tool_message(tools[0]["function"]["name"], 0, tool_calls.PROBE_RESULT)
+        followed["tool"] = rendering(PROBE + [result], add_generation_prompt=True)
+    for role, rendered in followed.items():
+        if not rendered.startswith(before) or role == "user" and marker not in rendered:
+            common.fail(f"the chat template {template} renders the earlier turns differently once a {role} message "
+                        "follows (it drops or moves them, as Qwen3's drops a <think> block); the turns of an episode "
+                        "must be appended as they were sampled: give a template that keeps them, "
+                        "--chat_template_path FILE.jinja")
     end_of_action = before[before.index(ACTION) + len(ACTION):]
     stop_id = eos_ids[0]
     for eos in eos_ids:  # the template's own end of an assistant turn, when it is a stop token
@@ -183,14 +236,31 @@ def template_around_message(tokenizer, eos_ids: list[int], model: str, tools: li
             break
     prefix, suffix = after[len(before):].split(marker)
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
-    return stop_id, encode(end_of_action + prefix), encode(suffix), before, end_of_action
+    return stop_id, encode(end_of_action + prefix), encode(suffix), end_of_action
+
+
+def chat_template_contract(tokenizer, eos_ids: list[int], tools: list[dict], template: str, env_args: EnvArgs):
+    """The chat template's contract, checked at load (one line naming `template` and what it cannot render, before
+    anything is written): with `tools`, it renders them and a tool call's result (tool_calls.check_tool_template);
+    it appends a message without rewriting earlier turns (template_around_message). Returns template_around_message's
+    tokens and text, and the format the policy's calls are read in (tool_calls.choose_format; "" without tools)."""
+    template_kwargs = env_args.template_kwargs
+    if tools:
+        tool_calls.check_tool_template(tokenizer, tools, template, template_kwargs)
+    around = template_around_message(tokenizer, eos_ids, template, tools, template_kwargs)
+    tool_format = tool_calls.choose_format(tokenizer, env_args.tool_call_format, tools, template,
+                                           template_kwargs) if tools else ""
+    return *around, tool_format
 
 
 def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows: int, lora_args, rank: int,
-                  evaluate: bool) -> EnvTask:
+                  evaluate: bool, response_length: int = 0) -> EnvTask:
     """The task of a multi-turn run; the embedded environment's policy and rows are built first when asked for.
     Evaluation rows come from --eval_split, or are the last `eval_num_rows` train rows (at most a fifth), held
-    out of training."""
+    out of training. The chat template is checked here, before anything is written: with tools, it must render
+    them and a tool call's result (tool_calls.check_tool_template), and the format of the policy's calls is chosen
+    (and printed); every template must append a message without rewriting earlier turns (template_around_message).
+    `response_length` (--response_length) sizes the flags an error suggests."""
     folders = {os.path.dirname(path) for path in (data_args.model_name_or_path, data_args.dataset_name)}
     if toy.GUESS_DIR in folders:
         toy.build_guess()
@@ -215,9 +285,14 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
     if tools and not chat_template:
         common.fail(f"--env {env_args.env!r} has tools, which reach the policy through a chat template: give "
                     "--chat_template (or --chat_template_path)")
-    end_of_turn, before, after, probe, end_of_action = (
-        template_around_message(tokenizer, eos_ids, data_args.model_name_or_path, tools) if chat_template else
+    template = (f"{env_args.chat_template_path!r} (--chat_template_path)" if env_args.chat_template_path else
+                f"of {data_args.model_name_or_path!r}")
+    end_of_turn, before, after, end_of_action, tool_format = (
+        chat_template_contract(tokenizer, eos_ids, tools, template, env_args) if chat_template else
         (eos_ids[0], [], [], "", ""))
+    if tools and rank == 0:
+        print(f"--env {env_args.env}: {len(tools)} tools, their calls read in the {tool_format} format "
+              f"(--tool_call_format {env_args.tool_call_format})")
     train_rows = data.load_split(data_args.dataset_name, data_args.train_split)
     eval_rows = None
     if data_args.eval_split not in data.split_names(data_args.dataset_name):  # held out even without evaluation
@@ -230,8 +305,9 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
             common.fail(f"dataset {data_args.dataset_name!r} has no {name} rows")
     return EnvTask(tokenizer=tokenizer, eos_ids=eos_ids, env_class=env_class, env_name=env_args.env,
                    train_rows=train_rows, eval_rows=eval_rows, chat_template=chat_template,
-                   end_of_turn_id=end_of_turn, before_message=before, after_message=after, tools=tools, probe=probe,
-                   end_of_action=end_of_action)
+                   end_of_turn_id=end_of_turn, before_message=before, after_message=after, tools=tools,
+                   end_of_action=end_of_action, template=template, template_kwargs=env_args.template_kwargs,
+                   tool_call_format=tool_format, response_length=response_length)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,24 +573,31 @@ class EpisodeLoop:
             prompt_ids = task.first_message_ids(message)
             if len(prompt_ids) >= env_args.max_episode_tokens:
                 common.fail(f"{where[i]}: the first message is {len(prompt_ids)} tokens, which leaves no room for a "
-                            f"turn in --max_episode_tokens {env_args.max_episode_tokens}")
-            latency = random.Random(f"{starts[i][1]}/{i % k}/latency") if env_args.adds_latency else None
+                            f"turn in --max_episode_tokens {env_args.max_episode_tokens}: "
+                            + sizes_that_fit(task, env_args, len(prompt_ids)))
             episodes.append(Episode(env=env, number=first_episode + i, where=where[i], prompt_ids=prompt_ids,
-                                    latency=latency, state_keys=[state_key_id(env)]))
+                                    latency=latency_generator(env_args, starts[i][1], i % k),
+                                    state_keys=[state_key_id(env)]))
         return episodes
 
     def take_turn(self, episode: Episode, turn: Turn):
         """The policy's `turn` of `episode`: when the environment has tools and the turn calls them, the tools run on
         the calls (tool_calls.call_tools); else its environment steps on the turn's text."""
-        episode.pending, episode.step_started, text = turn, time.monotonic(), action_text(self.task, turn.ids)
-        tools = tool_calls.episode_tools(episode.env) if self.task.tools else {}
-        calls = tool_calls.parse_tool_calls(self.task.tokenizer, self.task.tools, text) if tools else []
-        self.stepping[episode.number] = episode, len(calls)
+        task = self.task
+        episode.pending, episode.step_started = turn, time.monotonic()
+        tools = tool_calls.episode_tools(episode.env) if task.tools else {}
+        calls = tool_calls.parse_tool_calls(task.tokenizer, task.tools, task.tool_call_format, turn.ids,
+                                            episode.prompt_ids + episode.ids, task.eos_ids) if tools else []
+        self.stepping[episode.number] = episode, calls
         if calls:
-            errors_as_messages = self.env_args.env_failure == "error_message"
-            call = lambda: tool_calls.call_tools(tools, calls, errors_as_messages)  # noqa: E731
+            first = episode.counts.tool_calls  # the number of the turn's first call in the episode
+
+            def call():
+                return *tool_calls.call_tools(tools, task.tools, calls, first), tool_calls.turn_reward(episode.env)
+
             self.steps.start(episode.number, self.with_latency(episode, call), f"{episode.where}: tool calls")
         else:
+            text = action_text(task, turn.ids)
             self.steps.start(episode.number, self.with_latency(episode, lambda: episode.env.step(text)),
                              f"{episode.where}: step")
 
@@ -551,13 +634,13 @@ class EpisodeLoop:
         for number, where, result, error in sorted(finished, key=lambda call: call[0]):
             episode, calls = self.stepping.pop(number)
             episode.step_times.append(time.monotonic() - episode.step_started)
-            episode.counts.tool_calls += calls
+            episode.counts.tool_calls += len(calls)
             if error is not None:
                 reply = self.reply_to_failure(episode, calls, where, error)
             elif calls:
-                messages, errors = result
+                messages, errors, reward = result
                 episode.counts.tool_errors += errors
-                reply = messages, 0.0, False
+                reply = messages, reward, False
             else:
                 reply = check_step(result, where, self.task.chat_template)
             turn, episode.pending = episode.pending, None
@@ -567,21 +650,25 @@ class EpisodeLoop:
             replied.append(episode)
         return replied
 
-    def reply_to_failure(self, episode: Episode, calls: int, where: str, error: BaseException) -> tuple:
-        """The reply to a turn whose step or tool calls raised or timed out, as --env_failure says: the run stops
-        (stop), the error goes to the policy (error_message: the message, or each call's tool message), or the
-        episode ends there, failed (drop_group)."""
+    def reply_to_failure(self, episode: Episode, calls: list[tool_calls.ToolCall], where: str,
+                         error: BaseException) -> tuple:
+        """The reply to a turn whose step raised or timed out, or whose tool calls timed out (an error inside a tool
+        is its message already), as --env_failure says: the run stops (stop), the error goes to the policy
+        (error_message: the message, or each call's tool message), or the episode ends there, failed (drop_group).
+        Counted the same in every mode: a failed step (failed_steps), a timeout, each call of the turn an error."""
         if self.env_args.env_failure == "stop":
             common.fail(failure_line(where, error))
         episode.counts.failed_steps += 1
         episode.counts.timeouts += isinstance(error, CallTimeout)
+        episode.counts.tool_errors += len(calls)
         if self.env_args.env_failure == "drop_group":
             episode.failed = True
             return None, 0.0, True
         text = "error: " + failure_line(where.rsplit(": ", 1)[-1], error)
         if calls:
-            episode.counts.tool_errors += calls
-            return [{"role": "tool", "content": text}] * calls, 0.0, False
+            first = episode.counts.tool_calls - len(calls)
+            messages = [tool_calls.tool_message(call.name, number, text) for number, call in enumerate(calls, first)]
+            return messages, 0.0, False
         return text, 0.0, False
 
     def play_turn_by_turn(self, episodes: list[Episode], sample_turn) -> list[Episode]:
@@ -596,6 +683,26 @@ class EpisodeLoop:
                 self.take_turn(episode, t)
             self.replies(every_step=True)
         return episodes
+
+
+def sizes_that_fit(task: EnvTask, env_args: EnvArgs, first_message: int) -> str:
+    """The --max_episode_tokens and --response_length that give an episode whose first message is `first_message`
+    tokens room for --max_turns turns (a tool call takes tens of tokens, so at least TOOL_TURN_TOKENS a turn with
+    tools), each answered by a message as long."""
+    turn = max(task.response_length, TOOL_TURN_TOKENS if task.tools else 1)
+    episode = first_message + 2 * env_args.max_turns * turn
+    return (f"give --max_episode_tokens {-(-episode // 64) * 64} --response_length {turn} (the first message, then "
+            f"--max_turns {env_args.max_turns} turns of up to {turn} tokens, each answered by a message as long)")
+
+
+TOOL_TURN_TOKENS = 256
+
+
+def latency_generator(env_args: EnvArgs, seed: int, position: int) -> random.Random | None:
+    """The generator that draws the --env_latency of each step of the episode at `position` in the group of reset
+    seed `seed` (None without --env_latency): the same for that episode in every mode, and in a resumed run's
+    replay."""
+    return random.Random(f"{seed}/{position}/latency") if env_args.adds_latency else None
 
 
 def state_key_id(env) -> int:
@@ -736,24 +843,41 @@ def collate(episodes: list[Episode], pad_token_id: int, device) -> Episodes:
 
 
 def rollout_metrics(episodes: Episodes, k: int) -> dict[str, float]:
-    """rollout/return_mean, turns_mean, truncated_episodes (their share), env_tokens_frac (the share of the tokens
-    after the first message that the environment wrote), tool_calls_mean and tool_errors_mean (per episode),
-    dropped_groups (the share of groups with an episode that failed, --env_failure drop_group); env/failed_steps and
-    env/timeouts (per episode), env/step_time_median and env/step_time_p95 (seconds, over the batch's steps and
-    turns of tool calls; with several ranks of grpo_multiturn.py, each rank's averaged)."""
+    """Over the episodes of the groups kept (kept_groups: a group dropped by --env_failure drop_group leaves them,
+    as it leaves the loss), on every rank together: rollout/return_mean, turns_mean, truncated_episodes (their
+    share), env_tokens_frac (the share of the tokens after the first message that the environment wrote),
+    tool_calls_mean and tool_errors_mean (per episode: calls, and those that failed); rollout/dropped_groups (the
+    share of groups dropped); over every episode: env/failed_steps and env/timeouts (per episode: steps that raised
+    or timed out, and turns of tool calls that timed out), env/step_time_median and env/step_time_p95 (seconds, over
+    the batch's steps and turns of tool calls; with several ranks of grpo_multiturn.py, each rank's averaged)."""
     real = common.response_mask(episodes.lengths, episodes.responses.shape[1])
     step_times = np.array(episodes.step_times or [0.0])
-    return {"rollout/return_mean": episodes.returns.mean().item(),
-            "rollout/turns_mean": episodes.turns.mean().item(),
-            "rollout/truncated_episodes": episodes.truncated.mean().item(),
-            "rollout/env_tokens_frac": ((real & ~episodes.action_mask).sum() / real.sum().clamp(min=1)).item(),
-            "rollout/tool_calls_mean": episodes.counts.tool_calls.mean().item(),
-            "rollout/tool_errors_mean": episodes.counts.tool_errors.mean().item(),
+    kept = common.all_reduce_masked_means({
+        "rollout/return_mean": episodes.returns, "rollout/turns_mean": episodes.turns,
+        "rollout/truncated_episodes": episodes.truncated, "rollout/tool_calls_mean": episodes.counts.tool_calls,
+        "rollout/tool_errors_mean": episodes.counts.tool_errors,
+        "environment's tokens": (real & ~episodes.action_mask).sum(1), "tokens": real.sum(1)}, kept_groups(episodes, k))
+    environment_tokens, tokens = kept.pop("environment's tokens"), kept.pop("tokens")
+    return {**kept, "rollout/env_tokens_frac": environment_tokens / tokens if tokens else 0.0,
             "rollout/dropped_groups": episodes.failed.view(-1, k).any(dim=1).float().mean().item(),
             "env/failed_steps": episodes.counts.failed_steps.mean().item(),
             "env/timeouts": episodes.counts.timeouts.mean().item(),
             "env/step_time_median": float(np.median(step_times)),
             "env/step_time_p95": float(np.percentile(step_times, 95))}
+
+
+def objective_metrics(episodes: Episodes, k: int, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                      scores: torch.Tensor) -> dict[str, float]:
+    """common.rollout_metrics's numbers over the episodes of the groups kept (kept_groups), on every rank together:
+    objective/scores, objective/entropy, objective/kl (with `ref_logprobs`) and val/num_eos_tokens (a count).
+    logprobs, ref_logprobs: (N, R) the sampling policy's and the reference's; scores: (N,)"""
+    kept = kept_groups(episodes, k)
+    per_episode = {"objective/scores": scores, "objective/entropy": -common.masked_sum(logprobs, episodes.mask)}
+    if ref_logprobs is not None:
+        per_episode["objective/kl"] = common.masked_sum(logprobs - ref_logprobs, episodes.mask)
+    # a count over the whole batch: all_reduce_mean of each rank's count times world_size is the sum
+    count = (episodes.contains_eos.float() * kept).sum().item() * torch.distributed.get_world_size()
+    return common.all_reduce_masked_means(per_episode, kept) | {"val/num_eos_tokens": count}
 
 
 def kept_groups(episodes: Episodes, k: int) -> torch.Tensor:

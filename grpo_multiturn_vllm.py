@@ -362,7 +362,8 @@ def main(args: Args):
     common.seed_everything(args.run.seed + rank, args.run.torch_deterministic)
     dtype = torch.bfloat16 if args.distributed.bf16 else torch.float32
     task = environments.load_env_task(args.data, args.env, args.evaluation.eval_num_prompts, args.lora, rank,
-                                      evaluate=args.run.eval_every > 0)
+                                      evaluate=args.run.eval_every > 0,
+                                      response_length=args.generation.response_length)
     if args.turn_advantage == "gigpo" and not callable(getattr(task.env_class, "state_key", None)):
         common.fail(f"--turn_advantage gigpo groups turns by the state they start from, which the environment names: "
                     f"--env {args.env.env!r} has no state_key() method")
@@ -487,9 +488,8 @@ def main(args: Args):
         stats = {name: sum(values) / len(values) for name, values in stats.items()}
         # the generator has drawn ahead; the rows drawn up to this batch
         state.update, state.episode, state.data_position = update, state.episode + batch_size, batch.data_position
-        rollout_stats = common.rollout_metrics(rollout, logprobs, None, scores)
-        if args.beta:
-            rollout_stats["objective/kl"] = common.masked_sum(logprobs - ref_logprobs, rollout.mask).mean().item()
+        # over the groups kept, as the loss (a group --env_failure drop_group dropped is reported apart)
+        rollout_stats = environments.objective_metrics(rollout, k, logprobs, ref_logprobs, scores)
         metrics = common.all_reduce_mean({
             "loss/policy_avg": stats["loss"],
             "policy/clipfrac_avg": stats["clipfrac"],

@@ -395,6 +395,9 @@ class InflightEpisodes(InflightCompletions):
         replayed = self.start(restored, len(playing))
         for episode, before in zip(replayed, playing):
             episode.number, episode.where = before["number"], before["where"]
+            # its own place in the group draws its --env_latency (start numbered the replayed ones alone)
+            episode.latency = environments.latency_generator(self.loop.env_args, group["reset_seed"],
+                                                             self.place(episode)[1])
 
         def saved_turn(episodes: list[environments.Episode], turn: int) -> list:
             return [environments.Turn(*before["actions"][turn]) if turn < len(before["actions"]) else None

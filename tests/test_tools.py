@@ -75,54 +75,95 @@ def test_malformed_calls_unknown_tools_and_bad_arguments_are_told_to_the_policy(
 
 
 def test_parse_tool_calls_reads_the_hermes_format():
-    """A tokenizer without a response parser of its own (None here): the Hermes format."""
+    ToolCall = tool_calls.ToolCall
     text = ('I will add. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call> then '
             '<tool_call>{"name": "divide", "arguments": "{\\"a\\": 4, \\"b\\": 2}"}</tool_call>')
-    assert tool_calls.parse_tool_calls(None, [], text) == [{"name": "add", "arguments": {"a": 1, "b": 2}},
-                                                          {"name": "divide", "arguments": {"a": 4, "b": 2}}]
-    assert tool_calls.parse_tool_calls(None, [], "no call here") == []
-    assert "error" in tool_calls.parse_tool_calls(None, [], '<tool_call>{"arguments": {}}</tool_call>')[0]
-    assert "error" in tool_calls.parse_tool_calls(None, [], "<tool_call>7</tool_call>")[0]  # JSON, not a call
+    assert tool_calls.parse_hermes(text, {}) == [ToolCall("add", {"a": 1, "b": 2}),
+                                                 ToolCall("divide", {"a": 4, "b": 2})]
+    assert tool_calls.parse_hermes("no call here", {}) == []
+    assert tool_calls.parse_hermes('<tool_call>{"arguments": {}}</tool_call>', {})[0].error
+    assert tool_calls.parse_hermes("<tool_call>7</tool_call>", {})[0].error  # JSON, not a call
+    # a missing or null argument object is no arguments (the call's check then names a missing argument)
+    assert tool_calls.parse_hermes('<tool_call>{"name": "now", "arguments": null}</tool_call>', {}) == [
+        ToolCall("now", {})]
+    assert tool_calls.parse_hermes('<tool_call>{"name": "now"}</tool_call>', {}) == [ToolCall("now", {})]
 
 
 @pytest.mark.parametrize("failure", ["stop", "error_message", "drop_group"])
-def test_a_tool_that_raises_does_what_env_failure_says(chat_model, failure):
-    task, loop = loaded(chat_model, env_failure=failure)
+def test_tool_errors_are_the_policys_to_learn_from_in_every_env_failure_mode(chat_model, one_rank_group, failure):
+    """A tool that raises, a wrong-typed argument (checked against the schema before the call: "2" is not an
+    integer, and is not added as text), a missing argument object, and results that are not JSON (a set, a numpy
+    integer) come back as tool messages and the episode goes on, whatever --env_failure says; each failed call is a
+    tool error, and no step failed."""
+    task, loop = loaded(chat_model, env="tests/envs.py:OddCalculator", env_failure=failure)
     episodes = started(task, loop)
-    loop.take_turn(episodes[0], turn(task, call("divide", a=1, b=0)))
-    if failure == "stop":
-        with pytest.raises(SystemExit) as stop:
-            loop.replies(every_step=True)
-        assert str(stop.value.code) == (f"error: {episodes[0].where}: tool calls raised ZeroDivisionError: division "
-                                        "by zero")
-        return
-    loop.replies(every_step=True)
+    text = (call("divide", a=1, b=0) + call("add", a="2", b="3") + '<tool_call>{"name": "add"}</tool_call>'
+            + call("digits", n=112) + call("numpy_add", a=2, b=3))
+    loop.take_turn(episodes[0], turn(task, text))
+    assert loop.replies(every_step=True) == [episodes[0]]
     episode = episodes[0]
-    if failure == "error_message":
-        reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
-        assert reply == " tool : error: divide raised ZeroDivisionError: division by zero assistant : "
-        # the tool's own error
-        assert (episode.counts.tool_errors, episode.counts.failed_steps, episode.ended) == (1, 0, False)
-    else:
-        assert episode.ended and episode.failed and episode.counts.failed_steps == 1
-        batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
-        assert environments.kept_groups(batch, 2).tolist() == [0.0, 0.0]  # the whole group leaves the loss
-        assert environments.rollout_metrics(batch, 2)["rollout/dropped_groups"] == 1.0
+    reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
+    assert reply == (" tool : error: divide raised ZeroDivisionError: division by zero"
+                     " tool : error: add: argument 'a' is string '2', the tool takes integer"
+                     " tool : error: add: missing a required argument: 'a'"
+                     " tool : {1, 2} tool : 5 assistant : "), reply
+    counts = episode.counts
+    assert (counts.tool_calls, counts.tool_errors, counts.failed_steps, episode.ended) == (5, 3, 0, False)
+    batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
+    metrics = environments.rollout_metrics(batch, 2)
+    assert (metrics["rollout/tool_calls_mean"], metrics["rollout/tool_errors_mean"]) == (2.5, 1.5)
+    assert (metrics["env/failed_steps"], metrics["rollout/dropped_groups"]) == (0.0, 0.0)
 
 
-def test_a_step_that_times_out_is_told_to_the_policy_with_error_message(chat_model):
+def test_a_dropped_group_leaves_the_loss_and_the_returns_and_is_reported_apart(chat_model, one_rank_group):
+    """--env_failure drop_group: a step that raises ends its episode and drops its group from the loss, from
+    rollout/* and objective/* (which are over the groups kept), and counts in rollout/dropped_groups and
+    env/failed_steps (over every episode)."""
+    import torch
+
+    task, loop = loaded(chat_model, env="tests/envs.py:FlakyCalculator", env_failure="drop_group")
+    rows = task.train_rows[[1, 2]]  # "what is two plus two ?", "what is three plus three ?" (its grader fails)
+    episodes = loop.start(rows, [7, 8], 2)
+    for episode, answer in zip(episodes, ("five", "one", "five", "five")):  # the chat rows answer "five"
+        loop.take_turn(episode, turn(task, answer))
+    loop.replies(every_step=True)
+    assert [(e.failed, e.episode_return) for e in episodes] == [(False, 1.0), (False, 0.0), (True, 0.0), (True, 0.0)]
+    batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
+    assert environments.kept_groups(batch, 2).tolist() == [1.0, 1.0, 0.0, 0.0]
+    metrics = environments.rollout_metrics(batch, 2)
+    assert (metrics["rollout/return_mean"], metrics["rollout/dropped_groups"]) == (0.5, 0.5)
+    assert (metrics["env/failed_steps"], metrics["rollout/turns_mean"]) == (0.5, 1.0)
+    logprobs = -torch.ones(batch.responses.shape) * batch.mask  # (N, R) 1 nat a policy token
+    objective = environments.objective_metrics(batch, 2, logprobs, None, scores=torch.tensor([1.0, 0.0, 5.0, 5.0]))
+    tokens = batch.mask.sum(1).float()
+    assert objective["objective/scores"] == 0.5 and objective["val/num_eos_tokens"] == 2
+    assert objective["objective/entropy"] == pytest.approx(tokens[:2].mean().item())
+
+
+def test_a_step_and_a_turn_of_tool_calls_that_time_out_are_told_to_the_policy_with_error_message(chat_model,
+                                                                                                  one_rank_group):
+    """error_message: a step that hangs comes back as a user message, a turn of tool calls that hangs as each call's
+    tool message; each is a failed step and a timeout, each call of the turn a tool error."""
     task, loop = loaded(chat_model, env="tests/envs.py:SlowCalculator", env_failure="error_message",
                         env_timeout=0.5)
     episodes = started(task, loop)
     loop.take_turn(episodes[0], turn(task, "five"))
+    loop.take_turn(episodes[1], turn(task, call("wait", seconds=5) + call("add", a=2, b=3)))
     loop.replies(every_step=True)
-    episode = episodes[0]
-    reply = task.tokenizer.decode(episode.ids[len(episode.actions[0].ids):])
+    stepped, called = episodes
+    reply = task.tokenizer.decode(stepped.ids[len(stepped.actions[0].ids):])
     assert reply == " user : error: step did not return within --env_timeout 0.5 s assistant : "
-    assert (episode.counts.failed_steps, episode.counts.timeouts, episode.ended) == (1, 1, False)
+    counts = stepped.counts
+    assert (counts.failed_steps, counts.timeouts, counts.tool_calls, counts.tool_errors) == (1, 1, 0, 0)
+    reply = task.tokenizer.decode(called.ids[len(called.actions[0].ids):])
+    assert reply == " tool : error: tool calls did not return within --env_timeout 0.5 s" * 2 + " assistant : "
+    counts = called.counts
+    assert (counts.failed_steps, counts.timeouts, counts.tool_calls, counts.tool_errors) == (1, 1, 2, 2)
+    assert not stepped.ended and not called.ended
     batch = environments.collate(episodes, task.tokenizer.pad_token_id, "cpu")
     metrics = environments.rollout_metrics(batch, 2)
-    assert metrics["env/timeouts"] == 0.5 and metrics["env/failed_steps"] == 0.5
+    assert (metrics["env/timeouts"], metrics["env/failed_steps"]) == (1.0, 1.0)
+    assert (metrics["rollout/tool_calls_mean"], metrics["rollout/tool_errors_mean"]) == (1.0, 1.0)
     assert metrics["env/step_time_median"] >= 0.5
 
 
@@ -130,11 +171,12 @@ def test_a_template_that_rewrites_history_is_refused_with_the_flag_that_fixes_it
     """A template that drops an earlier turn's <think> block once a user message follows (as Qwen3's does) would
     train on tokens the policy never saw in that context: refused, on one line naming --chat_template_path."""
     with pytest.raises(SystemExit) as stop:
-        loaded(chat_model, template="tests/templates/rewrites_history.jinja")
+        loaded(chat_model, env="tests/envs.py:SaysAnswer", template="tests/templates/rewrites_history.jinja")
     assert str(stop.value.code) == (
-        f"error: the chat template of {chat_model[0]!r} renders a conversation differently once a message is added "
-        "(it rewrites earlier turns); the turns of an episode must be appended as they were sampled: give a template "
-        "that keeps them, --chat_template_path FILE.jinja")
+        "error: the chat template 'tests/templates/rewrites_history.jinja' (--chat_template_path) renders the earlier "
+        "turns differently once a user message follows (it drops or moves them, as Qwen3's drops a <think> block); "
+        "the turns of an episode must be appended as they were sampled: give a template that keeps them, "
+        "--chat_template_path FILE.jinja")
     with pytest.raises(SystemExit) as stop:
         loaded(chat_model, template="tests/templates/missing.jinja")
     assert "--chat_template_path 'tests/templates/missing.jinja': No such file or directory" in str(stop.value.code)
@@ -318,3 +360,21 @@ def test_drop_group_leaves_the_failed_groups_out_of_the_loss(tool_policy, tmp_pa
         losses[failure] = [m["loss/policy_avg"] for m in read_metrics(tmp_path / failure) if "loss/policy_avg" in m]
     assert losses["drop_group"] == [0.0] * 4, losses
     assert all(loss != 0.0 for loss in losses["error_message"]), losses
+
+
+def test_the_embedded_tool_tasks_template_keeps_the_contract_and_is_read_as_hermes():
+    """toy:add_with_tool's template renders only the tools' names and a message's content: it passes the contract at
+    load, and the format its policy writes is found by the markers of its vocabulary (the template renders no call)."""
+    from transformers.utils import get_json_schema
+
+    import toy
+
+    tokenizer = toy.make_tokenizer(toy.TOOLS_WORDS)
+    tokenizer.chat_template = toy.TOOLS_TEMPLATE
+    tools = [get_json_schema(tool) for tool in toy.AddWithTool().tools]
+    *_, tool_format = environments.chat_template_contract(tokenizer, [tokenizer.eos_token_id], tools, "toy",
+                                                          EnvArgs(env="toy:add_with_tool"))
+    assert tool_format == "hermes"
+    ids = tokenizer(toy.tool_call_text(12, 34), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tool_calls.parse_tool_calls(tokenizer, tools, "hermes", ids, [], [tokenizer.eos_token_id]) == [
+        tool_calls.ToolCall("add", {"a": 12, "b": 34})]
