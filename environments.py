@@ -18,13 +18,10 @@ naming it, the episode and what was wrong.
 import dataclasses
 import functools
 import hashlib
-import itertools
 import json
 import math
 import os
-import queue
 import random
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -34,6 +31,7 @@ import torch
 
 import common
 import data
+import env_calls
 import lora
 import tool_calls
 import toy
@@ -311,111 +309,6 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
 
 
 # ----------------------------------------------------------------------------------------------
-# Calls into the environment: concurrent, timed, checked
-# ----------------------------------------------------------------------------------------------
-class CallTimeout(Exception):
-    """A call into an environment that ran past --env_timeout."""
-
-
-class CallsInFlight:
-    """Calls into environments, each in a daemon thread of its own under --env_timeout (a call that hangs does not
-    keep the process from exiting), collected as they finish: call_concurrently's, and EpisodeLoop's steps."""
-
-    def __init__(self, timeout: float):
-        self.timeout, self.done, self.serials = timeout, queue.SimpleQueue(), itertools.count()
-        self.running = {}  # serial -> (key, where, deadline)
-
-    def start(self, key, call, where: str):
-        """`call` (no arguments) under `key` (comparable: results come in its order); `where` names it in errors."""
-        serial = next(self.serials)
-
-        def run():
-            try:
-                self.done.put((serial, call(), None))
-            except BaseException as error:  # the environment's code: every error is reported
-                self.done.put((serial, None, error))
-
-        self.running[serial] = (key, where, time.monotonic() + self.timeout)
-        threading.Thread(target=run, daemon=True).start()
-
-    def finished(self, wait: float) -> list[tuple]:
-        """The calls finished since the last time, as (key, where, result, error) in the order of their keys,
-        waiting up to `wait` seconds for a first one; a call past its timeout finishes with a CallTimeout (its
-        result, should it come later, is dropped)."""
-        done = []
-        try:
-            done.append(self.done.get(timeout=wait) if wait > 0 else self.done.get_nowait())
-            while True:
-                done.append(self.done.get_nowait())
-        except queue.Empty:
-            pass
-        finished = [(*self.running.pop(serial)[:2], result, error) for serial, result, error in done
-                    if serial in self.running]
-        now = time.monotonic()
-        for serial, (key, where, deadline) in list(self.running.items()):
-            if now > deadline:
-                del self.running[serial]
-                timeout = CallTimeout(f"did not return within --env_timeout {self.timeout:g} s")
-                finished.append((key, where, None, timeout))
-        return sorted(finished, key=lambda call: call[0])
-
-
-def failure_line(where: str, error: BaseException) -> str:
-    """What a failed call says: `where`, then how it failed."""
-    if isinstance(error, CallTimeout):
-        return f"{where} {error}"
-    return f"{where} raised {type(error).__name__}: {error}"
-
-
-def call_concurrently(calls: list, timeout: float, describe) -> list:
-    """Each of `calls` (no-argument functions) in a thread of its own, all at once (CallsInFlight); their results in
-    order, once every one has returned. One that raises, or runs past `timeout` seconds, stops the run: describe(i)
-    names the i-th call."""
-    in_flight, results = CallsInFlight(timeout), {}
-    for i, call in enumerate(calls):
-        in_flight.start(i, call, describe(i))
-    while in_flight.running:
-        for i, where, result, error in in_flight.finished(wait=0.05):
-            if error is not None:
-                common.fail(failure_line(where, error))
-            results[i] = result
-    return [results[i] for i in range(len(calls))]
-
-
-def check_message(message, where: str, what: str, roles: tuple[str, ...]):
-    """A message an environment sent: a str, or a list of messages ({"role": one of `roles`, "content": str}); one
-    line saying how it breaks the contract otherwise."""
-    if isinstance(message, str):
-        return
-    if not isinstance(message, list) or not message or not all(
-            isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str) for m in message):
-        common.fail(f"{where} returned {what}={message!r:.80}; it is a str or a list of messages "
-                    f"{{'role': {' or '.join(map(repr, roles))}, 'content': str}}")
-
-
-def check_step(result, where: str, chat_template: bool) -> tuple[str | list[dict] | None, float, bool]:
-    """The (message, reward, done) of a step, or one line saying how `result` breaks the contract."""
-    if not isinstance(result, tuple) or len(result) != 3:
-        common.fail(f"{where} returned {type(result).__name__} {result!r:.80}; step returns a tuple "
-                    "(next message: str, list of messages or None, reward: float, done: bool)")
-    message, reward, done = result
-    if not isinstance(done, bool | np.bool_):
-        common.fail(f"{where} returned done={done!r} ({type(done).__name__}); done must be a bool")
-    if isinstance(reward, bool) or not isinstance(reward, int | float | np.integer | np.floating) \
-            or not math.isfinite(reward):
-        common.fail(f"{where} returned reward={reward!r}; the reward must be a finite number")
-    if message is None and not done:
-        common.fail(f"{where} returned message=None with done=False; the next message must be a str or a list of "
-                    "messages (None only when done)")
-    if message is not None:
-        check_message(message, where, "message", ("user", "tool"))
-        if isinstance(message, list) and not chat_template:
-            common.fail(f"{where} returned a list of messages, which reach the policy through a chat template: give "
-                        "--chat_template (or --chat_template_path)")
-    return message, float(reward), bool(done)
-
-
-# ----------------------------------------------------------------------------------------------
 # An episode's tokens, and the loop that plays episodes
 # ----------------------------------------------------------------------------------------------
 class Turn(NamedTuple):
@@ -542,7 +435,7 @@ class EpisodeLoop:
 
     def __init__(self, task: EnvTask, env_args: EnvArgs):
         self.task, self.env_args = task, env_args
-        self.steps = CallsInFlight(env_args.env_timeout)  # by episode number
+        self.steps = env_calls.CallsInFlight(env_args.env_timeout)  # by episode number
         self.stepping = {}  # number -> the episode whose step runs
 
     def start(self, rows: dict, seeds: list[int], k: int, first_episode: int = 0) -> list[Episode]:
@@ -559,8 +452,8 @@ class EpisodeLoop:
             env = task.env_class()
             return env, env.reset(*starts[i])
 
-        started = call_concurrently([lambda i=i: start(i) for i in range(len(starts))], env_args.env_timeout,
-                                    lambda i: f"{where[i]}: reset")
+        started = env_calls.call_concurrently([lambda i=i: start(i) for i in range(len(starts))],
+                                              env_args.env_timeout, lambda i: f"{where[i]}: reset")
         episodes = []
         for i, (env, message) in enumerate(started):
             if isinstance(message, list) and not task.chat_template:
@@ -569,7 +462,7 @@ class EpisodeLoop:
             if not isinstance(message, str | list):
                 common.fail(f"{where[i]}: reset returned {type(message).__name__} {message!r:.80}; it returns the "
                             "first message, a str (or a list of messages)")
-            check_message(message, f"{where[i]}: reset", "messages", ("system", "user"))
+            env_calls.check_message(message, f"{where[i]}: reset", "messages", ("system", "user"))
             prompt_ids = task.first_message_ids(message)
             if len(prompt_ids) >= env_args.max_episode_tokens:
                 common.fail(f"{where[i]}: the first message is {len(prompt_ids)} tokens, which leaves no room for a "
@@ -612,7 +505,8 @@ class EpisodeLoop:
         def slow_step():
             if hangs:
                 time.sleep(self.env_args.env_timeout + 1.0)
-                raise CallTimeout("hung (--env_latency_timeouts)")  # its result is dropped: it timed out already
+                # its result is dropped: it timed out already
+                raise env_calls.CallTimeout("hung (--env_latency_timeouts)")
             time.sleep(seconds)
             return step()
 
@@ -642,7 +536,7 @@ class EpisodeLoop:
                 episode.counts.tool_errors += errors
                 reply = messages, reward, False
             else:
-                reply = check_step(result, where, self.task.chat_template)
+                reply = env_calls.check_step(result, where, self.task.chat_template)
             turn, episode.pending = episode.pending, None
             episode.add_turn(turn, reply, self.task, self.env_args.max_turns, self.env_args.max_episode_tokens)
             if not episode.ended:  # the state its next turn starts from
@@ -657,14 +551,14 @@ class EpisodeLoop:
         (error_message: the message, or each call's tool message), or the episode ends there, failed (drop_group).
         Counted the same in every mode: a failed step (failed_steps), a timeout, each call of the turn an error."""
         if self.env_args.env_failure == "stop":
-            common.fail(failure_line(where, error))
+            common.fail(env_calls.failure_line(where, error))
         episode.counts.failed_steps += 1
-        episode.counts.timeouts += isinstance(error, CallTimeout)
+        episode.counts.timeouts += isinstance(error, env_calls.CallTimeout)
         episode.counts.tool_errors += len(calls)
         if self.env_args.env_failure == "drop_group":
             episode.failed = True
             return None, 0.0, True
-        text = "error: " + failure_line(where.rsplit(": ", 1)[-1], error)
+        text = "error: " + env_calls.failure_line(where.rsplit(": ", 1)[-1], error)
         if calls:
             first = episode.counts.tool_calls - len(calls)
             messages = [tool_calls.tool_message(call.name, number, text) for number, call in enumerate(calls, first)]
