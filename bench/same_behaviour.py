@@ -23,8 +23,9 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--eval_num_prompts", "32",
          "--local_rollout_forward_batch_size", "32", "--total_episodes", "64", "--logprob_check_every", "2"]
-MULTITURN = ["--gradient_accumulation_steps", "1", "--total_episodes", "128", "--eval_num_prompts", "16",
-             "--eval_every", "2", "--logprob_check_every", "2"]
+MULTITURN_SYNC = ["--gradient_accumulation_steps", "1", "--total_episodes", "128", "--eval_num_prompts", "16",
+                  "--eval_every", "2"]
+MULTITURN = [*MULTITURN_SYNC, "--logprob_check_every", "2"]
 DETERMINISTIC_INFLIGHT = ["--inflight_updates", "--inflight_deterministic"]
 # each mode of the engine (K ahead with the engine evaluating, dynamic sampling, in flight) and of the episode loop
 # (turn by turn, each episode at its own pace, in flight, with tools, and the synchronous script), a few updates each
@@ -44,7 +45,7 @@ RUNS = {
         *MULTITURN, "--env", "toy:add_with_tool", "--model_name_or_path", "toy:tools_policy", "--dataset_name",
         "toy:tools_dataset", "--chat_template", "--response_length", "16", "--env_latency", "0.01",
         "--env_latency_timeouts", "0.1", "--env_timeout", "0.5", "--env_failure", "error_message"]),
-    "multiturn_sync": ("grpo_multiturn.py", MULTITURN),
+    "multiturn_sync": ("grpo_multiturn.py", MULTITURN_SYNC),
 }
 CLOCK = ("time", "eps", "env/step_time")  # what the clock decides (the prefixes of its metrics)
 
