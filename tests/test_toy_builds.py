@@ -1,7 +1,8 @@
-"""Building the embedded tasks: one build at a time on a machine (the build lock), each in a process of its own,
-which clears what a killed build left."""
+"""Building the embedded tasks (the toy package): one build at a time on a machine (the build lock), each in a process
+of its own, which clears what a killed build left; each task cached by the hash of its own code."""
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -57,3 +58,57 @@ def test_a_build_waits_for_any_other_and_leaves_its_caller_as_it_was(tmp_path):
     toy.build_pipeline()
     for name in ("base_policy/model.safetensors", "sft_dataset/train/data-00000-of-00001.arrow"):
         assert (tmp_path / "toy-pipeline" / name).read_bytes() == open(os.path.join(built, name), "rb").read(), name
+
+
+def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
+    """`python -m toy large` trains LARGE_SHAPE (minutes, so not built here): its config and size."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = toy.make_tokenizer(toy.WORDS)
+    sizes = {name: sum(p.numel() for p in LlamaForCausalLM(toy.model_config(shape, tokenizer)).parameters())
+             for name, shape in (("small", toy.SMALL_SHAPE), ("large", toy.LARGE_SHAPE))}
+    assert sizes == {"small": 448_128, "large": 3_453_184}  # the small one is the built toy's (summary.json)
+
+
+FOLDERS = ("TOY_DIR", "LARGE_DIR", "PIPELINE_DIR", "MATH_DIR", "GUESS_DIR", "TOOLS_DIR")
+
+
+@pytest.mark.slow
+def test_each_task_is_cached_by_the_hash_of_its_own_code(tmp_path):
+    """In ~/.cache/async-rlhf-kit/ (without ASYNC_RLHF_TOY_DIR), each task in a folder named by the hash of the code
+    that builds it: an edited task builds again and the others stay built; an edited builder builds them all."""
+    package = tmp_path / "kit" / "toy"
+    shutil.copytree(os.path.join(ROOT, "toy"), package, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {name: value for name, value in os.environ.items() if name != "ASYNC_RLHF_TOY_DIR"}
+    env |= {"HOME": str(tmp_path), "PYTHONPATH": str(tmp_path / "kit")}
+
+    def folders() -> dict[str, str]:
+        code = f"import toy; print(*(getattr(toy, name) for name in {FOLDERS}))"
+        paths = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return dict(zip(FOLDERS, paths.stdout.split(), strict=True))
+
+    def moved_by_editing(module: str) -> set[str]:
+        before = folders()
+        with open(package / f"{module}.py", "a") as f:
+            f.write("# edited\n")
+        return {name for name, folder in folders().items() if folder != before[name]}
+
+    code = hashlib.sha256((package / "builder.py").read_bytes() + (package / "tldr.py").read_bytes()).hexdigest()
+    cache = tmp_path / ".cache" / "async-rlhf-kit"
+    assert folders()["TOY_DIR"] == str(cache / f"toy-{code[:10]}")
+    assert {os.path.dirname(folder) for folder in folders().values()} == {str(cache)}
+    assert moved_by_editing("arithmetic") == {"MATH_DIR"}
+    assert moved_by_editing("guess") == {"GUESS_DIR"}
+    assert moved_by_editing("tools") == {"TOOLS_DIR"}
+    assert moved_by_editing("pipeline") == {"PIPELINE_DIR"}
+    assert moved_by_editing("tldr") == {"TOY_DIR", "LARGE_DIR", "PIPELINE_DIR"}  # the two build on the world
+    assert moved_by_editing("__init__") == set()
+    assert moved_by_editing("builder") == set(FOLDERS)
+
+
+def test_async_rlhf_toy_dir_moves_every_task(tmp_path):
+    code = f"import toy; print(*(getattr(toy, name) for name in {FOLDERS}))"
+    env = os.environ | {"ASYNC_RLHF_TOY_DIR": str(tmp_path / "here"), "PYTHONPATH": ROOT}
+    paths = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert paths.stdout.split() == [str(tmp_path / name) for name in ("here", "here-large", "here-pipeline",
+                                                                      "here-math", "here-guess", "here-tools")]
