@@ -22,7 +22,7 @@ print("caller", threads, torch.get_num_threads(), torch.equal(state, torch.get_r
 
 
 def start_build(toy_dir, build: str) -> subprocess.Popen:
-    environment = os.environ | {"ASYNC_RLHF_TOY_DIR": str(toy_dir), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    environment = os.environ | {"ASYNC_RLHF_TOY_DIR": str(toy_dir), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2"}
     return subprocess.Popen([sys.executable, "-c", BUILD_CALLER, build], env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -51,7 +51,7 @@ def test_a_build_waits_for_any_other_and_leaves_its_caller_as_it_was(tmp_path):
         (tmp_path / "toy-pipeline.building-killed").mkdir()  # what a build killed mid-way leaves behind
     output = pipeline.communicate(timeout=120)[0]
     assert pipeline.returncode == 0, output
-    assert output.splitlines()[-1] == "caller 1 1 True", output  # the build's 2 threads and its seed were its own
+    assert output.splitlines()[-1] == "caller 2 2 True", output  # the build's 1 thread and its seed were its own
     assert "toy: building the pipeline's data" in output
     assert sorted(os.listdir(tmp_path)) == ["builds.lock", "toy", "toy-pipeline"]  # the leftover removed
     built = toy.PIPELINE_DIR  # the same build as the one the suite uses, bit for bit

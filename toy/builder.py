@@ -24,7 +24,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 MOVED_TO = os.environ.get("ASYNC_RLHF_TOY_DIR")
 CACHE = os.path.dirname(os.path.abspath(MOVED_TO)) if MOVED_TO else os.path.expanduser("~/.cache/async-rlhf-kit")
 BUILD_LOCK = os.path.join(CACHE, "builds.lock")  # one for every build (built_once)
-BUILD_THREADS = 2  # a build's, whatever its caller's (measured here: 1, 2 and 3 threads build the same weights)
+# A build's torch threads, whatever its caller's: one. With two, OpenMP's threads wait on each other at every
+# operation of these tiny models, spinning, wherever another process wants a core (bench/toy_build_load.py); the
+# weights do not depend on it.
+BUILD_THREADS = 1
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Policy shapes. Heads of size 32: vLLM's CPU backend rejects 16.
