@@ -84,7 +84,8 @@ def test_each_task_is_cached_by_the_hash_of_its_own_code(tmp_path):
 
     def folders() -> dict[str, str]:
         code = f"import toy; print(*(getattr(toy, name) for name in {FOLDERS}))"
-        paths = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        paths = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               check=True)  # the copy imported, not the toy of the working directory
         return dict(zip(FOLDERS, paths.stdout.split(), strict=True))
 
     def moved_by_editing(module: str) -> set[str]:
