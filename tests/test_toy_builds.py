@@ -3,6 +3,7 @@ of its own, which clears what a killed build left; each task cached by the hash 
 
 import fcntl
 import hashlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -73,31 +74,36 @@ def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
 FOLDERS = ("TOY_DIR", "LARGE_DIR", "PIPELINE_DIR", "MATH_DIR", "GUESS_DIR", "TOOLS_DIR")
 
 
-@pytest.mark.slow
-def test_each_task_is_cached_by_the_hash_of_its_own_code(tmp_path):
+def folders_of_a_fresh_import(monkeypatch, kit) -> dict[str, str]:
+    """The tasks' folders as the toy package found first on the path (`kit`'s, if given) names them when imported
+    anew in this environment (this process's toy modules are put back after the test)."""
+    if kit:
+        monkeypatch.syspath_prepend(str(kit))
+    for name in [name for name in sys.modules if name.split(".")[0] == "toy"]:
+        monkeypatch.delitem(sys.modules, name)
+    fresh = importlib.import_module("toy")
+    return {name: getattr(fresh, name) for name in FOLDERS}
+
+
+def test_each_task_is_cached_by_the_hash_of_its_own_code(tmp_path, monkeypatch):
     """In ~/.cache/async-rlhf-kit/ (without ASYNC_RLHF_TOY_DIR), each task in a folder named by the hash of the code
     that builds it: an edited task builds again and the others stay built; an edited builder builds them all."""
     package = tmp_path / "kit" / "toy"
     shutil.copytree(os.path.join(ROOT, "toy"), package, ignore=shutil.ignore_patterns("__pycache__"))
-    env = {name: value for name, value in os.environ.items() if name != "ASYNC_RLHF_TOY_DIR"}
-    env |= {"HOME": str(tmp_path), "PYTHONPATH": str(tmp_path / "kit")}
-
-    def folders() -> dict[str, str]:
-        code = f"import toy; print(*(getattr(toy, name) for name in {FOLDERS}))"
-        paths = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                               check=True)  # the copy imported, not the toy of the working directory
-        return dict(zip(FOLDERS, paths.stdout.split(), strict=True))
+    monkeypatch.delenv("ASYNC_RLHF_TOY_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folders = [folders_of_a_fresh_import(monkeypatch, package.parent)]
 
     def moved_by_editing(module: str) -> set[str]:
-        before = folders()
         with open(package / f"{module}.py", "a") as f:
             f.write("# edited\n")
-        return {name for name, folder in folders().items() if folder != before[name]}
+        folders.append(folders_of_a_fresh_import(monkeypatch, None))
+        return {name for name, folder in folders[-1].items() if folder != folders[-2][name]}
 
     code = hashlib.sha256((package / "builder.py").read_bytes() + (package / "tldr.py").read_bytes()).hexdigest()
     cache = tmp_path / ".cache" / "async-rlhf-kit"
-    assert folders()["TOY_DIR"] == str(cache / f"toy-{code[:10]}")
-    assert {os.path.dirname(folder) for folder in folders().values()} == {str(cache)}
+    assert folders[0]["TOY_DIR"] == str(cache / f"toy-{code[:10]}")
+    assert {os.path.dirname(folder) for folder in folders[0].values()} == {str(cache)}
     assert moved_by_editing("arithmetic") == {"MATH_DIR"}
     assert moved_by_editing("guess") == {"GUESS_DIR"}
     assert moved_by_editing("tools") == {"TOOLS_DIR"}
@@ -107,9 +113,8 @@ def test_each_task_is_cached_by_the_hash_of_its_own_code(tmp_path):
     assert moved_by_editing("builder") == set(FOLDERS)
 
 
-def test_async_rlhf_toy_dir_moves_every_task(tmp_path):
-    code = f"import toy; print(*(getattr(toy, name) for name in {FOLDERS}))"
-    env = os.environ | {"ASYNC_RLHF_TOY_DIR": str(tmp_path / "here"), "PYTHONPATH": ROOT}
-    paths = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert paths.stdout.split() == [str(tmp_path / name) for name in ("here", "here-large", "here-pipeline",
-                                                                      "here-math", "here-guess", "here-tools")]
+def test_async_rlhf_toy_dir_moves_every_task(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNC_RLHF_TOY_DIR", str(tmp_path / "here"))
+    assert list(folders_of_a_fresh_import(monkeypatch, None).values()) == [
+        str(tmp_path / name) for name in ("here", "here-large", "here-pipeline", "here-math", "here-guess",
+                                          "here-tools")]
