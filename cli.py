@@ -73,7 +73,7 @@ def presets(args_class) -> dict[str, str]:
     return {name.removesuffix(".yaml"): os.path.join(folder, name) for name in names if name.endswith(".yaml")}
 
 
-# what a flag or a config file names as toy:<name>: an artefact of the embedded tasks (toy.py, built on first use)
+# what a flag or a config file names as toy:<name>: an artefact of the embedded tasks (toy/, built on first use)
 TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_MODEL", "DATASET", "MATH_POLICY",
                                                           "MATH_DATASET", "LARGE_SFT_POLICY", "BASE_POLICY",
                                                           "SFT_DATASET", "PREFERENCE_DATASET", "GUESS_POLICY",

@@ -1,7 +1,7 @@
 """What a run loads: the policy's tokenizer and stop tokens, the reward (a reward model or a Python
 function), PPO's value model, the prompt datasets, the gold scorer of the evaluation, and the resumable
 order of the prompts. data.load_task gathers them into the Task every script starts from
-(common.Task); the embedded toy tasks (toy.py) are built here, on first use.
+(common.Task); the embedded toy tasks (the toy package) are built here, on first use.
 
 Every check that can fail on a user's input runs here, before a run writes anything, and fails with
 one line that names the bad value.

@@ -11,7 +11,7 @@ importance sampling (`--off_policy_correction pure_is`: the ratio against each s
 weighted by the capped pi_step / pi_sampling; until flags_format 2 the kit called it `decoupled`, and the
 tables in bench/RESULTS.md were measured under that name). One learning rate per algorithm, the same
 across N and sizes, as in the paper. Two sizes: the toy's 0.45M-parameter SFT policy and the 7.7x larger
-one (`python toy.py large`), with the same reward model and prompts.
+one (`python -m toy large`), with the same reward model and prompts.
 
 Prints, per size, gold win-rate half-way and at the end, and final KL, per arm and N (mean ± standard
 deviation over seeds), and each arm's drop in final win-rate from N = 1 to the largest N; writes
@@ -45,7 +45,7 @@ import toy  # noqa: E402
 @dataclass
 class Args:
     sizes: tuple[Literal["small", "large"], ...] = ("small", "large")
-    """SFT policy sizes: the toy's (0.45M parameters) and toy.py's larger one (3.45M)"""
+    """SFT policy sizes: the toy's (0.45M parameters) and the toy's larger one (3.45M)"""
     mini_batches: tuple[int, ...] = (1, 4, 16, 32)
     """the values of N (mini-batches per generated batch); each must divide half of --optimizer_steps"""
     optimizer_steps: int = 64

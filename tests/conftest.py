@@ -25,9 +25,8 @@ SLOWEST_FIRST = ["test_vllm_scripts.py", "test_multiturn.py", "test_online_dpo_v
 def pytest_sessionstart(session):
     """Before the workers start: the embedded tasks the tests use, built on the idle machine (nothing when they
     are built). Built by the first test to ask, a build would share the two cores with the other worker's tests
-    (the guess-the-number environment's took 306 s so, 34 s alone: two threads of OpenMP wait on each other
-    where another process runs). The arithmetic task and the tool task only where slow tests run: no fast one uses
-    them."""
+    and count in its test's time. The arithmetic task and the tool task only where slow tests run: no fast one
+    uses them."""
     if hasattr(session.config, "workerinput") or session.config.option.collectonly:
         return
     import toy

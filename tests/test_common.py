@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import re
 from types import SimpleNamespace
 
@@ -96,38 +95,6 @@ def test_top_p_logprobs_equal_those_hf_generate_sampled_from():
     stopped = (tokens == tokenizer.eos_token_id).cumsum(1) - (tokens == tokenizer.eos_token_id).long() > 0
     torch.testing.assert_close(ours[~stopped], sampled_from[~stopped], atol=1e-4, rtol=0)
     assert (ours[~stopped] > common.logprobs_from_logits(logits, tokens, 0.7)[~stopped]).any()  # truncation mattered
-
-
-def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
-    """`python toy.py large` trains LARGE_SHAPE (3 minutes, so not built here): its config and size."""
-    from transformers import LlamaForCausalLM
-
-    import toy
-
-    sizes = {name: sum(p.numel() for p in LlamaForCausalLM(toy.model_config(shape, toy.make_tokenizer())).parameters())
-             for name, shape in (("small", toy.SMALL_SHAPE), ("large", toy.LARGE_SHAPE))}
-    assert sizes == {"small": 448_128, "large": 3_453_184}  # the small one is the built toy's (summary.json)
-
-
-@pytest.mark.slow
-def test_the_embedded_tasks_are_cached_by_the_hash_of_toy_py(tmp_path):
-    """In ~/.cache/async-rlhf-kit/ (without ASYNC_RLHF_TOY_DIR), each in a folder named by toy.py's source: an
-    edited toy.py builds them again."""
-    import hashlib
-    import subprocess
-    import sys
-
-    from scripts import ROOT, environment
-
-    code = "import toy; print(toy.SFT_POLICY, toy.MATH_POLICY, toy.LARGE_SFT_POLICY, toy.BASE_POLICY)"
-    env = {name: value for name, value in environment({"HOME": str(tmp_path)}).items()
-           if name != "ASYNC_RLHF_TOY_DIR"}
-    paths = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                           check=True).stdout.split()
-    with open(os.path.join(ROOT, "toy.py"), "rb") as f:
-        toy_dir = tmp_path / ".cache" / "async-rlhf-kit" / f"toy-{hashlib.sha256(f.read()).hexdigest()[:10]}"
-    assert paths == [f"{toy_dir}/sft_policy", f"{toy_dir}-math/sft_policy", f"{toy_dir}-large/sft_policy",
-                     f"{toy_dir}-pipeline/base_policy"]
 
 
 def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, monkeypatch):

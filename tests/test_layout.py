@@ -1,9 +1,10 @@
 """The kit's layout promises: no kit module imports another that imports it back (imports inside functions
-included), as the README's map says; a synchronous script never imports vLLM; the embedded tasks and the
-math reward import nothing of the kit; and the toy's own answer check agrees with the math reward's on the
-arithmetic task."""
+included), as the README's map says; no module is over 800 lines; a synchronous script never imports vLLM; the
+embedded tasks (the toy package) and the math reward import nothing of the kit; and the toy's own answer check
+agrees with the math reward's on the arithmetic task."""
 
 import ast
+import glob
 import os
 import re
 import subprocess
@@ -12,19 +13,28 @@ import sys
 import pytest
 from scripts import ROOT, environment
 
-KIT_MODULES = tuple(sorted(name.removesuffix(".py") for name in os.listdir(ROOT) if name.endswith(".py")))
+# the top-level modules and packages (the toy package: its modules count as one module of the kit)
+KIT_MODULES = tuple(sorted(name.removesuffix(".py") for name in os.listdir(ROOT) if name.endswith(".py")
+                           or os.path.isfile(os.path.join(ROOT, name, "__init__.py"))))
+
+
+def source_files(module: str) -> list[str]:
+    """The file of a top-level module, or the modules of a package."""
+    folder = os.path.join(ROOT, module)
+    return sorted(glob.glob(os.path.join(folder, "*.py"))) if os.path.isdir(folder) else [f"{folder}.py"]
 
 
 def kit_imports(module: str) -> set[str]:
-    """The kit modules that `module` imports, at its top or inside a function."""
-    with open(os.path.join(ROOT, f"{module}.py")) as f:
-        tree = ast.parse(f.read())
+    """The kit modules that `module` (any module of a package) imports, at its top or inside a function."""
     names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
+    for path in source_files(module):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
     return names & set(KIT_MODULES) - {module}
 
 
@@ -42,7 +52,7 @@ def test_the_readmes_map_of_imports_is_the_code():
     """The README's table of what each shared module imports of the kit, in an order where each imports only
     modules above it."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        rows = re.findall(r"^\| `(\w+)\.py` \| (nothing|[`\w ]+) \| .+ \|$", f.read(), re.M)
+        rows = re.findall(r"^\| `(\w+)(?:\.py|/)` \| (nothing|[`\w ]+) \| .+ \|$", f.read(), re.M)
     assert rows
     listed = [module for module, _ in rows]
     for position, (module, imports) in enumerate(rows):
@@ -51,6 +61,13 @@ def test_the_readmes_map_of_imports_is_the_code():
     scripts = {"online_dpo", "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm",
                "grpo_multiturn", "grpo_multiturn_vllm", "sft", "reward_model", "eval_checkpoints"}
     assert {module for module, _ in rows} == set(KIT_MODULES) - scripts
+
+
+def test_no_module_is_over_800_lines():
+    lengths = {os.path.relpath(path, ROOT): sum(1 for _ in open(path)) for module in KIT_MODULES
+               for path in source_files(module)}
+    assert lengths and all(path in lengths for path in ("common.py", "toy/builder.py", "toy/tldr.py"))
+    assert not {path: length for path, length in lengths.items() if length > 800}
 
 
 def modules_after_import(*names: str) -> set[str]:

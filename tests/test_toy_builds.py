@@ -1,7 +1,9 @@
-"""Building the embedded tasks: one build at a time on a machine (the build lock), each in a process of its own,
-which clears what a killed build left."""
+"""Building the embedded tasks (the toy package): one build at a time on a machine (the build lock), each in a process
+of its own, which clears what a killed build left; each task cached by the hash of its own code."""
 
 import fcntl
+import hashlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -21,7 +23,7 @@ print("caller", threads, torch.get_num_threads(), torch.equal(state, torch.get_r
 
 
 def start_build(toy_dir, build: str) -> subprocess.Popen:
-    environment = os.environ | {"ASYNC_RLHF_TOY_DIR": str(toy_dir), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    environment = os.environ | {"ASYNC_RLHF_TOY_DIR": str(toy_dir), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2"}
     return subprocess.Popen([sys.executable, "-c", BUILD_CALLER, build], env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -50,10 +52,69 @@ def test_a_build_waits_for_any_other_and_leaves_its_caller_as_it_was(tmp_path):
         (tmp_path / "toy-pipeline.building-killed").mkdir()  # what a build killed mid-way leaves behind
     output = pipeline.communicate(timeout=120)[0]
     assert pipeline.returncode == 0, output
-    assert output.splitlines()[-1] == "caller 1 1 True", output  # the build's 2 threads and its seed were its own
+    assert output.splitlines()[-1] == "caller 2 2 True", output  # the build's 1 thread and its seed were its own
     assert "toy: building the pipeline's data" in output
     assert sorted(os.listdir(tmp_path)) == ["builds.lock", "toy", "toy-pipeline"]  # the leftover removed
     built = toy.PIPELINE_DIR  # the same build as the one the suite uses, bit for bit
     toy.build_pipeline()
     for name in ("base_policy/model.safetensors", "sft_dataset/train/data-00000-of-00001.arrow"):
         assert (tmp_path / "toy-pipeline" / name).read_bytes() == open(os.path.join(built, name), "rb").read(), name
+
+
+def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
+    """`python -m toy large` trains LARGE_SHAPE (minutes, so not built here): its config and size."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = toy.make_tokenizer(toy.WORDS)
+    sizes = {name: sum(p.numel() for p in LlamaForCausalLM(toy.model_config(shape, tokenizer)).parameters())
+             for name, shape in (("small", toy.SMALL_SHAPE), ("large", toy.LARGE_SHAPE))}
+    assert sizes == {"small": 448_128, "large": 3_453_184}  # the small one is the built toy's (summary.json)
+
+
+FOLDERS = ("TOY_DIR", "LARGE_DIR", "PIPELINE_DIR", "MATH_DIR", "GUESS_DIR", "TOOLS_DIR")
+
+
+def folders_of_a_fresh_import(monkeypatch, kit) -> dict[str, str]:
+    """The tasks' folders as the toy package found first on the path (`kit`'s, if given) names them when imported
+    anew in this environment (this process's toy modules are put back after the test)."""
+    if kit:
+        monkeypatch.syspath_prepend(str(kit))
+    for name in [name for name in sys.modules if name.split(".")[0] == "toy"]:
+        monkeypatch.delitem(sys.modules, name)
+    fresh = importlib.import_module("toy")
+    return {name: getattr(fresh, name) for name in FOLDERS}
+
+
+def test_each_task_is_cached_by_the_hash_of_its_own_code(tmp_path, monkeypatch):
+    """In ~/.cache/async-rlhf-kit/ (without ASYNC_RLHF_TOY_DIR), each task in a folder named by the hash of the code
+    that builds it: an edited task builds again and the others stay built; an edited builder builds them all."""
+    package = tmp_path / "kit" / "toy"
+    shutil.copytree(os.path.join(ROOT, "toy"), package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.delenv("ASYNC_RLHF_TOY_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folders = [folders_of_a_fresh_import(monkeypatch, package.parent)]
+
+    def moved_by_editing(module: str) -> set[str]:
+        with open(package / f"{module}.py", "a") as f:
+            f.write("# edited\n")
+        folders.append(folders_of_a_fresh_import(monkeypatch, None))
+        return {name for name, folder in folders[-1].items() if folder != folders[-2][name]}
+
+    code = hashlib.sha256((package / "builder.py").read_bytes() + (package / "tldr.py").read_bytes()).hexdigest()
+    cache = tmp_path / ".cache" / "async-rlhf-kit"
+    assert folders[0]["TOY_DIR"] == str(cache / f"toy-{code[:10]}")
+    assert {os.path.dirname(folder) for folder in folders[0].values()} == {str(cache)}
+    assert moved_by_editing("arithmetic") == {"MATH_DIR"}
+    assert moved_by_editing("guess") == {"GUESS_DIR"}
+    assert moved_by_editing("tools") == {"TOOLS_DIR"}
+    assert moved_by_editing("pipeline") == {"PIPELINE_DIR"}
+    assert moved_by_editing("tldr") == {"TOY_DIR", "LARGE_DIR", "PIPELINE_DIR"}  # the two build on the world
+    assert moved_by_editing("__init__") == set()
+    assert moved_by_editing("builder") == set(FOLDERS)
+
+
+def test_async_rlhf_toy_dir_moves_every_task(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNC_RLHF_TOY_DIR", str(tmp_path / "here"))
+    assert list(folders_of_a_fresh_import(monkeypatch, None).values()) == [
+        str(tmp_path / name) for name in ("here", "here-large", "here-pipeline", "here-math", "here-guess",
+                                          "here-tools")]
