@@ -42,7 +42,16 @@ from toy.guess import (
 from toy.large import LARGE_DIR, LARGE_SFT_POLICY, build_large
 from toy.pipeline import BASE_POLICY, PIPELINE_DIR, PREFERENCE_DATASET, SFT_DATASET, build_pipeline
 from toy.tldr import DATASET, REWARD_MODEL, SFT_POLICY, TOY_DIR, WORDS, build, gold_score, model_config, parse_query
-from toy.tools import TOOLS_DATASET, TOOLS_DIR, TOOLS_POLICY, AddWithTool, build_tools
+from toy.tools import (
+    TOOLS_DATASET,
+    TOOLS_DIR,
+    TOOLS_POLICY,
+    TOOLS_TEMPLATE,
+    TOOLS_WORDS,
+    AddWithTool,
+    build_tools,
+    tool_call_text,
+)
 
 ENVIRONMENTS = {"guess_number": GuessTheNumber, "guess_number_slow": SlowGuessTheNumber,
                 "add_with_tool": AddWithTool}  # --env toy:NAME
