@@ -44,7 +44,13 @@ SCORE = {"math": "eval/accuracy", "tldr": "eval/gold_win_rate"}
 # what results.json keeps of every update of every run (its curves), besides the evaluations
 CURVES = ("async/staleness", "async/mismatch_kl", "async/ess", "async/is_ratio_max", "async/is_truncated_frac",
           "async/is_masked_frac", "async/m2po_masked_frac", "policy/clipfrac_avg", "policy/entropy_avg",
-          "loss/policy_avg", "val/ratio", "objective/scores", "objective/kl", "objective/non_score_reward", "lr")
+          "loss/policy_avg", "val/ratio", "objective/scores", "objective/kl", "objective/non_score_reward", "lr",
+          # the drift per completion (its mean and largest token log-ratio), dynamic sampling's rounds and the groups
+          # it drops, PPO's value model
+          "async/seq_log_ratio_mean", "async/seq_log_ratio_peak", "async/seq_log_ratio_peak_max",
+          "dynamic_sampling/rounds", "dynamic_sampling/dropped_groups", "dynamic_sampling/unfilled",
+          "dynamic_sampling/sampled_scores", "objective/zero_std_groups", "loss/value_avg", "val/explained_variance",
+          "val/clipfrac_avg")
 
 
 @dataclass
@@ -62,6 +68,9 @@ class Args:
     extra: str = ""
     """flags added to every run, as on its command line (--extra="--num_epochs 1"); the run directories and
     result files name them"""
+    save_every: int = 0
+    """every run's --save_every: its policy every this many updates (policies/update-N) for bench/dip_diagnostics.py
+    (0: none); the runs' numbers and the files' names stay the same"""
     quick: bool = False
     """smoke test: GRPO on toy-math, K = 2, none and m2po, 1 seed, 4 updates"""
     output_dir: str | None = None
@@ -73,12 +82,7 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
     name = f"{algorithm}-{task}-k{k}-{correction}{extra_suffix(args)}-seed{seed}"
     output_dir = os.path.join(args.output_dir, name)
     if not os.path.exists(os.path.join(output_dir, "done")):
-        command = [sys.executable, os.path.join(ROOT, f"{algorithm}_vllm.py"),
-                   *(["--preset", "toy-math"] if task == "math" else []), "--async_steps", str(k),
-                   "--off_policy_correction", correction, "--seed", str(seed), "--output_dir", output_dir,
-                   *shlex.split(args.extra),
-                   *(["--total_episodes", "256", "--eval_every", "4", "--eval_num_prompts", "64"]
-                     if args.quick else [])]
+        command = run_command(algorithm, task, k, correction, seed, args, output_dir)
         print("$", " ".join(command[1:]), flush=True)
         shutil.rmtree(output_dir, ignore_errors=True)  # an interrupted run starts over
         result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -105,6 +109,15 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
             # the share of terms a correction dropped: mask's out of bounds, m2po's tokens
             "dropped_frac": statistics.mean(m.get("async/is_masked_frac", m.get("async/m2po_masked_frac", 0.0))
                                             for m in train_metrics)}
+
+
+def run_command(algorithm: str, task: str, k: int, correction: str, seed: int, args: Args, output_dir: str) -> list:
+    """One run's command line: the script's preset (toy-math) or defaults, K, the correction, the seed, --extra."""
+    return [sys.executable, os.path.join(ROOT, f"{algorithm}_vllm.py"),
+            *(["--preset", "toy-math"] if task == "math" else []), "--async_steps", str(k),
+            "--off_policy_correction", correction, "--seed", str(seed), "--output_dir", output_dir,
+            *shlex.split(args.extra), *(["--save_every", str(args.save_every)] if args.save_every else []),
+            *(["--total_episodes", "256", "--eval_every", "4", "--eval_num_prompts", "64"] if args.quick else [])]
 
 
 def extra_suffix(args) -> str:

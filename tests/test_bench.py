@@ -229,3 +229,8 @@ def test_a_sweeps_result_files_name_what_it_left_out_or_added():
     assert bench.result_name(bench.Args(tasks=("tldr",), async_steps=(4, 16), corrections=("none", "m2po"))) == (
         "off_policy_corrections_tldr_none_m2po_k4-16")
     assert bench.result_name(bench.Args(async_steps=(16, 4, 1, 0))) == "off_policy_corrections"
+    # snapshots for bench/dip_diagnostics.py change neither the runs' numbers nor the names
+    snapshots = bench.Args(algorithms=("grpo",), save_every=4)
+    assert bench.result_name(snapshots) == bench.result_name(bench.Args(algorithms=("grpo",)))
+    command = bench.run_command("grpo", "math", 16, "none", 1, snapshots, "out")
+    assert " ".join(command[2:]).endswith("--seed 1 --output_dir out --save_every 4")
