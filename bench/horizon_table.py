@@ -55,13 +55,14 @@ def rows(paths: list[str]) -> dict:
     return runs
 
 
-def main(paths: list[str]):
+def table(paths: list[str]) -> list[str]:
+    """The table's lines (markdown), its rows sorted by algorithm, K, correction and flags."""
     def windows(k: int) -> tuple:  # the first K + 1 updates train on the starting policy's samples
         return (1, k + 1), (k + 2, 32), (33, 64), (65, 128)
 
-    print("| run | seeds | " + " | ".join(map(str, UPDATES)) + f" | lowest after 8 (update) | back to {BACK} (update) "
-          "| mismatch KL 1-(K+1) / (K+2)-32 / 33-64 / 65-128 | ESS (K+2)-32 / 65-128 | final eval KL |")
-    print("|" + " --- |" * (len(UPDATES) + 7))
+    lines = ["| run | seeds | " + " | ".join(map(str, UPDATES)) + f" | lowest after 8 (update) | back to {BACK} "
+             "(update) | mismatch KL 1-(K+1) / (K+2)-32 / 33-64 / 65-128 | ESS (K+2)-32 / 65-128 | final eval KL |",
+             "|" + " --- |" * (len(UPDATES) + 7)]
     for (algorithm, k, correction, own), by_seed in sorted(rows(paths).items()):
         seeds = sorted(by_seed.items())
         curves = [curve for _, curve in seeds]
@@ -78,9 +79,10 @@ def main(paths: list[str]):
                          for window in (trained, late))
         kl = mean_std([curve["eval/kl"][-1] for curve in curves], "{:.2f}") if "eval/kl" in curves[0] else "-"
         scores = " | ".join(mean_std([by_update[update] for by_update in accuracy]) for update in UPDATES)
-        print(f"| {algorithm} k{k} {correction}{' ' + own if own else ''} | {','.join(str(s) for s, _ in seeds)} | "
-              f"{scores} | {lowest} | {back} | {drift} | {ess} | {kl} |")
+        lines.append(f"| {algorithm} k{k} {correction}{' ' + own if own else ''} | "
+                     f"{','.join(str(s) for s, _ in seeds)} | {scores} | {lowest} | {back} | {drift} | {ess} | {kl} |")
+    return lines
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    print("\n".join(table(sys.argv[1:])))

@@ -192,7 +192,7 @@ def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
 
 def test_the_latency_table_is_drawn_from_the_sweeps_results(tmp_path):
     """bench/latency_table.py: medians over the seeds, a target some seed never reached shown as "-", the ratios to
-    sync on the training clock and to --target on the wall clock."""
+    sync on the training clock and to --target on the wall clock (per seed: their median and range)."""
     def row(minutes_total: list[float], to_half: list[float | None], generate: float | None = None) -> dict:
         return {"final_returns": [0.5, 0.75, 1.0], "training_minutes_total": minutes_total,
                 "wall_minutes_to_0.5": to_half, "wall_minutes_to_0.8": [1.0, None, 2.0],
@@ -203,8 +203,9 @@ def test_the_latency_table_is_drawn_from_the_sweeps_results(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(results))
     table = run_script(tmp_path / "results.json", "--target", "0.5", script="bench/latency_table.py").stdout
     assert table.splitlines()[2:] == [
-        "| 0.5 s | sync | 0.750 (0.50, 0.75, 1.00) | 4.00 | - | 0.60 / - | 1.00x | 1.00x |",
-        "| 0.5 s | async | 0.750 (0.50, 0.75, 1.00) | 2.00 | 1.50 | 0.30 / - | 2.00x | 2.00x |",
+        "| 0.5 s | sync | 0.750 (0.50, 0.75, 1.00) | 4.00 | - | 0.60 / - | 1.00x | 1.00x (1.00-1.00x) |",
+        # per seed 0.3 / 0.2, 0.6 / 0.3, 0.9 / 0.4
+        "| 0.5 s | async | 0.750 (0.50, 0.75, 1.00) | 2.00 | 1.50 | 0.30 / - | 2.00x | 2.00x (1.50-2.25x) |",
         "| 0.5 s | bound (G + T) / max(G, T), sync's parts | | | | | 1.25x | |"]
     refused = run_script(tmp_path / "results.json", "--target", "0.7", script="bench/latency_table.py", check=False)
     assert refused.returncode != 0 and "--target 0.7 is not one of the sweep's targets [0.5, 0.8]" in refused.stderr
