@@ -95,8 +95,9 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
     final = evaluations[-1]
     train_metrics = [m for m in metrics if "async/mismatch_kl" in m]
     curves = {"update": [m["update"] for m in train_metrics],
-              **{name: [round(m[name], 6) if name in m else None for m in train_metrics] for name in CURVES
-                 if any(name in m for m in train_metrics)},
+              # (the learning rate unrounded: ~1e-5, it would keep 1-2 digits)
+              **{name: [(m[name] if name == "lr" else round(m[name], 6)) if name in m else None for m in train_metrics]
+                 for name in CURVES if any(name in m for m in train_metrics)},
               "eval_update": [m["update"] for m in evaluations],
               **{name: [round(m[name], 6) for m in evaluations] for name in (SCORE[task], "eval/kl")
                  if name in final}}

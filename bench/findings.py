@@ -1,0 +1,371 @@
+"""Every measured number in the prose of bench/RESULTS.md's long-horizon findings (the paper's findings, 6: the
+corrections at exact staleness over 128 updates, the dip's controls, sequence-level tis) and of its latency sweep,
+computed from the results in bench/results. RESULTS.md holds each computed passage between `<!-- computed: NAME -->`
+and `<!-- /computed -->`; this script renders them from the data and prints them, writes them there (--write), or
+checks that RESULTS.md holds exactly what the data give (--check: a number edited by hand, or a result changed under
+it, fails; tests/test_bench.py runs it).
+
+The statistics, each named where the prose uses it:
+- a run's mean accuracy: over its 32 evaluations at updates 4-128 (the starting policy's, update 0, left out);
+- its lowest accuracy after update 8 and the update of it; back at 0.95: the first update after that lowest
+  evaluated at 0.95 or more;
+- its fall: the largest drop from an earlier evaluation's accuracy to a later one (peak to trough, updates 4-128),
+  with the trough's update; its onset: the first evaluation below 0.95 after one at 0.95 or more;
+- comparisons paired per seed (the same seed: the same prompts and the same starting samples), as each seed's
+  difference, then their mean and range (min to max) over the seeds; a range that straddles 0 reads "no evidence of
+  a difference" (with 2 or 3 seeds a range is all the spread there is).
+
+    python bench/findings.py            # print the passages
+    python bench/findings.py --write    # put them in bench/RESULTS.md
+    python bench/findings.py --check    # exit 1, naming the passages, where RESULTS.md is not what the data give
+"""
+
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import tyro
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+
+import horizon_table  # noqa: E402
+import latency_table  # noqa: E402
+
+PASSAGE = re.compile(r"(<!-- computed: (\w+) -->\n)(.*?)(<!-- /computed -->)", re.S)
+CORRECTIONS = ("decoupled", "pure_is", "tis", "mask", "m2po")  # none's alternatives, in the kit's order
+BACK = 0.95
+
+
+@dataclass
+class Args:
+    write: bool = False
+    """put the passages in --results_md"""
+    check: bool = False
+    """exit 1 where --results_md's passages are not what the data give"""
+    results_dir: str = os.path.join(BENCH, "results")
+    """the results the numbers are computed from"""
+    results_md: str = os.path.join(BENCH, "RESULTS.md")
+    """the file whose passages are written or checked"""
+
+
+# ---------------------------------------------------------------------------------------------- per run
+def accuracy(curve: dict) -> dict[int, float]:
+    return dict(zip(curve["eval_update"], curve["eval/accuracy"]))
+
+
+def mean_accuracy(curve: dict) -> float:
+    """Over the evaluations after the start (updates 4-128: 32 of them)."""
+    return statistics.mean(score for update, score in accuracy(curve).items() if update > 0)
+
+
+def lowest(curve: dict, after: int = 8) -> tuple[float, int]:
+    return min((score, update) for update, score in accuracy(curve).items() if update > after)
+
+
+def back_at(curve: dict, level: float = BACK) -> int | None:
+    """The first update after the lowest (after update 8) evaluated at `level` or more."""
+    low = lowest(curve)[1]
+    return next((u for u, score in sorted(accuracy(curve).items()) if u > low and score >= level), None)
+
+
+def fall(curve: dict) -> tuple[float, int]:
+    """The largest drop from an earlier evaluation to a later one (updates 4-128), and the later one's update."""
+    peak, largest = 0.0, (0.0, 0)
+    for update, score in sorted(accuracy(curve).items()):
+        if update > 0:
+            peak = max(peak, score)
+            largest = max(largest, (peak - score, update))
+    return largest
+
+
+def back_after(curve: dict, after: int, level: float = BACK) -> int | None:
+    """The first update after `after` evaluated at `level` or more."""
+    return next((u for u, score in sorted(accuracy(curve).items()) if u > after and score >= level), None)
+
+
+def onset(curve: dict, level: float = BACK) -> int | None:
+    """The first evaluation below `level` after one at `level` or more."""
+    reached = False
+    for update, score in sorted(accuracy(curve).items()):
+        if score >= level:
+            reached = True
+        elif reached:
+            return update
+    return None
+
+
+def window(curve: dict, name: str, first: int, last: int) -> float:
+    return statistics.mean(v for u, v in zip(curve["update"], curve[name]) if first <= u <= last)
+
+
+# ---------------------------------------------------------------------------------------------- text
+def span(values, form: str = "{:.3f}", sep: str = "-") -> str:
+    """"a-b" over the values (one value if they are equal)."""
+    low, high = min(values), max(values)
+    if form.format(low) == form.format(high):
+        return form.format(low)
+    return f"{form.format(low)}{sep}{form.format(high)}"
+
+
+def bullet(text: str) -> str:
+    """A markdown list item of `text`, its white space made single, wrapped at 118 characters."""
+    return textwrap.fill(" ".join(text.split()), 118, initial_indent="- ", subsequent_indent="  ",
+                         break_on_hyphens=False)
+
+
+def paragraph(text: str) -> str:
+    return textwrap.fill(" ".join(text.split()), 118, break_on_hyphens=False)
+
+
+def updates(values) -> str:
+    return span([v for v in values if v is not None], "{}")
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    """a - b, seed by seed, over the seeds both have."""
+    return {seed: a[seed] - b[seed] for seed in sorted(a) if seed in b}
+
+
+def difference(diffs: dict[int, float], form: str = "{:+.3f}") -> str:
+    """Paired differences as the prose states them: their mean and range over the seeds, or "no evidence of a
+    difference" where the range straddles 0."""
+    values = list(diffs.values())
+    seeds = f"{len(values)} seed{'s' if len(values) > 1 else ''}"
+    if len(values) == 1:
+        return f"{form.format(values[0])} (one seed)"
+    if min(values) < 0 < max(values):
+        return (f"no evidence of a difference (per seed {span(values, form, ' to ')}, {seeds})")
+    return f"{form.format(statistics.mean(values))} (per seed {span(values, form, ' to ')}, {seeds})"
+
+
+# ---------------------------------------------------------------------------------------------- data
+def horizon_runs(results_dir: str) -> dict:
+    """The 128-update runs: {(algorithm, K, correction, own flags): {seed: curve}}."""
+    paths = sorted(glob.glob(os.path.join(results_dir, "off_policy_corrections_*total_episodes-8192_eval_in_trainer*"
+                                                       ".json")))
+    return horizon_table.rows(paths), paths
+
+
+def per_seed(runs: dict, key: tuple, statistic) -> dict[int, float]:
+    return {seed: statistic(curve) for seed, curve in sorted(runs.get(key, {}).items())}
+
+
+# ---------------------------------------------------------------------------------------------- passages
+def k16(runs: dict) -> str:
+    none = per_seed(runs, ("grpo", 16, "none", ""), mean_accuracy)
+    corrected = {c: per_seed(runs, ("grpo", 16, c, ""), mean_accuracy) for c in CORRECTIONS}
+    pairs = {c: paired(corrected[c], none) for c in CORRECTIONS}
+    below = sum(d < 0 for diffs in pairs.values() for d in diffs.values())
+    total = sum(len(diffs) for diffs in pairs.values())
+    ppo_none = per_seed(runs, ("ppo", 16, "none", ""), mean_accuracy)
+    ppo = {c: paired(per_seed(runs, ("ppo", 16, c, ""), mean_accuracy), ppo_none) for c in ("decoupled", "m2po")}
+    rloo_none = per_seed(runs, ("rloo", 16, "none", ""), mean_accuracy)
+    rloo = {c: paired(per_seed(runs, ("rloo", 16, c, ""), mean_accuracy), rloo_none) for c in ("decoupled", "m2po")}
+    every = [curve for c in CORRECTIONS for curve in runs[("grpo", 16, c, "")].values()]
+    nones = list(runs[("grpo", 16, "none", "")].values())
+    behind = [sum(accuracy(curve)[u] < accuracy(runs[("grpo", 16, "none", "")][seed])[u]
+                  for u in accuracy(curve) if u > 0)
+              for c in CORRECTIONS for seed, curve in runs[("grpo", 16, c, "")].items()]
+    backs = [back_at(curve) for curve in every]
+    no_trust = [lowest(curve)[0] for c in ("pure_is", "m2po") for curve in runs[("grpo", 16, c, "")].values()]
+    none_reach = [next(u for u, s in sorted(accuracy(curve).items()) if s >= BACK) for curve in nones]
+    none_after = [min(s for u, s in accuracy(curve).items() if u >= reach) for curve, reach in zip(nones, none_reach)]
+    return bullet(f"""**At K = 16 every per-token correction does worse than none over 128 updates.** Mean
+  accuracy over the 32
+  evaluations (updates 4-128), GRPO on seeds {seeds(none)}: none {span(none.values())}, the five corrections
+  {span([v for c in CORRECTIONS for v in corrected[c].values()])}; a correction minus none of the same seed is below 0
+  in {below} of the {total} pairs: {"; ".join(f"{c} {difference(pairs[c])}" for c in CORRECTIONS)}. PPO (seeds
+  {seeds(ppo_none)}): none {span(ppo_none.values())}; decoupled {difference(ppo["decoupled"])}, m2po
+  {difference(ppo["m2po"])} against none. RLOO (one ratio per completion and a KL penalty, seeds {seeds(rloo_none)}):
+  decoupled {difference(rloo["decoupled"])}, m2po {difference(rloo["m2po"])} against none.""") + "\n" + bullet(f"""
+  **The shape, GRPO at K = 16.** Each correction learns at full speed on the starting policy's samples
+  ({span([accuracy(c)[8] for c in every])} at update 8; none {span([accuracy(c)[8] for c in nones])}), falls to its
+  lowest at updates {updates(lowest(c)[1] for c in every)} ({span([lowest(c)[0] for c in every], "{:.2f}")}; pure_is
+  and m2po, which have no trust region on the ratio, {span(no_trust, "{:.2f}")}), is back at 0.95 at update
+  {updates(backs)} (median {statistics.median(b for b in backs if b is not None):g} of the {len(every)} runs) and ends
+  at {span([accuracy(c)[128] for c in every])} as the learning rate runs out. none reaches 0.95 at update
+  {updates(none_reach)} and its lowest from there on is {span(none_after)}; it ends at
+  {span([accuracy(c)[128] for c in nones])}. A corrected run is behind none of the same seed at {updates(behind)} of
+  the 32 evaluations.""")
+
+
+def k4(runs: dict) -> str:
+    none = per_seed(runs, ("grpo", 4, "none", ""), mean_accuracy)
+    pairs = {c: paired(per_seed(runs, ("grpo", 4, c, ""), mean_accuracy), none) for c in CORRECTIONS}
+    every = [curve for c in CORRECTIONS for curve in runs[("grpo", 4, c, "")].values()]
+    nones = list(runs[("grpo", 4, "none", "")].values())
+    apart = []  # (correction, update, |seed 1 - seed 2|) where the two seeds differ by more than 0.03
+    cells = 0
+    for c in ("none", *CORRECTIONS):
+        by_seed = [accuracy(curve) for _, curve in sorted(runs[("grpo", 4, c, "")].items())]
+        for u in by_seed[0]:
+            if u > 0:
+                cells += 1
+                gap = max(s[u] for s in by_seed) - min(s[u] for s in by_seed)
+                if gap > 0.03:
+                    apart.append(f"{c} at update {u} ({gap:.3f})")
+    stays = [max(u for u in accuracy(curve) if accuracy(curve)[u] < 0.99) + 4 for curve in every]
+    return bullet(f"""**At K = 4 the same shape, small and short** (GRPO, every correction, seeds
+  {seeds(none)}): each correction is at
+  {span([accuracy(c)[8] for c in every])} at update 8 (none {span([accuracy(c)[8] for c in nones])}), lowest at
+  updates {updates(lowest(c)[1] for c in every)} ({span([lowest(c)[0] for c in every], "{:.2f}")}), and at 0.99 or
+  more from update {updates(stays)} to the end. Mean accuracy over the 32 evaluations against none of the same seed:
+  {"; ".join(f"{c} {difference(pairs[c])}" for c in CORRECTIONS)}. The two seeds are within 0.03 of each other at
+  {cells - len(apart)} of the {cells} evaluations (every correction and none, updates 4-128); apart by more at
+  {", ".join(apart)}.""")
+
+
+def mechanism(runs: dict) -> str:
+    def diagnostics(curves, first, last):
+        return {name: span([window(c, name, first, last) for c in curves], form)
+                for name, form in (("async/mismatch_kl", "{:.3f}"), ("async/ess", "{:.3f}"),
+                                   ("async/is_truncated_frac", "{:.3f}"), ("policy/clipfrac_avg", "{:.3f}"))}
+
+    k4_runs = [curve for c in CORRECTIONS for curve in runs[("grpo", 4, c, "")].values()]
+    before, during = diagnostics(k4_runs, 5, 8), diagnostics(k4_runs, 9, 12)
+    doubled = []  # the first update whose mismatch KL is twice its mean over updates 5-8
+    for curve in k4_runs:
+        base = window(curve, "async/mismatch_kl", 5, 8)
+        doubled.append(next(u for u, v in zip(curve["update"], curve["async/mismatch_kl"]) if u > 8 and v > 2 * base))
+    k16_runs = [curve for c in CORRECTIONS for curve in runs[("grpo", 16, c, "")].values()]
+    k16_none = list(runs[("grpo", 16, "none", "")].values())
+    at = {u: span([dict(zip(c["update"], c["async/mismatch_kl"]))[u] for c in k16_runs]) for u in (4, 8, 12)}
+    return bullet(f"""**What the diagnostics show at the fall, and what they do not.** At K = 4 the corrected
+  runs fall from
+  {span([accuracy(c)[8] for c in k4_runs])} at update 8 to {span([accuracy(c)[12] for c in k4_runs])} at update 12,
+  while over updates 9-12 the mismatch KL ({during["async/mismatch_kl"]} per token, mean over the window, range over
+  the {len(k4_runs)} runs), the ESS ({during["async/ess"]}), the truncated share ({during["async/is_truncated_frac"]})
+  and the clip fraction ({during["policy/clipfrac_avg"]}) move little from updates 5-8
+  ({before["async/mismatch_kl"]}, {before["async/ess"]}, {before["async/is_truncated_frac"]},
+  {before["policy/clipfrac_avg"]}); the mismatch KL first doubles its updates-5-8 mean at update {updates(doubled)},
+  after the fall. These diagnostics trail the fall: they measure it, they neither cause nor foretell it, and none of
+  them is a signal to watch for it. At K = 16 the mismatch KL of a corrected run grows from the first updates, as the
+  trainer moves away from the starting policy's samples it still trains on ({at[4]} at update 4, {at[8]} at update 8,
+  {at[12]} at update 12; none {span([window(c, "async/mismatch_kl", 1, 12) for c in k16_none])} over updates 1-12),
+  through the learning as much as the fall: it does not tell them apart.""")
+
+
+def ppo_rloo(runs: dict) -> str:
+    nones = list(runs[("ppo", 16, "none", "")].values())
+    corrected = [curve for c in ("decoupled", "m2po") for curve in runs[("ppo", 16, c, "")].values()]
+    start = next(iter(runs[("ppo", 16, "none", "")].values()))
+    sft = accuracy(start)[0]
+
+    def eval_kl(curve, update):
+        return dict(zip(curve["eval_update"], curve["eval/kl"]))[update]
+
+    none_falls = [fall(c) for c in nones]
+    lows = [lowest(c) for c in corrected]
+    perfect_from = []  # the first update from which every evaluation is 1.000
+    for curve in corrected:
+        below = [u for u, s in accuracy(curve).items() if s < 1.0]
+        perfect_from.append(max(below) + 4)
+    late_dips = [f"{span([s for u, s in accuracy(c).items() if u > 64 and s < 1.0])} at updates "
+                 f"{updates(u for u, s in accuracy(c).items() if u > 64 and s < 1.0)}"
+                 for c in corrected if any(s < 1.0 for u, s in accuracy(c).items() if u > 64)]
+    rloo = {c: list(runs[("rloo", 16, c, "")].values()) for c in ("none", "decoupled", "m2po")}
+    return bullet(f"""**PPO at K = 16 (seeds {seeds(runs[("ppo", 16, "none", "")])}): none falls too; a
+  correction collapses, below the
+  starting policy, and recovers.** Without a correction PPO falls by {span([f for f, _ in none_falls], "{:.2f}")}
+  (peak to trough) to {span([accuracy(c)[u] for c, (_, u) in zip(nones, none_falls)])} at update
+  {updates(u for _, u in none_falls)}, its eval KL from {span([eval_kl(c, 24) for c in nones], "{:.1f}")} at update 24
+  to {span([eval_kl(c, u) for c, (_, u) in zip(nones, none_falls)], "{:.1f}")}, and is back at 0.95 at update
+  {updates(back_after(c, u) for c, (_, u) in zip(nones, none_falls))}: its clip against the sampling weights
+  does not keep it from falling. With
+  decoupled or m2po it falls to {span([s for s, _ in lows])} at updates {updates(u for _, u in lows)}, below the
+  starting policy's {sft:.3f}, with eval KL {span([eval_kl(c, u) for c, (_, u) in zip(corrected, lows)], "{:.0f}")}
+  there (peak {span([max(c["eval/kl"]) for c in corrected], "{:.0f}")}): a collapse, not a dip; it recovers, back at
+  0.95 at update {updates(back_at(c) for c in corrected)}, and every evaluation is 1.000 from update
+  {updates(perfect_from)} on{"" if not late_dips else " (" + "; ".join(late_dips) + " before that)"}; final eval KL
+  {span([c["eval/kl"][-1] for c in corrected], "{:.2f}")} (none {span([c["eval/kl"][-1] for c in nones], "{:.2f}")}).
+  """) + "\n" + bullet(f"""**RLOO at K = 16** (seeds {seeds(runs[("rloo", 16, "none", "")])}): lowest after
+  update 8 with none
+  {span([lowest(c)[0] for c in rloo["none"]], "{:.2f}")}, decoupled {span([lowest(c)[0] for c in rloo["decoupled"]],
+  "{:.2f}")}, m2po {span([lowest(c)[0] for c in rloo["m2po"]], "{:.2f}")}; final eval KL none
+  {span([c["eval/kl"][-1] for c in rloo["none"]], "{:.2f}")}, decoupled {span([c["eval/kl"][-1]
+  for c in rloo["decoupled"]], "{:.2f}")}, m2po {span([c["eval/kl"][-1] for c in rloo["m2po"]], "{:.2f}")}.""")
+
+
+def kl_penalty(runs: dict) -> str:
+    flag = "--kl_penalty_logprobs start"
+    lines = []
+    for c in ("none", "decoupled", "m2po"):
+        sampling = per_seed(runs, ("ppo", 16, c, ""), mean_accuracy)
+        start = per_seed(runs, ("ppo", 16, c, flag), mean_accuracy)
+        spread = max(sampling.values()) - min(sampling.values())
+        diffs = paired(start, sampling)
+        within = sum(abs(d) <= spread for d in diffs.values())
+        lines.append(f"{c} {difference(diffs)}, {within} of {len(diffs)} within the spread between sampling's seeds "
+                     f"({spread:.3f})")
+    return bullet(f"""**PPO's KL penalty under staleness** (`--kl_penalty_logprobs start`, the trainer's
+  log-probs at the start of the
+  update, against `sampling`, the engine's, K updates old; seeds {seeds(runs[("ppo", 16, "none", flag)])}): mean
+  accuracy over the 32 evaluations, start minus sampling of the same seed: {"; ".join(lines)}. Every run ends at
+  {span([accuracy(c)[128] for key, by in runs.items() if key[0] == "ppo" and key[1] == 16 for c in by.values()])}.
+  Two seeds do not separate them; the default stays `sampling`, the engine's log-probs, which need no forward
+  pass.""")
+
+
+def read_with_6(runs: dict) -> str:
+    # the linear schedule over N updates is at (N - u) / N of its peak after update u (the curves' lr, rounded to
+    # 1e-6, is too coarse for the ratio): 4's and 5's runs had 32 updates, 6's 128
+    short, long = 32, max(next(iter(runs[("grpo", 16, "decoupled", "")].values()))["update"])
+    return paragraph(f"""**Read 4 and 5 with 6.** Their runs are 32 updates long with the learning rate
+  decaying linearly to 0 over those
+32 (at the start of update 32 it is {1 / short:.3f} of its peak); 6's 128-update runs decay it over 128 (after
+update 32 it is {(long - short) / long:.2f} of its peak). Horizon and schedule changed together, so 4's and
+  5's final numbers are
+not the bottom of 6's dip cut short: their schedule froze them part way. Where 4 and 5 read GRPO's per-token
+corrections at K = 16 as a collapse, on 128 updates each dips and recovers (6); PPO's corrected runs collapse there
+too, below the starting policy, and recover (6). Their tables stand as measured on 32 updates.""")
+
+
+def seeds(by_seed: dict) -> str:
+    return ", ".join(str(s) for s in sorted(by_seed))
+
+
+def passages(results_dir: str) -> dict[str, str]:
+    runs, paths = horizon_runs(results_dir)
+    with open(os.path.join(results_dir, "multiturn_latency.json")) as f:
+        latency = json.load(f)
+    return {"horizon_table": "\n".join(horizon_table.table(paths)),
+            "horizon_findings": "\n".join([k16(runs), k4(runs), mechanism(runs), ppo_rloo(runs), kl_penalty(runs)]),
+            "read_with_6": read_with_6(runs),
+            "latency_table": "\n".join(latency_table.table(latency, 0.7))}
+
+
+def main(args: Args):
+    computed = passages(args.results_dir)
+    if not (args.write or args.check):
+        for name, text in computed.items():
+            print(f"<!-- computed: {name} -->\n{text}\n<!-- /computed -->\n")
+        return
+    with open(args.results_md) as f:
+        markdown = f.read()
+    found = {match.group(2): match.group(3) for match in PASSAGE.finditer(markdown)}
+    if args.check:
+        wrong = [name for name in computed if found.get(name) != computed[name] + "\n"]
+        unknown = sorted(set(found) - set(computed))
+        if wrong or unknown:
+            sys.exit(f"{args.results_md}: passages not what the data in {args.results_dir} give: "
+                     f"{', '.join(wrong) or '-'}; passages no data make: {', '.join(unknown) or '-'}")
+        print(f"{args.results_md}: every computed passage ({len(computed)}) is what the data give")
+        return
+    missing = sorted(set(computed) - set(found))
+    if missing:
+        sys.exit(f"{args.results_md} has no place for {', '.join(missing)}: add `<!-- computed: NAME -->` and "
+                 "`<!-- /computed -->` lines where each goes")
+    markdown = PASSAGE.sub(lambda m: m.group(1) + computed[m.group(2)] + "\n" + m.group(4), markdown)
+    with open(args.results_md, "w") as f:
+        f.write(markdown)
+    print(f"{len(computed)} passages written to {args.results_md}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
