@@ -124,7 +124,9 @@ def paragraph(text: str) -> str:
 
 
 def updates(values) -> str:
-    return span([v for v in values if v is not None], "{}")
+    """The span of the updates given ("-" where there are none)."""
+    given = [v for v in values if v is not None]
+    return span(given, "{}") if given else "-"
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
@@ -326,6 +328,173 @@ corrections at K = 16 as a collapse, on 128 updates each dips and recovers (6); 
 too, below the starting policy, and recover (6). Their tables stand as measured on 32 updates.""")
 
 
+def time_averaged_return(evals: list[dict], minutes: float, clock: str = "wall_minutes") -> float:
+    """The area under a run's eval return against `clock`, from 0 to `minutes` (trapezoids between evaluations),
+    over `minutes`: its mean return over that time."""
+    points, area = [(e[clock], e["return"]) for e in evals], 0.0
+    for (t0, r0), (t1, r1) in zip(points, points[1:]):
+        if t0 >= minutes:
+            break
+        if t1 > minutes:
+            r1, t1 = r0 + (r1 - r0) * (minutes - t0) / (t1 - t0), minutes
+        area += (t1 - t0) * (r0 + r1) / 2
+    return area / minutes
+
+
+def ratio(values: list[float]) -> str:
+    """Per-seed ratios as the prose states them: their median and range."""
+    return f"{statistics.median(values):.2f}x ({span(values, '{:.2f}')}x)"
+
+
+def latency_findings(results: dict) -> str:
+    table, rows = results["table"], results["args"]["eval_rows"]
+    vllm = ("async", "inflight")
+    names = {"async": "K = 1", "inflight": "in flight"}
+
+    def per_seed_ratio(latency, arm, key):  # sync's over the arm's, seed by seed
+        return [s / a for s, a in zip(table[latency]["sync"][key], table[latency][arm][key])]
+
+    def whole(latency, arm):  # the whole run's wall clock since update 1, sync's over the arm's
+        return [s["evals"][-1]["wall_minutes"] / a["evals"][-1]["wall_minutes"]
+                for s, a in zip(table[latency]["sync"]["curves"], table[latency][arm]["curves"])]
+
+    def evaluation_share(latency, arms):  # the share of the wall clock since update 1 not on the trainer's path
+        return [1 - run["evals"][-1]["training_minutes"] / run["evals"][-1]["wall_minutes"]
+                for arm in arms for run in table[latency][arm]["curves"]]
+
+    def no_overlap(latency, arm):  # sync's seconds per update (training clock) over the engine's per batch
+        sync = statistics.median(table[latency]["sync"]["training_minutes_total"]) * 60 / results["args"]["updates"]
+        return sync / table[latency][arm]["phases"]["time/generate"]
+
+    def area(latency, arm):  # the arm's time-averaged return minus sync's, over the shorter run of each seed's pair
+        diffs = {}
+        for seed, (s, a) in enumerate(zip(table[latency]["sync"]["curves"], table[latency][arm]["curves"]), 1):
+            minutes = min(s["evals"][-1]["wall_minutes"], a["evals"][-1]["wall_minutes"])
+            diffs[seed] = time_averaged_return(a["evals"], minutes) - time_averaged_return(s["evals"], minutes)
+        return diffs
+
+    crossings = [next(e["return"] for e in run["evals"] if e["return"] >= 0.7)
+                 for arms in table.values() for arm in ("sync", *vllm) for run in arms[arm]["curves"]]
+    one_row = min(c for c in crossings)
+    at_one_row = sum(c == one_row for c in crossings)
+    flips = [(latency, arm, statistics.median(table[latency]["sync"]["wall_minutes_to_0.7"])
+              / statistics.median(table[latency][arm]["wall_minutes_to_0.7"]),
+              statistics.median(per_seed_ratio(latency, arm, "wall_minutes_to_0.7")))
+             for latency in table for arm in vllm]
+    flips = [f for f in flips if (f[2] - 1) * (f[3] - 1) < 0]
+    slow = [latency for latency in table if float(latency) >= 0.5]
+    wall = "; ".join(f"{latency} s: K = 1 {ratio(whole(latency, 'async'))}, in flight "
+                     f"{ratio(whole(latency, 'inflight'))}" for latency in table)
+    unshared = "; ".join(f"{latency} s: K = 1 {no_overlap(latency, 'async'):.2f}x, in flight "
+                         f"{no_overlap(latency, 'inflight'):.2f}x" for latency in slow)
+    launch = "; ".join(f"{latency} s: K = 1 {ratio(per_seed_ratio(latency, 'async', 'minutes_to_0.7'))}, in flight "
+                       f"{ratio(per_seed_ratio(latency, 'inflight', 'minutes_to_0.7'))}" for latency in table)
+    disagree = "; ".join(f"{names[arm]} at {latency} s: {a:.2f}x against {b:.2f}x" for latency, arm, a, b in flips)
+    areas = "; ".join(f"{latency} s: K = 1 {difference(area(latency, 'async'))}, in flight "
+                      f"{difference(area(latency, 'inflight'))}" for latency in table)
+    share_sync = span(evaluation_share(slow[-1], ("sync",)), "{:.0%}")
+    share_vllm = span(evaluation_share(slow[-1], vllm), "{:.0%}")
+    return "\n".join([
+        bullet(f"""**Per update and on the whole run's wall clock** (since update 1, the 24 updates with their
+        evaluations; sync's minutes over the arm's, per seed: median (range)): {wall}."""),
+        bullet(f"""**Most of that is the engine playing while the trainer evaluates.** Evaluations (every 2 updates, in
+        the trainer, the same work in every arm) take {share_sync} of sync's wall clock since update 1 at {slow[-1]} s
+        and {share_vllm} of the vLLM arms', whose engine plays on meanwhile. Without evaluations to overlap, an update
+        can be no faster than the engine's batch: sync's seconds per update (training clock) over the engine's seconds
+        per batch is {unshared}. A run that evaluates less often gains less than the whole-run ratios say."""),
+        bullet(f"""**From launch** (the engine's start in), minutes to return 0.7, sync's over the arm's per seed:
+        {launch}."""),
+        bullet(f"""**To the same return, no more than the evaluations resolve.** With {rows} rows an evaluation moves
+        in steps of 1/{rows}: {at_one_row} of the {len(crossings)} first crossings of 0.7 (every arm, latency and seed)
+        are at exactly {round(one_row * rows)}/{rows}, one row above it, so the time to 0.7 (the table's last column:
+        wall clock since update 1, sync's over the arm's per seed) turns on one row, and the ratio of the medians and
+        the median of the per-seed ratios can fall on either side of 1 ({disagree}). The area under the
+        return-against-time curve uses every evaluation: each arm's mean eval return over the wall clock since update
+        1, up to the end of the shorter run of the pair, minus sync's, per seed: {areas}.""")])
+
+
+def which_tokens_move(results_dir: str) -> str:
+    with open(os.path.join(results_dir, "which_tokens_move_decoupled.json")) as f:
+        measured = json.load(f)
+    by_update = {int(u): entry for u, entry in measured["by_update"].items()}
+    shown = sorted(by_update)
+    tokens = sum(kind["tokens"] for kind in by_update[shown[0]]["by_kind"].values())
+
+    def decision_share(entry):  # position 10: after the tens column's two digits, "+" for a carry or "=" for none
+        return sum(share for position, token, share in entry["top_tokens"] if position == 10)
+
+    def digits(entry):
+        return entry["by_kind"]["result"]["share_of_mismatch"] + entry["by_kind"]["answer"]["share_of_mismatch"]
+
+    right, wrong = by_update[shown[-2]]["mismatch_kl_right_vs_wrong"]
+    shares = ", ".join(f"{decision_share(by_update[u]):.0%}" for u in shown)
+    largest = span([by_update[u]["largest_token_share_median"] for u in shown], "{:.2f}")
+    moved = span([by_update[u]["tokens_moved_by_more_than_1_per_completion"] for u in shown if u >= 16], "{:.2f}")
+    late_digits = span([digits(by_update[u]) for u in shown if u >= 24], "{:.0%}")
+    return bullet(f"""**Which tokens move** (one run: decoupled at K = 16, seed 1, its snapshots; `python
+    bench/which_tokens_move.py --run_dir runs/mechanism/decoupled --updates {" ".join(map(str, shown))}`, on
+    {measured["prompts"]} completions of the starting policy, {tokens} tokens; one seed, a case rather than a rate):
+    the token at position 10, the task's one decision (after the tens column's two digits: `+` to add the carry, `=`
+    for none), carries {shares} of the mismatch KL at updates {", ".join(map(str, shown))}; a completion's largest
+    token carries {largest} of its mismatch (median over completions); tokens moved by |log-ratio| > 1 per
+    completion: {by_update[shown[0]]["tokens_moved_by_more_than_1_per_completion"]:.2f} at update {shown[0]},
+    {moved} at updates 16-{shown[-1]}. The digits of the results and of the final answer carry
+    {digits(by_update[8]):.0%} of it at update 8 and {late_digits} at updates 24-{shown[-1]}. Wrong completions carry
+    {wrong / right:.1f}x the mismatch per token of right ones at update {shown[-2]}. In this run the drift is the
+    decision token of each stale completion moved far, not many tokens moved a little.""")
+
+
+def controls(runs: dict) -> str:
+    """The dip's controls against the runs they vary, as far as they have run."""
+    def describe(key: tuple) -> str:
+        by_seed = runs.get(key, {})
+        if not by_seed:
+            return "not run"
+        falls = [fall(c) for c in by_seed.values()]
+        onsets = ", ".join(str(onset(c) or "none") for c in by_seed.values())
+        return (f"largest fall {span([f for f, _ in falls], '{:.2f}')} (trough at update "
+                f"{updates(u for _, u in falls)}), onset at update {onsets} by seed, mean accuracy "
+                f"{span([mean_accuracy(c) for c in by_seed.values()])} (seeds {seeds(by_seed)})")
+
+    def against(key: tuple, base: tuple) -> str:
+        if not runs.get(key):
+            return ""
+        depth = paired(per_seed(runs, key, lambda c: fall(c)[0]), per_seed(runs, base, lambda c: fall(c)[0]))
+        mean = paired(per_seed(runs, key, mean_accuracy), per_seed(runs, base, mean_accuracy))
+        return (f"; paired with the same seed's run with the kit's defaults, the fall {difference(depth)}, the mean "
+                f"accuracy {difference(mean)}")
+
+    k0 = ("grpo", 0, "none", "")
+    lines = [bullet(f"""**On-policy, K = 0** (GRPO, none: at K = 0 every correction is none): {describe(k0)}. With the
+    same preset at K = 16: none {describe(("grpo", 16, "none", ""))}; decoupled {describe(("grpo", 16, "decoupled",
+    ""))}.""")]
+    for flag, name in (("--lr_scheduler_type constant", "A constant learning rate"),
+                       ("--no_dynamic_sampling", "Dynamic sampling off")):
+        parts = "; ".join(f"{c} {describe(('grpo', 16, c, flag))}{against(('grpo', 16, c, flag), ('grpo', 16, c, ''))}"
+                          for c in ("none", "decoupled"))
+        lines.append(bullet(f"""**{name}** (`{flag}`, GRPO at K = 16): {parts}."""))
+    return "\n".join(lines)
+
+
+def sequence_level(runs: dict) -> str:
+    parts = []
+    for algorithm in ("grpo", "ppo"):
+        key = (algorithm, 16, "tis", "--correction_level sequence")
+        if not runs.get(key):
+            parts.append(f"{algorithm.upper()}: not run")
+            continue
+        mine = per_seed(runs, key, mean_accuracy)
+        against = "; ".join(
+            f"against {c} {difference(paired(mine, per_seed(runs, (algorithm, 16, c, ''), mean_accuracy)))}"
+            for c in ("none", "decoupled") if runs.get((algorithm, 16, c, "")))
+        lows = [lowest(c) for c in runs[key].values()]
+        parts.append(f"{algorithm.upper()} (seeds {seeds(mine)}): mean accuracy {span(mine.values())}, {against}; "
+                     f"lowest after update 8 {span([s for s, _ in lows])} at updates {updates(u for _, u in lows)}")
+    return bullet(f"""**tis per completion** (`--off_policy_correction tis --correction_level sequence`: one weight per
+    completion, the product of its token ratios, truncated at 2) at K = 16, mean accuracy over the 32 evaluations,
+    paired per seed: {"; ".join(parts)}.""")
+
+
 def seeds(by_seed: dict) -> str:
     return ", ".join(str(s) for s in sorted(by_seed))
 
@@ -336,8 +505,12 @@ def passages(results_dir: str) -> dict[str, str]:
         latency = json.load(f)
     return {"horizon_table": "\n".join(horizon_table.table(paths)),
             "horizon_findings": "\n".join([k16(runs), k4(runs), mechanism(runs), ppo_rloo(runs), kl_penalty(runs)]),
+            "which_tokens_move": which_tokens_move(results_dir),
+            "controls": controls(runs),
+            "sequence_level": sequence_level(runs),
             "read_with_6": read_with_6(runs),
-            "latency_table": "\n".join(latency_table.table(latency, 0.7))}
+            "latency_table": "\n".join(latency_table.table(latency, 0.7)),
+            "latency_findings": latency_findings(latency)}
 
 
 def main(args: Args):

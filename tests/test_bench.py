@@ -235,3 +235,47 @@ def test_a_sweeps_result_files_name_what_it_left_out_or_added():
     assert bench.result_name(snapshots) == bench.result_name(bench.Args(algorithms=("grpo",)))
     command = bench.run_command("grpo", "math", 16, "none", 1, snapshots, "out")
     assert " ".join(command[2:]).endswith("--seed 1 --output_dir out --save_every 4")
+
+
+def test_every_computed_passage_of_results_is_what_the_stored_data_give(tmp_path):
+    """bench/RESULTS.md's computed passages are bench/findings.py's rendering of bench/results: as committed they
+    match; a number edited by hand in RESULTS.md, or one accuracy changed in the stored curves, makes --check fail
+    and name the passages."""
+    import pathlib
+    import shutil
+
+    bench = pathlib.Path(__file__).parent.parent / "bench"
+    assert "every computed passage" in run_script("--check", script="bench/findings.py").stdout
+    edited = tmp_path / "RESULTS.md"
+    text = (bench / "RESULTS.md").read_text()
+    passage = text.index("<!-- computed: horizon_findings -->")
+    first_number = passage + text[passage:].index("0.9")  # the first accuracy in that passage
+    edited.write_text(text[:first_number] + "0.8" + text[first_number + 3:])
+    refused = run_script("--check", "--results_md", edited, script="bench/findings.py", check=False)
+    assert refused.returncode != 0 and "horizon_findings" in refused.stderr and "latency" not in refused.stderr
+    results = tmp_path / "results"
+    shutil.copytree(bench / "results", results)
+    path = results / "off_policy_corrections_grpo_k16_total_episodes-8192_eval_in_trainer.json"
+    stored = json.loads(path.read_text())
+    stored["curves"]["grpo math k16 none seed1"]["eval/accuracy"][5] -= 0.25
+    path.write_text(json.dumps(stored))
+    refused = run_script("--check", "--results_dir", results, script="bench/findings.py", check=False)
+    assert refused.returncode != 0 and "horizon_table" in refused.stderr and "horizon_findings" in refused.stderr
+
+
+def test_the_findings_statistics_on_hand_computed_numbers():
+    """A paired difference is its mean and range over the seeds, "no evidence" where the range straddles 0; a run's
+    fall is its largest drop from an earlier evaluation; the time-averaged return is the area under the curve."""
+    findings = bench_module("findings")
+    assert findings.difference({1: -0.02, 2: -0.04}) == "-0.030 (per seed -0.040 to -0.020, 2 seeds)"
+    assert findings.difference({1: -0.02, 2: 0.01}) == (
+        "no evidence of a difference (per seed -0.020 to +0.010, 2 seeds)")
+    curve = {"eval_update": [0, 4, 8, 12, 16, 20], "eval/accuracy": [0.3, 0.96, 0.9, 0.5, 0.97, 0.8]}
+    assert findings.fall(curve) == (pytest.approx(0.46), 12)  # 0.96 to 0.5; 0.97 at 16 to 0.8 is smaller
+    assert findings.onset(curve) == 8 and findings.mean_accuracy(curve) == pytest.approx(4.13 / 5)
+    assert findings.lowest(curve) == (0.5, 12) and findings.back_at(curve) == 16
+    # returns 0 -> 1 over the first minute, then 1: over 2 minutes 0.75, over half a minute 0.25
+    evals = [{"wall_minutes": 0.0, "return": 0.0}, {"wall_minutes": 1.0, "return": 1.0},
+             {"wall_minutes": 3.0, "return": 1.0}]
+    assert findings.time_averaged_return(evals, 2.0) == pytest.approx(0.75)
+    assert findings.time_averaged_return(evals, 0.5) == pytest.approx(0.25)
