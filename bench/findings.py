@@ -310,8 +310,7 @@ def kl_penalty(runs: dict) -> str:
   update, against `sampling`, the engine's, K updates old; seeds {seeds(runs[("ppo", 16, "none", flag)])}): mean
   accuracy over the 32 evaluations, start minus sampling of the same seed: {"; ".join(lines)}. Every run ends at
   {span([accuracy(c)[128] for key, by in runs.items() if key[0] == "ppo" and key[1] == 16 for c in by.values()])}.
-  Two seeds do not separate them; the default stays `sampling`, the engine's log-probs, which need no forward
-  pass.""")
+  Two seeds do not separate them; the default stays `sampling`.""")
 
 
 def read_with_6(runs: dict) -> str:
