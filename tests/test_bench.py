@@ -279,3 +279,54 @@ def test_the_findings_statistics_on_hand_computed_numbers():
              {"wall_minutes": 3.0, "return": 1.0}]
     assert findings.time_averaged_return(evals, 2.0) == pytest.approx(0.75)
     assert findings.time_averaged_return(evals, 0.5) == pytest.approx(0.25)
+
+
+def test_dip_diagnostics_reads_a_runs_snapshots(tmp_path):
+    """bench/dip_diagnostics.py on a run whose snapshot at update 4 is the starting policy itself: the classes hold
+    every problem, update 4 measures as update 0, each class's decision probability is the mean of a direct forward's
+    next-token probability, and its accuracy that of greedy completions (near-greedy may differ on a tie)."""
+    import os
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import toy
+
+    policy_path, dataset = os.path.join(toy.MATH_DIR, "sft_policy"), os.path.join(toy.MATH_DIR, "dataset")
+    run = tmp_path / "run"
+    shutil.copytree(policy_path, run / "policies" / "update-4")
+    flags = {"model_name_or_path": policy_path, "dataset_name": dataset, "eval_split": "test",
+             "prompt_column": "question", "answer_column": "answer", "temperature": 0.7, "response_length": 24,
+             "eval_num_prompts": 64, "seed": 1}
+    (run / "args.json").write_text(json.dumps({"args": flags}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"update": u, "eval/accuracy": 0.5}) + "\n" for u in (0, 4)))
+    run_script(run, "--output", tmp_path / "dip.json", script="bench/dip_diagnostics.py")
+    measured = json.loads((tmp_path / "dip.json").read_text())["run"]
+    diagnostics = bench_module("dip_diagnostics")
+    classes = measured["classes"]
+    assert measured["update"] == [0, 4] and sum(c["problems"] for c in classes.values()) == 64
+    for c in classes.values():
+        assert c["accuracy"][0] == c["accuracy"][1] and c["decision"][0] == c["decision"][1]
+    # the decision by hand: the policy's next-token probability at temperature 0.7 after the solution's prefix
+    import datasets
+
+    rows = datasets.load_from_disk(dataset)["test"].select(range(64))
+    tokenizer, policy = AutoTokenizer.from_pretrained(policy_path), AutoModelForCausalLM.from_pretrained(policy_path)
+    by_class = {c: [] for c in diagnostics.CLASSES}
+    greedy_right = {c: [] for c in diagnostics.CLASSES}
+    for question, solution, a, b in zip(rows["question"], rows["answer"], rows["a"], rows["b"]):
+        prefix, decision = diagnostics.decision_split(solution)
+        assert decision == ("+" if a % 10 + b % 10 >= 10 else "=")
+        ids = tokenizer(question)["input_ids"] + tokenizer(prefix)["input_ids"]
+        with torch.no_grad():
+            logits = policy(torch.tensor([ids])).logits[0, -1] / 0.7
+        by_class[diagnostics.problem_class(a, b)].append(
+            torch.softmax(logits, -1)[tokenizer.convert_tokens_to_ids(decision)].item())
+        output = policy.generate(torch.tensor([tokenizer(question)["input_ids"]]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        completion = tokenizer.decode(output[0, len(tokenizer(question)["input_ids"]):], skip_special_tokens=True)
+        greedy_right[diagnostics.problem_class(a, b)].append(toy.states_the_sum(completion, a, b))
+    for c in diagnostics.CLASSES:
+        assert classes[c]["decision"][0] == pytest.approx(sum(by_class[c]) / len(by_class[c]), abs=1e-5)
+        assert abs(classes[c]["accuracy"][0] * classes[c]["problems"] - sum(greedy_right[c])) <= 1, c
