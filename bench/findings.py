@@ -322,9 +322,10 @@ def read_with_6(runs: dict) -> str:
 32 (at the start of update 32 it is {1 / short:.3f} of its peak); 6's 128-update runs decay it over 128 (after
 update 32 it is {(long - short) / long:.2f} of its peak). Horizon and schedule changed together, so 4's and
   5's final numbers cannot be read as 6's dip cut short: by their last updates the learning rate had all but
-  stopped their policies where they were; the constant-rate control (7) separates the two. Where 4 and 5 read GRPO's per-token
-corrections at K = 16 as a collapse, on 128 updates each dips and recovers (6); PPO's corrected runs collapse there
-too, below the starting policy, and recover (6). Their tables stand as measured on 32 updates.""")
+  stopped their policies where they were; the constant-rate control (7) separates the two. Where 4 and 5 read
+  GRPO's per-token corrections at K = 16 as a collapse, on 128 updates each dips and recovers (6); PPO's
+  corrected runs collapse there too, below the starting policy, and recover (6). Their tables stand as measured
+  on 32 updates.""")
 
 
 def time_averaged_return(evals: list[dict], minutes: float, clock: str = "wall_minutes") -> float:
