@@ -36,6 +36,7 @@ sys.path.insert(0, BENCH)
 
 import horizon_table  # noqa: E402
 import latency_table  # noqa: E402
+import off_policy_corrections  # noqa: E402
 
 PASSAGE = re.compile(r"(<!-- computed: (\w+) -->\n)(.*?)(<!-- /computed -->)", re.S)
 CORRECTIONS = ("decoupled", "pure_is", "tis", "mask", "m2po")  # none's alternatives, in the kit's order
@@ -476,6 +477,44 @@ def controls(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def run_name(key: tuple, seed: int) -> str:
+    """The run folder of bench/off_policy_corrections.py (and dip_diagnostics.json's key) of a horizon run."""
+    algorithm, k, correction, own = key
+    extra = " ".join(["--total_episodes 8192 --eval_in_trainer", own]).strip()
+    return f"{algorithm}-math-k{k}-{correction}{off_policy_corrections.extra_suffix(Extra(extra))}-seed{seed}"
+
+
+@dataclass
+class Extra:
+    extra: str
+
+
+def classes_at_fall(runs: dict, dip: dict) -> str:
+    """For every run with snapshots (dip_diagnostics.json) that falls: each problem class's accuracy and decision
+    probability at the evaluation before its fall (its peak) and at the trough."""
+    lines = []
+    for key, by_seed in sorted(runs.items()):
+        for seed, curve in sorted(by_seed.items()):
+            measured = dip.get(run_name(key, seed))
+            depth, trough = fall(curve)
+            if measured is None or depth < 0.1:
+                continue
+            peak = max((score, -u) for u, score in accuracy(curve).items() if 0 < u < trough)
+            at = {u: i for i, u in enumerate(measured["update"])}
+            changes = ", ".join(
+                f"{name} {c['accuracy'][at[-peak[1]]]:.2f} -> {c['accuracy'][at[trough]]:.2f} (decision "
+                f"{c['decision'][at[-peak[1]]]:.2f} -> {c['decision'][at[trough]]:.2f})"
+                for name, c in measured["classes"].items())
+            algorithm, k, correction, own = key
+            lines.append(f"{algorithm} K = {k} {correction}{' ' + own if own else ''}, seed {seed}, update "
+                         f"{-peak[1]} -> {trough}: {changes}")
+    if not lines:
+        return ""
+    return bullet(f"""**Where the fall is, by problem class** (`bench/dip_diagnostics.py` on the runs' snapshots: the
+    accuracy of each class of the 256 evaluation problems, and in brackets the probability of its decision token given
+    the worked solution up to it, from the evaluation before the fall to its trough): {"; ".join(lines)}.""")
+
+
 def sequence_level(runs: dict) -> str:
     parts = []
     for algorithm in ("grpo", "ppo"):
@@ -503,10 +542,14 @@ def passages(results_dir: str) -> dict[str, str]:
     runs, paths = horizon_runs(results_dir)
     with open(os.path.join(results_dir, "multiturn_latency.json")) as f:
         latency = json.load(f)
+    dip = {}
+    if os.path.exists(os.path.join(results_dir, "dip_diagnostics.json")):
+        with open(os.path.join(results_dir, "dip_diagnostics.json")) as f:
+            dip = json.load(f)
     return {"horizon_table": "\n".join(horizon_table.table(paths)),
             "horizon_findings": "\n".join([k16(runs), k4(runs), mechanism(runs), ppo_rloo(runs), kl_penalty(runs)]),
             "which_tokens_move": which_tokens_move(results_dir),
-            "controls": controls(runs),
+            "controls": "\n".join(filter(None, [controls(runs), classes_at_fall(runs, dip)])),
             "sequence_level": sequence_level(runs),
             "read_with_6": read_with_6(runs),
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),

@@ -279,6 +279,9 @@ def test_the_findings_statistics_on_hand_computed_numbers():
              {"wall_minutes": 3.0, "return": 1.0}]
     assert findings.time_averaged_return(evals, 2.0) == pytest.approx(0.75)
     assert findings.time_averaged_return(evals, 0.5) == pytest.approx(0.25)
+    # a horizon run's folder, as the bench names it (dip_diagnostics.json's key)
+    assert findings.run_name(("grpo", 16, "decoupled", "--lr_scheduler_type constant"), 2) == (
+        "grpo-math-k16-decoupled_total_episodes-8192_eval_in_trainer_lr_scheduler_type-constant-seed2")
 
 
 def test_dip_diagnostics_reads_a_runs_snapshots(tmp_path):
