@@ -451,11 +451,17 @@ def controls(runs: dict) -> str:
         by_seed = runs.get(key, {})
         if not by_seed:
             return "not run"
+        reach = [next((u for u, score in sorted(accuracy(c).items()) if score >= BACK), None) for c in by_seed.values()]
+        after = [min(score for u, score in accuracy(c).items() if u >= r) for c, r in zip(by_seed.values(), reach)
+                 if r is not None]
         falls = [fall(c) for c in by_seed.values()]
         onsets = ", ".join(str(onset(c) or "none") for c in by_seed.values())
-        return (f"largest fall {span([f for f, _ in falls], '{:.2f}')} (trough at update "
-                f"{updates(u for _, u in falls)}), onset at update {onsets} by seed, mean accuracy "
-                f"{span([mean_accuracy(c) for c in by_seed.values()])} (seeds {seeds(by_seed)})")
+        depths = span([f for f, _ in falls], "{:.2f}")
+        largest = ("no fall" if max(f for f, _ in falls) == 0
+                   else f"largest fall {depths} (trough at update {updates(u for f, u in falls if f > 0)})")
+        return (f"first at 0.95 at update {updates(reach)}, lowest from there {span(after)}; {largest}, onset at "
+                f"update {onsets} by seed; mean accuracy {span([mean_accuracy(c) for c in by_seed.values()])} (seeds "
+                f"{seeds(by_seed)})")
 
     def against(key: tuple, base: tuple) -> str:
         if not runs.get(key):
@@ -510,9 +516,15 @@ def classes_at_fall(runs: dict, dip: dict) -> str:
                          f"{-peak[1]} -> {trough}: {changes}")
     if not lines:
         return ""
+    rows = [sum(c["problems"] for c in run["classes"].values()) for run in dip.values()]
+    apart = max(round(abs(sum(c["accuracy"][i] * c["problems"] for c in run["classes"].values()) - logged * n))
+                for run, n in zip(dip.values(), rows) for i, logged in enumerate(run["eval_accuracy"])
+                if logged is not None)
     return bullet(f"""**Where the fall is, by problem class** (`bench/dip_diagnostics.py` on the runs' snapshots: the
     accuracy of each class of the 256 evaluation problems, and in brackets the probability of its decision token given
-    the worked solution up to it, from the evaluation before the fall to its trough): {"; ".join(lines)}.""")
+    the worked solution up to it, from the evaluation before the fall to its trough; pooled, the classes' accuracies
+    are within {apart} row{"s" if apart != 1 else ""} of the run's own near-greedy eval/accuracy at every snapshot of
+    every run measured): {"; ".join(lines)}.""")
 
 
 def sequence_level(runs: dict) -> str:
