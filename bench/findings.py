@@ -148,11 +148,18 @@ def difference(diffs: dict[int, float], form: str = "{:+.3f}") -> str:
 
 
 # ---------------------------------------------------------------------------------------------- data
-def horizon_runs(results_dir: str) -> dict:
-    """The 128-update runs: {(algorithm, K, correction, own flags): {seed: curve}}."""
+def horizon_runs(results_dir: str) -> tuple[dict, list[str], dict]:
+    """The 128-update runs: {(algorithm, K, correction, own flags and build): {seed: curve}}, their files, and the
+    builds other than the stored one: {"[toy <sha256[:8]>]": the world its file records}."""
     paths = sorted(glob.glob(os.path.join(results_dir, "off_policy_corrections_*total_episodes-8192_eval_in_trainer*"
                                                        ".json")))
-    return horizon_table.rows(paths), paths
+    worlds = {}
+    for path in paths:
+        with open(path) as f:
+            world = json.load(f).get("world")
+        if world:
+            worlds[f"[toy {world['policy_sha256'][:8]}]"] = world
+    return horizon_table.rows(paths), paths, worlds
 
 
 def per_seed(runs: dict, key: tuple, statistic) -> dict[int, float]:
@@ -445,10 +452,40 @@ def which_tokens_move(results_dir: str) -> str:
     decision token of each stale completion moved far, not many tokens moved a little.""")
 
 
-def controls(runs: dict) -> str:
-    """The dip's controls against the runs they vary, as far as they have run."""
-    def describe(key: tuple) -> str:
-        by_seed = runs.get(key, {})
+def builds(runs: dict, worlds: dict) -> str:
+    """The same run, seed and flags on the stored build of the arithmetic task and on another."""
+    lines = []
+    for label, world in sorted(worlds.items()):
+        same = [(key, seed) for key, by_seed in sorted(runs.items()) if key[3] == label for seed in by_seed
+                if seed in runs.get(key[:3] + ("",), {})]
+        if not same:
+            continue
+        there = {(key, seed): runs[key[:3] + ("",)][seed] for key, seed in same}  # the stored build's run
+        pairs = "; ".join(
+            f"{key[0]} K = {key[1]} {key[2]} seed {seed}: mean accuracy {mean_accuracy(there[key, seed]):.3f} there, "
+            f"{mean_accuracy(runs[key][seed]):.3f} here, largest fall {fall(there[key, seed])[0]:.2f} there, "
+            f"{fall(runs[key][seed])[0]:.2f} here" for key, seed in same)
+        first = [(there[key, seed]["objective/scores"][0], runs[key][seed]["objective/scores"][0])
+                 for key, seed in same]
+        lines.append(bullet(f"""**Two builds of the task.** The toy tasks are built the same on one CPU every time, not
+        across CPUs (float rounding). The runs of 1-6 were made on the task as built on the AVX-512 machine of
+        2026-11-26/28 (its starting policy's hash was not recorded); the runs marked {label} on the task as built on
+        this session's machine ({world["cpu"]}, {"with" if world["avx512"] else "without"} AVX-512; starting policy
+        sha256 {world["policy_sha256"][:8]}...). The same flags and seed differ from the first batch on (its mean
+        reward {", ".join(f"{a:.3f} there, {b:.3f} here" for a, b in first)}), and then in the whole run: {pairs}. A
+        seed on one build is not the same run on another; a finding of 6 holds for the build it was measured on until
+        another build's runs show it."""))
+    return "\n".join(lines)
+
+
+def controls(runs: dict, label: str) -> str:
+    """The dip's controls against the runs they vary, on one build (`label`: "" for the stored one), as far as they
+    have run."""
+    def key(k: int, correction: str, flag: str = "") -> tuple:
+        return ("grpo", k, correction, " ".join(filter(None, [flag, label])))
+
+    def describe(run: tuple) -> str:
+        by_seed = runs.get(run, {})
         if not by_seed:
             return "not run"
         reach = [next((u for u, score in sorted(accuracy(c).items()) if score >= BACK), None) for c in by_seed.values()]
@@ -463,30 +500,31 @@ def controls(runs: dict) -> str:
                 f"update {onsets} by seed; mean accuracy {span([mean_accuracy(c) for c in by_seed.values()])} (seeds "
                 f"{seeds(by_seed)})")
 
-    def against(key: tuple, base: tuple) -> str:
-        if not runs.get(key):
+    def against(run: tuple, base: tuple) -> str:
+        if not runs.get(run) or not runs.get(base):
             return ""
-        depth = paired(per_seed(runs, key, lambda c: fall(c)[0]), per_seed(runs, base, lambda c: fall(c)[0]))
-        mean = paired(per_seed(runs, key, mean_accuracy), per_seed(runs, base, mean_accuracy))
-        return (f"; paired with the same seed's run with the kit's defaults, the fall {difference(depth)}, the mean "
+        depth = paired(per_seed(runs, run, lambda c: fall(c)[0]), per_seed(runs, base, lambda c: fall(c)[0]))
+        mean = paired(per_seed(runs, run, mean_accuracy), per_seed(runs, base, mean_accuracy))
+        return (f"; paired with the same seed's run with the preset's defaults, the fall {difference(depth)}, the mean "
                 f"accuracy {difference(mean)}")
 
-    k0 = ("grpo", 0, "none", "")
-    lines = [bullet(f"""**On-policy, K = 0** (GRPO, none: at K = 0 every correction is none): {describe(k0)}. With the
-    same preset at K = 16: none {describe(("grpo", 16, "none", ""))}; decoupled {describe(("grpo", 16, "decoupled",
-    ""))}.""")]
+    where = f" ({label})" if label else ""
+    baseline = "; ".join(f"{c} {describe(key(16, c))}" for c in ("none", "decoupled", "m2po") if runs.get(key(16, c)))
+    lines = [bullet(f"""**On-policy, K = 0**{where} (GRPO, none: at K = 0 every correction is none):
+    {describe(key(0, "none"))}. With the same preset at K = 16: {baseline or "not run"}.""")]
     for flag, name in (("--lr_scheduler_type constant", "A constant learning rate"),
                        ("--no_dynamic_sampling", "Dynamic sampling off")):
-        parts = "; ".join(f"{c} {describe(('grpo', 16, c, flag))}{against(('grpo', 16, c, flag), ('grpo', 16, c, ''))}"
+        parts = "; ".join(f"{c} {describe(key(16, c, flag))}{against(key(16, c, flag), key(16, c))}"
                           for c in ("none", "decoupled"))
-        lines.append(bullet(f"""**{name}** (`{flag}`, GRPO at K = 16): {parts}."""))
+        lines.append(bullet(f"""**{name}**{where} (`{flag}`, GRPO at K = 16): {parts}."""))
     return "\n".join(lines)
 
 
 def run_name(key: tuple, seed: int) -> str:
     """The run folder of bench/off_policy_corrections.py (and dip_diagnostics.json's key) of a horizon run."""
     algorithm, k, correction, own = key
-    extra = " ".join(["--total_episodes 8192 --eval_in_trainer", own]).strip()
+    flags = re.sub(r"\s*\[toy \w+\]", "", own)  # the build is no flag
+    extra = " ".join(["--total_episodes 8192 --eval_in_trainer", flags]).strip()
     return f"{algorithm}-math-k{k}-{correction}{off_policy_corrections.extra_suffix(Extra(extra))}-seed{seed}"
 
 
@@ -551,7 +589,7 @@ def seeds(by_seed: dict) -> str:
 
 
 def passages(results_dir: str) -> dict[str, str]:
-    runs, paths = horizon_runs(results_dir)
+    runs, paths, worlds = horizon_runs(results_dir)
     with open(os.path.join(results_dir, "multiturn_latency.json")) as f:
         latency = json.load(f)
     dip = {}
@@ -561,7 +599,8 @@ def passages(results_dir: str) -> dict[str, str]:
     return {"horizon_table": "\n".join(horizon_table.table(paths)),
             "horizon_findings": "\n".join([k16(runs), k4(runs), mechanism(runs), ppo_rloo(runs), kl_penalty(runs)]),
             "which_tokens_move": which_tokens_move(results_dir),
-            "controls": "\n".join(filter(None, [controls(runs), classes_at_fall(runs, dip)])),
+            "controls": "\n".join(filter(None, [builds(runs, worlds), *(controls(runs, label) for label in worlds),
+                                                 classes_at_fall(runs, dip)])),
             "sequence_level": sequence_level(runs),
             "read_with_6": read_with_6(runs),
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),

@@ -4,7 +4,7 @@ pooled), accuracy at a few updates (mean ± std over the seeds), each seed's low
 the first update after it evaluated at 0.95 or more, `async/mismatch_kl` and `async/ess` averaged over windows of
 updates (1-(K+1): the starting policy's samples; (K+2)-32, 33-64, 65-128: samples of weights the run trained), and
 the final eval KL where the script has a reference. Flags that differ between the files (an --extra of one of them)
-name its rows.
+name its rows, and so does the toy build (`[toy <sha256 of the starting policy>]`) where a file records it.
 
     python bench/horizon_table.py bench/results/off_policy_corrections_*k16_total_episodes-8192_eval_in_trainer*.json
 """
@@ -48,7 +48,9 @@ def rows(paths: list[str]) -> dict:
     common = set.intersection(*extras)
     runs = collections.defaultdict(dict)
     for result, extra in zip(results, extras):
-        own = " ".join(sorted(extra - common))
+        # the world a run was made in, where its file names it (a toy task built on another CPU is another task)
+        built = [f"[toy {result['world']['policy_sha256'][:8]}]"] if "world" in result else []
+        own = " ".join([*sorted(extra - common), *built])
         for name, curve in result["curves"].items():
             algorithm, _, k, correction, seed = name.split()
             runs[(algorithm, int(k[1:]), correction, own)][int(seed.removeprefix("seed"))] = curve

@@ -12,8 +12,10 @@ output (the runs that tell why a correction collapses: `--extra="--correction_le
 Every run is the script's own preset (toy-math) or default (TL;DR) with only --async_steps,
 --off_policy_correction and --seed changed; a finished run (its `done` marker) is not run again, so an
 interrupted sweep goes on where it stopped when given the same --output_dir. Prints a table (mean ± std over
-seeds) and writes results.json and a figure (scores, KL, mismatch KL and effective sample size against K, and
-the final score against the mismatch KL, one line per correction) to --output_dir, and for a full run also to
+seeds) and writes results.json (with the world the runs were made in: the starting policy's weights' sha256 and
+the CPU, since a toy task built on another CPU is another task) and a figure (scores, KL, mismatch KL and effective
+sample size against K, and the final score against the mismatch KL, one line per correction) to --output_dir, and for
+a full run also to
 bench/results/off_policy_corrections.{json,png} (the name gains the task when not math, the algorithms when not
 all three, the corrections when not all six, the values of K when not 0 1 4 16, and the --extra flags:
 off_policy_corrections_grpo_rloo.png, off_policy_corrections_grpo_k4_total_episodes-8192.png).
@@ -24,8 +26,11 @@ off_policy_corrections_grpo_rloo.png, off_policy_corrections_grpo_k4_total_episo
     python bench/off_policy_corrections.py --quick                  # a smoke test, not a result
 """
 
+import glob
+import hashlib
 import json
 import os
+import platform
 import shlex
 import shutil
 import statistics
@@ -79,8 +84,7 @@ class Args:
 
 def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: Args) -> dict:
     """The final evaluation of one run."""
-    name = f"{algorithm}-{task}-k{k}-{correction}{extra_suffix(args)}-seed{seed}"
-    output_dir = os.path.join(args.output_dir, name)
+    output_dir = os.path.join(args.output_dir, run_name(algorithm, task, k, correction, seed, args))
     if not os.path.exists(os.path.join(output_dir, "done")):
         command = run_command(algorithm, task, k, correction, seed, args, output_dir)
         print("$", " ".join(command[1:]), flush=True)
@@ -110,6 +114,26 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
             # the share of terms a correction dropped: mask's out of bounds, m2po's tokens
             "dropped_frac": statistics.mean(m.get("async/is_masked_frac", m.get("async/m2po_masked_frac", 0.0))
                                             for m in train_metrics)}
+
+
+def run_name(algorithm: str, task: str, k: int, correction: str, seed: int, args: Args) -> str:
+    """A run's folder in --output_dir: grpo-math-k16-decoupled_total_episodes-8192-seed1."""
+    return f"{algorithm}-{task}-k{k}-{correction}{extra_suffix(args)}-seed{seed}"
+
+
+def world(run_dir: str) -> dict:
+    """What a run's numbers depend on besides its flags: the starting policy's weights (the toy tasks are built the
+    same on one CPU every time, not across CPUs) and the CPU (float rounding in sampling and training)."""
+    with open(os.path.join(run_dir, "args.json")) as f:
+        policy = json.load(f)["args"]["model_name_or_path"]
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(policy, "*.safetensors"))):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    return {"policy_sha256": digest.hexdigest(), "cpu": model, "avx512": "avx512f" in cpuinfo}
 
 
 def run_command(algorithm: str, task: str, k: int, correction: str, seed: int, args: Args, output_dir: str) -> list:
@@ -271,12 +295,15 @@ def main(args: Args):
                            f"{cell_values['truncated_frac'][0]:.2f} {cell_values['ess'][0]:.2f} "
                            f"{cell_values['dropped_frac'][0]:.2f}".rjust(56))
             print(f"{k:>3} " + "".join(row))
+    algorithm, task, k, correction, seed = next(iter(curves)).split()  # one of the runs: all share the machine
+    first_world = world(os.path.join(args.output_dir, run_name(algorithm, task, int(k[1:]), correction,
+                                                               int(seed.removeprefix("seed")), args)))
     destinations = [os.path.join(args.output_dir, "results")]
     if not args.quick:
         destinations.append(os.path.join(ROOT, "bench", "results", result_name(args)))
     for destination in destinations:
         with open(destination + ".json", "w") as f:
-            json.dump({"args": vars(args), "table": table, "curves": curves}, f)
+            json.dump({"args": vars(args), "world": first_world, "table": table, "curves": curves}, f)
         figure(table, args, destination + ".png")
         curves_figure(curves, args, destination + "_curves.png")
         print(f"results in {destination}.json and .png")

@@ -164,7 +164,7 @@ def test_which_tokens_move_reads_a_runs_snapshots(tmp_path):
 def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
     """bench/horizon_table.py: each cell from the results JSON's per-update curves (two seeds pooled: mean ± std;
     seed 2 back at 0.95 from update 108, seed 1 never), the rows of a file with a flag of its own named by it, a run
-    two files hold counted once."""
+    two files hold counted once, a run on another build of the task (its file's world) a row of its own."""
     def curve(scale: float) -> dict:
         return {"update": list(range(1, 129)), "async/mismatch_kl": [scale * u for u in range(1, 129)],
                 "async/ess": [1.0 - scale] * 128, "eval_update": list(range(0, 129, 4)),
@@ -176,8 +176,11 @@ def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
                                 ("b", "--total_episodes 8192 --kl_penalty_logprobs start",
                                  {"ppo math k16 none seed1": curve(0.007)}),
                                 ("c", "--total_episodes 8192", {"ppo math k4 none seed1": curve(0.001)}),
-                                ("d", "--total_episodes 8192", {"ppo math k16 none seed2": curve(0.009)})]:
-        (tmp_path / f"{name}.json").write_text(json.dumps({"args": {"extra": extra}, "curves": curves}))
+                                ("d", "--total_episodes 8192", {"ppo math k16 none seed2": curve(0.009)}),
+                                ("e", "--total_episodes 8192", {"ppo math k16 none seed1": curve(0.005)})]:
+        # e: the same run on another build of the task, which its file records: a row of its own
+        world = {"world": {"policy_sha256": "abcdef12" + "0" * 56}} if name == "e" else {}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"args": {"extra": extra}, "curves": curves, **world}))
         files.append(tmp_path / f"{name}.json")
     table = run_script(*files, script="bench/horizon_table.py").stdout.splitlines()
     assert table[3] == ("| ppo k16 none | 1,2 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | "
@@ -185,9 +188,10 @@ def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
                         "0.076 ± 0.006 / 0.212 ± 0.018 / 0.412 ± 0.034 / 0.820 ± 0.068 | 0.99 ± 0.00 / 0.99 ± 0.00 | "
                         "0.01 ± 0.00 |")
     assert table[4].startswith("| ppo k16 none --kl_penalty_logprobs start | 1 | 0.700 |")
+    assert table[5].startswith("| ppo k16 none [toy abcdef12] | 1 | 0.500 |")
     # K = 4: the windows 1-5 (the starting policy's samples), 6-32, 33-64, 65-128
     assert table[2].endswith("| 0.10 (12) | - | 0.003 / 0.019 / 0.049 / 0.097 | 1.00 / 1.00 | 0.00 |"), table[2]
-    assert len(table) == 5
+    assert len(table) == 6
 
 
 def test_the_latency_table_is_drawn_from_the_sweeps_results(tmp_path):
@@ -333,3 +337,19 @@ def test_dip_diagnostics_reads_a_runs_snapshots(tmp_path):
     for c in diagnostics.CLASSES:
         assert classes[c]["decision"][0] == pytest.approx(sum(by_class[c]) / len(by_class[c]), abs=1e-5)
         assert abs(classes[c]["accuracy"][0] * classes[c]["problems"] - sum(greedy_right[c])) <= 1, c
+
+
+def test_a_sweep_records_the_world_its_runs_were_made_in(tmp_path):
+    """The starting policy's weights' sha256 (its safetensors files, in order) and the CPU, from a run's args.json."""
+    import hashlib
+
+    bench = bench_module("off_policy_corrections")
+    policy, run = tmp_path / "policy", tmp_path / "run"
+    policy.mkdir()
+    run.mkdir()
+    (policy / "model-00001.safetensors").write_bytes(b"one")
+    (policy / "model-00002.safetensors").write_bytes(b"two")
+    (run / "args.json").write_text(json.dumps({"args": {"model_name_or_path": str(policy)}}))
+    world = bench.world(str(run))
+    assert world["policy_sha256"] == hashlib.sha256(b"onetwo").hexdigest()
+    assert world["cpu"] and isinstance(world["avx512"], bool)
