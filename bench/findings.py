@@ -473,8 +473,9 @@ def builds(runs: dict, worlds: dict) -> str:
         this session's machine ({world["cpu"]}, {"with" if world["avx512"] else "without"} AVX-512; starting policy
         sha256 {world["policy_sha256"][:8]}...). The same flags and seed differ from the first batch on (its mean
         reward {", ".join(f"{a:.3f} there, {b:.3f} here" for a, b in first)}), and then in the whole run: {pairs}. A
-        seed on one build is not the same run on another; a finding of 6 holds for the build it was measured on until
-        another build's runs show it."""))
+        seed on one build is not the same run on another (the kit's code is not the difference: the commit that made
+        the stored runs, a4859c1, run here, samples this machine's first batches, not the stored ones); a finding of 6
+        holds for the build it was measured on until another build's runs show it."""))
     return "\n".join(lines)
 
 
