@@ -7,8 +7,9 @@ For the starting policy and each snapshot, per class:
   answer; the classes' shares, weighted by their counts, are printed beside the run's own eval/accuracy;
 - decision: the probability, at the run's sampling temperature, of the task's one decision given the worked
   solution up to it (" 4 + 9 = 13 , 2 + 5" -> "+" to add the carry, "=" for none), the right one.
-Writes (adds its runs to) bench/results/dip_diagnostics.json: {run folder name: {"update": [...], "eval_accuracy":
-[...], "classes": {class: {"problems": n, "accuracy": [...], "decision": [...]}}}}.
+Writes (adds its runs to) bench/results/dip_diagnostics.json: {run folder name: {"world": the build and CPU
+(off_policy_corrections.world), "update": [...], "eval_accuracy": [...], "classes": {class: {"problems": n,
+"accuracy": [...], "decision": [...]}}}}.
 
     python bench/dip_diagnostics.py runs/long/grpo-math-k16-decoupled_total_episodes-8192_eval_in_trainer-seed1
 """
@@ -23,6 +24,10 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from off_policy_corrections import world  # noqa: E402
 
 import common  # noqa: E402
 import data  # noqa: E402
@@ -89,7 +94,8 @@ def diagnose(run_dir: str) -> dict:
     snapshots = sorted(int(name.removeprefix("update-")) for name in os.listdir(os.path.join(run_dir, "policies")))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         logged = {m["update"]: m["eval/accuracy"] for m in map(json.loads, f) if "eval/accuracy" in m}
-    result = {"update": [0, *snapshots], "eval_accuracy": [logged.get(u) for u in [0, *snapshots]],
+    result = {"world": world(run_dir), "update": [0, *snapshots],
+              "eval_accuracy": [logged.get(u) for u in [0, *snapshots]],
               "classes": {c: {"problems": classes.count(c), "accuracy": [], "decision": []} for c in CLASSES}}
     for update in result["update"]:
         path = (flags["model_name_or_path"] if update == 0

@@ -542,8 +542,8 @@ def classes_at_fall(runs: dict, dip: dict) -> str:
         for seed, curve in sorted(by_seed.items()):
             measured = dip.get(run_name(key, seed))
             depth, trough = fall(curve)
-            if measured is None or depth < 0.1:
-                continue
+            if measured is None or depth < 0.1 or f"[toy {measured['world']['policy_sha256'][:8]}]" not in key[3]:
+                continue  # no snapshots measured, no fall, or the same name on another build
             peak = max((score, -u) for u, score in accuracy(curve).items() if 0 < u < trough)
             at = {u: i for i, u in enumerate(measured["update"])}
             changes = ", ".join(
