@@ -472,8 +472,12 @@ def builds(runs: dict, worlds: dict) -> str:
             f"{key[0]} K = {key[1]} {key[2]} seed {seed}: mean accuracy {mean_accuracy(there[key, seed]):.3f} there, "
             f"{mean_accuracy(runs[key][seed]):.3f} here, largest fall {fall(there[key, seed])[0]:.2f} there, "
             f"{fall(runs[key][seed])[0]:.2f} here" for key, seed in same)
-        first = [(there[key, seed]["objective/scores"][0], runs[key][seed]["objective/scores"][0])
-                 for key, seed in same]
+        first = sorted({(there[key, seed]["objective/scores"][0], runs[key][seed]["objective/scores"][0])
+                        for key, seed in same})
+        none = per_seed(runs, ("grpo", 16, "none", label), mean_accuracy)
+        against_none = "; ".join(
+            f"{c} {difference(paired(per_seed(runs, ('grpo', 16, c, label), mean_accuracy), none))}"
+            for c in CORRECTIONS if runs.get(("grpo", 16, c, label))) if none else ""
         lines.append(bullet(f"""**Two builds of the task.** The toy tasks are built the same on one CPU every time, not
         across CPUs (float rounding). The runs of 1-6 were made on the task as built on the AVX-512 machine of
         2026-11-26/28 (its starting policy's hash was not recorded); the runs marked {label} on the task as built on
@@ -482,7 +486,8 @@ def builds(runs: dict, worlds: dict) -> str:
         reward {", ".join(f"{a:.3f} there, {b:.3f} here" for a, b in first)}), and then in the whole run: {pairs}. A
         seed on one build is not the same run on another (the kit's code is not the difference: the commit that made
         the stored runs, a4859c1, run here, samples this machine's first batches, not the stored ones); a finding of 6
-        holds for the build it was measured on until another build's runs show it."""))
+        holds for the build it was measured on until another build's runs show it. Here, GRPO at K = 16, a correction's
+        mean accuracy minus none's of the same seed: {against_none or "not run"}."""))
     return "\n".join(lines)
 
 
