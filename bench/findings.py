@@ -188,7 +188,9 @@ def k16(runs: dict) -> str:
     no_trust = [lowest(curve)[0] for c in ("pure_is", "m2po") for curve in runs[("grpo", 16, c, "")].values()]
     none_reach = [next(u for u, s in sorted(accuracy(curve).items()) if s >= BACK) for curve in nones]
     none_after = [min(s for u, s in accuracy(curve).items() if u >= reach) for curve, reach in zip(nones, none_reach)]
-    return bullet(f"""**At K = 16 every per-token correction does worse than none over 128 updates.** Mean
+    headline = ("every per-token correction does worse than none over 128 updates" if below == total
+                else f"a per-token correction does worse than none in {below} of {total} seed pairs")
+    return bullet(f"""**On the stored build, at K = 16 {headline}.** Mean
   accuracy over the 32
   evaluations (updates 4-128), GRPO on seeds {seeds(none)}: none {span(none.values())}, the five corrections
   {span([v for c in CORRECTIONS for v in corrected[c].values()])}; a correction minus none of the same seed is below 0
