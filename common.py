@@ -100,10 +100,13 @@ class OptimizerArgs(FlagGroup):
 
 @dataclass
 class RLOptimizerArgs(OptimizerArgs):
-    """Optimisation: micro-batches, optimizer steps, AdamW with a learning rate decaying linearly to 0"""
+    """Optimisation: micro-batches, optimizer steps, AdamW with a learning rate decaying linearly to 0 (or constant)"""
 
     total_episodes: int = 4480
     """prompts to train on, over all ranks"""
+    lr_scheduler_type: Literal["linear", "constant"] = "linear"
+    """the learning rate over the run's optimizer steps: linear, from --learning_rate down to 0 at the last one;
+    constant, --learning_rate throughout (a horizon's length then changes nothing before its end)"""
     num_mini_batches: int = 1
     """optimizer steps per epoch over a generated batch; the i-th of the first epoch is i-1 updates off-policy"""
 

@@ -17,7 +17,8 @@ DEFAULT_IS_CAP = {"none": 2.0, "decoupled": 5.0, "pure_is": 5.0, "tis": 2.0, "ma
 ESS_SUMS = "ess_sums"  # a micro-batch's (sum w, sum w^2, count), which merge_diagnostics turns into async/ess
 # the diagnostics of samples drawn by the weights that train them, and of a micro-batch with no real token
 NOTHING_STALE = {"async/mismatch_kl": 0.0, "async/is_ratio_mean": 1.0, "async/is_ratio_max": 1.0,
-                 "async/is_truncated_frac": 0.0}
+                 "async/is_truncated_frac": 0.0, "async/seq_log_ratio_mean": 0.0, "async/seq_log_ratio_peak": 0.0,
+                 "async/seq_log_ratio_peak_max": 0.0}
 
 
 @dataclass
@@ -101,9 +102,10 @@ def off_policy_terms(new_logprobs, sampling_logprobs, start_logprobs, mask, corr
       mask:      anchor the start of the update's; w = rho where it lies in [is_mask_low, cap], else 0
       m2po:      decoupled, unclipped, and only the kept tokens (second_moment_mask) count: a per-token loss
                  weighs the others 0 (token_weights), a per-completion loss sums its log-probs over the kept
-    Diagnostics: async/mismatch_kl, the k3 estimate of KL(pi_sampling || pi_step) per token; async/is_ratio_*
-    and async/is_truncated_frac describe rho before truncation (base: this step under none); with mask and
-    m2po the share of terms dropped; the sums async/ess is made of (merge_diagnostics)."""
+    Diagnostics: async/mismatch_kl, the k3 estimate of KL(pi_sampling || pi_step) per token; async/seq_log_ratio_*,
+    the same drift per completion (sequence_log_ratios); async/is_ratio_* and async/is_truncated_frac describe rho
+    before truncation (base: this step under none); with mask and m2po the share of terms dropped; the sums
+    async/ess is made of (merge_diagnostics)."""
     # the weights and the anchor are constants of the loss: no gradient reaches the policy through them, whatever
     # forward the caller computed its log-probs in
     step_logprobs, sampling_logprobs, start_logprobs = (x.detach() for x in (new_logprobs, sampling_logprobs,
@@ -132,7 +134,8 @@ def off_policy_terms(new_logprobs, sampling_logprobs, start_logprobs, mask, corr
     diagnostics = dict(NOTHING_STALE) if not real.any() else {
         "async/mismatch_kl": common.masked_mean(torch.exp(step_log_ratio) - step_log_ratio - 1, mask),
         "async/is_ratio_mean": raw[real].mean().item(), "async/is_ratio_max": raw[real].max().item(),
-        "async/is_truncated_frac": (raw[real] > cap).float().mean().item()}
+        "async/is_truncated_frac": (raw[real] > cap).float().mean().item(),
+        **sequence_log_ratios(step_log_ratio, mask)}
     diagnostics[ESS_SUMS] = (raw[real].sum().item(), (raw[real] ** 2).sum().item(), real.sum().item())
     if correction == "mask":
         diagnostics["async/is_masked_frac"] = (weights[real] == 0).float().mean().item() if real.any() else 0.0
@@ -140,6 +143,19 @@ def off_policy_terms(new_logprobs, sampling_logprobs, start_logprobs, mask, corr
         diagnostics["async/m2po_masked_frac"] = 1 - kept.sum().item() / max(mask.sum().item(), 1)
     return OffPolicyTerms(anchor, weights, kept, correction != "m2po", diagnostics)
 
+
+def sequence_log_ratios(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The drift per completion, of the per-token log_ratio = log pi_step / pi_sampling over each completion's real
+    tokens (`mask`), both (n, R): async/seq_log_ratio_mean, the mean over completions of each one's mean log-ratio
+    (a drift spread over many tokens); async/seq_log_ratio_peak, the mean over completions of each one's largest
+    |log-ratio| (one token moved far: a per-token mean hides it); async/seq_log_ratio_peak_max, the largest of
+    those. Completions with no real token count for nothing."""
+    real = mask.bool()
+    counted = real.any(dim=1)  # (n,)
+    means = torch.where(real, log_ratio, 0.0).sum(dim=1)[counted] / real.sum(dim=1)[counted]  # (completions,)
+    peaks = torch.where(real, log_ratio.abs(), 0.0).max(dim=1).values[counted]  # (completions,)
+    return {"async/seq_log_ratio_mean": means.mean().item(), "async/seq_log_ratio_peak": peaks.mean().item(),
+            "async/seq_log_ratio_peak_max": peaks.max().item()}
 
 
 def second_moment_mask(log_ratios: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -137,6 +137,15 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return advantages, advantages + values
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the real tokens, all (batch, len): the share of the returns'
+    variance the value model's predictions explain (1: all of it; 0: no better than their mean; negative: worse;
+    NaN where the returns do not vary)."""
+    real = mask.bool()
+    variance = returns[real].var()
+    return (1 - (returns[real] - values[real]).var() / variance).item() if variance > 0 else float("nan")
+
+
 def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float, step_tokens: float, weights=1.0,
                 clip: bool = True):
     """Clipped surrogate on per-token ratios, each term times its importance weight (1, or those of
@@ -192,7 +201,8 @@ def main(args: Args):
     parameter_counts = lora.trainable_parameters(agent)
     optimizer = torch.optim.AdamW([p for p in agent.parameters() if p.requires_grad], lr=args.optimizer.learning_rate)
     num_optimizer_steps = num_updates * args.optimizer.num_epochs * args.optimizer.num_mini_batches
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    scheduler = get_scheduler(args.optimizer.lr_scheduler_type, optimizer, num_warmup_steps=0,
+                              num_training_steps=num_optimizer_steps)
     agent = common.prepare_deepspeed(agent, args.distributed, args.optimizer, optimizer, scheduler)
     ref_policy = lora.reference_policy(args.distributed, ref_policy, agent, part="policy")
     if reward_model is not None:  # none with --reward_fn
@@ -292,6 +302,7 @@ def main(args: Args):
             "loss/policy_avg": stats["pg_loss"],
             "loss/value_avg": stats["vf_loss"],
             "val/clipfrac_avg": stats["vf_clipfrac"],
+            "val/explained_variance": explained_variance(values, returns, mask),  # the values before the update
             "val/ratio": ratios.mean().item(),
             "val/ratio_var": ratios.var().item(),
             **off_policy,

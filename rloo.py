@@ -107,7 +107,8 @@ def main(args: Args):
     trained = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=args.optimizer.learning_rate)
     num_optimizer_steps = num_updates * args.optimizer.num_epochs * args.optimizer.num_mini_batches
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=num_optimizer_steps)
+    scheduler = get_scheduler(args.optimizer.lr_scheduler_type, optimizer, num_warmup_steps=0,
+                              num_training_steps=num_optimizer_steps)
     policy = common.prepare_deepspeed(policy, args.distributed, args.optimizer, optimizer, scheduler)
     ref_policy = lora.reference_policy(args.distributed, ref_policy, policy)
     if reward_model is not None:  # none with --reward_fn

@@ -4,7 +4,7 @@ pooled), accuracy at a few updates (mean ± std over the seeds), each seed's low
 the first update after it evaluated at 0.95 or more, `async/mismatch_kl` and `async/ess` averaged over windows of
 updates (1-(K+1): the starting policy's samples; (K+2)-32, 33-64, 65-128: samples of weights the run trained), and
 the final eval KL where the script has a reference. Flags that differ between the files (an --extra of one of them)
-name its rows.
+name its rows, and so does the toy build (`[toy <sha256 of the starting policy>]`) where a file records it.
 
     python bench/horizon_table.py bench/results/off_policy_corrections_*k16_total_episodes-8192_eval_in_trainer*.json
 """
@@ -48,20 +48,23 @@ def rows(paths: list[str]) -> dict:
     common = set.intersection(*extras)
     runs = collections.defaultdict(dict)
     for result, extra in zip(results, extras):
-        own = " ".join(sorted(extra - common))
+        # the world a run was made in, where its file names it (a toy task built on another CPU is another task)
+        built = [f"[toy {result['world']['policy_sha256'][:8]}]"] if "world" in result else []
+        own = " ".join([*sorted(extra - common), *built])
         for name, curve in result["curves"].items():
             algorithm, _, k, correction, seed = name.split()
             runs[(algorithm, int(k[1:]), correction, own)][int(seed.removeprefix("seed"))] = curve
     return runs
 
 
-def main(paths: list[str]):
+def table(paths: list[str]) -> list[str]:
+    """The table's lines (markdown), its rows sorted by algorithm, K, correction and flags."""
     def windows(k: int) -> tuple:  # the first K + 1 updates train on the starting policy's samples
         return (1, k + 1), (k + 2, 32), (33, 64), (65, 128)
 
-    print("| run | seeds | " + " | ".join(map(str, UPDATES)) + f" | lowest after 8 (update) | back to {BACK} (update) "
-          "| mismatch KL 1-(K+1) / (K+2)-32 / 33-64 / 65-128 | ESS (K+2)-32 / 65-128 | final eval KL |")
-    print("|" + " --- |" * (len(UPDATES) + 7))
+    lines = ["| run | seeds | " + " | ".join(map(str, UPDATES)) + f" | lowest after 8 (update) | back to {BACK} "
+             "(update) | mismatch KL 1-(K+1) / (K+2)-32 / 33-64 / 65-128 | ESS (K+2)-32 / 65-128 | final eval KL |",
+             "|" + " --- |" * (len(UPDATES) + 7)]
     for (algorithm, k, correction, own), by_seed in sorted(rows(paths).items()):
         seeds = sorted(by_seed.items())
         curves = [curve for _, curve in seeds]
@@ -78,9 +81,10 @@ def main(paths: list[str]):
                          for window in (trained, late))
         kl = mean_std([curve["eval/kl"][-1] for curve in curves], "{:.2f}") if "eval/kl" in curves[0] else "-"
         scores = " | ".join(mean_std([by_update[update] for by_update in accuracy]) for update in UPDATES)
-        print(f"| {algorithm} k{k} {correction}{' ' + own if own else ''} | {','.join(str(s) for s, _ in seeds)} | "
-              f"{scores} | {lowest} | {back} | {drift} | {ess} | {kl} |")
+        lines.append(f"| {algorithm} k{k} {correction}{' ' + own if own else ''} | "
+                     f"{','.join(str(s) for s, _ in seeds)} | {scores} | {lowest} | {back} | {drift} | {ess} | {kl} |")
+    return lines
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    print("\n".join(table(sys.argv[1:])))

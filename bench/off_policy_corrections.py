@@ -12,8 +12,10 @@ output (the runs that tell why a correction collapses: `--extra="--correction_le
 Every run is the script's own preset (toy-math) or default (TL;DR) with only --async_steps,
 --off_policy_correction and --seed changed; a finished run (its `done` marker) is not run again, so an
 interrupted sweep goes on where it stopped when given the same --output_dir. Prints a table (mean ± std over
-seeds) and writes results.json and a figure (scores, KL, mismatch KL and effective sample size against K, and
-the final score against the mismatch KL, one line per correction) to --output_dir, and for a full run also to
+seeds) and writes results.json (with the world the runs were made in: the starting policy's weights' sha256 and
+the CPU, since a toy task built on another CPU is another task) and a figure (scores, KL, mismatch KL and effective
+sample size against K, and the final score against the mismatch KL, one line per correction) to --output_dir, and for
+a full run also to
 bench/results/off_policy_corrections.{json,png} (the name gains the task when not math, the algorithms when not
 all three, the corrections when not all six, the values of K when not 0 1 4 16, and the --extra flags:
 off_policy_corrections_grpo_rloo.png, off_policy_corrections_grpo_k4_total_episodes-8192.png).
@@ -24,8 +26,11 @@ off_policy_corrections_grpo_rloo.png, off_policy_corrections_grpo_k4_total_episo
     python bench/off_policy_corrections.py --quick                  # a smoke test, not a result
 """
 
+import glob
+import hashlib
 import json
 import os
+import platform
 import shlex
 import shutil
 import statistics
@@ -44,7 +49,13 @@ SCORE = {"math": "eval/accuracy", "tldr": "eval/gold_win_rate"}
 # what results.json keeps of every update of every run (its curves), besides the evaluations
 CURVES = ("async/staleness", "async/mismatch_kl", "async/ess", "async/is_ratio_max", "async/is_truncated_frac",
           "async/is_masked_frac", "async/m2po_masked_frac", "policy/clipfrac_avg", "policy/entropy_avg",
-          "loss/policy_avg", "val/ratio", "objective/scores", "objective/kl", "objective/non_score_reward", "lr")
+          "loss/policy_avg", "val/ratio", "objective/scores", "objective/kl", "objective/non_score_reward", "lr",
+          # the drift per completion (its mean and largest token log-ratio), dynamic sampling's rounds and the groups
+          # it drops, PPO's value model
+          "async/seq_log_ratio_mean", "async/seq_log_ratio_peak", "async/seq_log_ratio_peak_max",
+          "dynamic_sampling/rounds", "dynamic_sampling/dropped_groups", "dynamic_sampling/unfilled",
+          "dynamic_sampling/sampled_scores", "objective/zero_std_groups", "loss/value_avg", "val/explained_variance",
+          "val/clipfrac_avg")
 
 
 @dataclass
@@ -62,6 +73,9 @@ class Args:
     extra: str = ""
     """flags added to every run, as on its command line (--extra="--num_epochs 1"); the run directories and
     result files name them"""
+    save_every: int = 0
+    """every run's --save_every: its policy every this many updates (policies/update-N) for bench/dip_diagnostics.py
+    (0: none); the runs' numbers and the files' names stay the same"""
     quick: bool = False
     """smoke test: GRPO on toy-math, K = 2, none and m2po, 1 seed, 4 updates"""
     output_dir: str | None = None
@@ -70,15 +84,9 @@ class Args:
 
 def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: Args) -> dict:
     """The final evaluation of one run."""
-    name = f"{algorithm}-{task}-k{k}-{correction}{extra_suffix(args)}-seed{seed}"
-    output_dir = os.path.join(args.output_dir, name)
+    output_dir = os.path.join(args.output_dir, run_name(algorithm, task, k, correction, seed, args))
     if not os.path.exists(os.path.join(output_dir, "done")):
-        command = [sys.executable, os.path.join(ROOT, f"{algorithm}_vllm.py"),
-                   *(["--preset", "toy-math"] if task == "math" else []), "--async_steps", str(k),
-                   "--off_policy_correction", correction, "--seed", str(seed), "--output_dir", output_dir,
-                   *shlex.split(args.extra),
-                   *(["--total_episodes", "256", "--eval_every", "4", "--eval_num_prompts", "64"]
-                     if args.quick else [])]
+        command = run_command(algorithm, task, k, correction, seed, args, output_dir)
         print("$", " ".join(command[1:]), flush=True)
         shutil.rmtree(output_dir, ignore_errors=True)  # an interrupted run starts over
         result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -91,8 +99,9 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
     final = evaluations[-1]
     train_metrics = [m for m in metrics if "async/mismatch_kl" in m]
     curves = {"update": [m["update"] for m in train_metrics],
-              **{name: [round(m[name], 6) if name in m else None for m in train_metrics] for name in CURVES
-                 if any(name in m for m in train_metrics)},
+              # (the learning rate unrounded: ~1e-5, it would keep 1-2 digits)
+              **{name: [(m[name] if name == "lr" else round(m[name], 6)) if name in m else None for m in train_metrics]
+                 for name in CURVES if any(name in m for m in train_metrics)},
               "eval_update": [m["update"] for m in evaluations],
               **{name: [round(m[name], 6) for m in evaluations] for name in (SCORE[task], "eval/kl")
                  if name in final}}
@@ -105,6 +114,35 @@ def train(algorithm: str, task: str, k: int, correction: str, seed: int, args: A
             # the share of terms a correction dropped: mask's out of bounds, m2po's tokens
             "dropped_frac": statistics.mean(m.get("async/is_masked_frac", m.get("async/m2po_masked_frac", 0.0))
                                             for m in train_metrics)}
+
+
+def run_name(algorithm: str, task: str, k: int, correction: str, seed: int, args: Args) -> str:
+    """A run's folder in --output_dir: grpo-math-k16-decoupled_total_episodes-8192-seed1."""
+    return f"{algorithm}-{task}-k{k}-{correction}{extra_suffix(args)}-seed{seed}"
+
+
+def world(run_dir: str) -> dict:
+    """What a run's numbers depend on besides its flags: the starting policy's weights (the toy tasks are built the
+    same on one CPU every time, not across CPUs) and the CPU (float rounding in sampling and training)."""
+    with open(os.path.join(run_dir, "args.json")) as f:
+        policy = json.load(f)["args"]["model_name_or_path"]
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(policy, "*.safetensors"))):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    return {"policy_sha256": digest.hexdigest(), "cpu": model, "avx512": "avx512f" in cpuinfo}
+
+
+def run_command(algorithm: str, task: str, k: int, correction: str, seed: int, args: Args, output_dir: str) -> list:
+    """One run's command line: the script's preset (toy-math) or defaults, K, the correction, the seed, --extra."""
+    return [sys.executable, os.path.join(ROOT, f"{algorithm}_vllm.py"),
+            *(["--preset", "toy-math"] if task == "math" else []), "--async_steps", str(k),
+            "--off_policy_correction", correction, "--seed", str(seed), "--output_dir", output_dir,
+            *shlex.split(args.extra), *(["--save_every", str(args.save_every)] if args.save_every else []),
+            *(["--total_episodes", "256", "--eval_every", "4", "--eval_num_prompts", "64"] if args.quick else [])]
 
 
 def extra_suffix(args) -> str:
@@ -257,12 +295,15 @@ def main(args: Args):
                            f"{cell_values['truncated_frac'][0]:.2f} {cell_values['ess'][0]:.2f} "
                            f"{cell_values['dropped_frac'][0]:.2f}".rjust(56))
             print(f"{k:>3} " + "".join(row))
+    algorithm, task, k, correction, seed = next(iter(curves)).split()  # one of the runs: all share the machine
+    first_world = world(os.path.join(args.output_dir, run_name(algorithm, task, int(k[1:]), correction,
+                                                               int(seed.removeprefix("seed")), args)))
     destinations = [os.path.join(args.output_dir, "results")]
     if not args.quick:
         destinations.append(os.path.join(ROOT, "bench", "results", result_name(args)))
     for destination in destinations:
         with open(destination + ".json", "w") as f:
-            json.dump({"args": vars(args), "table": table, "curves": curves}, f)
+            json.dump({"args": vars(args), "world": first_world, "table": table, "curves": curves}, f)
         figure(table, args, destination + ".png")
         curves_figure(curves, args, destination + "_curves.png")
         print(f"results in {destination}.json and .png")

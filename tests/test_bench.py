@@ -164,7 +164,7 @@ def test_which_tokens_move_reads_a_runs_snapshots(tmp_path):
 def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
     """bench/horizon_table.py: each cell from the results JSON's per-update curves (two seeds pooled: mean ± std;
     seed 2 back at 0.95 from update 108, seed 1 never), the rows of a file with a flag of its own named by it, a run
-    two files hold counted once."""
+    two files hold counted once, a run on another build of the task (its file's world) a row of its own."""
     def curve(scale: float) -> dict:
         return {"update": list(range(1, 129)), "async/mismatch_kl": [scale * u for u in range(1, 129)],
                 "async/ess": [1.0 - scale] * 128, "eval_update": list(range(0, 129, 4)),
@@ -176,8 +176,11 @@ def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
                                 ("b", "--total_episodes 8192 --kl_penalty_logprobs start",
                                  {"ppo math k16 none seed1": curve(0.007)}),
                                 ("c", "--total_episodes 8192", {"ppo math k4 none seed1": curve(0.001)}),
-                                ("d", "--total_episodes 8192", {"ppo math k16 none seed2": curve(0.009)})]:
-        (tmp_path / f"{name}.json").write_text(json.dumps({"args": {"extra": extra}, "curves": curves}))
+                                ("d", "--total_episodes 8192", {"ppo math k16 none seed2": curve(0.009)}),
+                                ("e", "--total_episodes 8192", {"ppo math k16 none seed1": curve(0.005)})]:
+        # e: the same run on another build of the task, which its file records: a row of its own
+        world = {"world": {"policy_sha256": "abcdef12" + "0" * 56}} if name == "e" else {}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"args": {"extra": extra}, "curves": curves, **world}))
         files.append(tmp_path / f"{name}.json")
     table = run_script(*files, script="bench/horizon_table.py").stdout.splitlines()
     assert table[3] == ("| ppo k16 none | 1,2 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | 0.850 ± 0.071 | "
@@ -185,14 +188,15 @@ def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
                         "0.076 ± 0.006 / 0.212 ± 0.018 / 0.412 ± 0.034 / 0.820 ± 0.068 | 0.99 ± 0.00 / 0.99 ± 0.00 | "
                         "0.01 ± 0.00 |")
     assert table[4].startswith("| ppo k16 none --kl_penalty_logprobs start | 1 | 0.700 |")
+    assert table[5].startswith("| ppo k16 none [toy abcdef12] | 1 | 0.500 |")
     # K = 4: the windows 1-5 (the starting policy's samples), 6-32, 33-64, 65-128
     assert table[2].endswith("| 0.10 (12) | - | 0.003 / 0.019 / 0.049 / 0.097 | 1.00 / 1.00 | 0.00 |"), table[2]
-    assert len(table) == 5
+    assert len(table) == 6
 
 
 def test_the_latency_table_is_drawn_from_the_sweeps_results(tmp_path):
     """bench/latency_table.py: medians over the seeds, a target some seed never reached shown as "-", the ratios to
-    sync on the training clock and to --target on the wall clock."""
+    sync on the training clock and to --target on the wall clock (per seed: their median and range)."""
     def row(minutes_total: list[float], to_half: list[float | None], generate: float | None = None) -> dict:
         return {"final_returns": [0.5, 0.75, 1.0], "training_minutes_total": minutes_total,
                 "wall_minutes_to_0.5": to_half, "wall_minutes_to_0.8": [1.0, None, 2.0],
@@ -203,8 +207,9 @@ def test_the_latency_table_is_drawn_from_the_sweeps_results(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(results))
     table = run_script(tmp_path / "results.json", "--target", "0.5", script="bench/latency_table.py").stdout
     assert table.splitlines()[2:] == [
-        "| 0.5 s | sync | 0.750 (0.50, 0.75, 1.00) | 4.00 | - | 0.60 / - | 1.00x | 1.00x |",
-        "| 0.5 s | async | 0.750 (0.50, 0.75, 1.00) | 2.00 | 1.50 | 0.30 / - | 2.00x | 2.00x |",
+        "| 0.5 s | sync | 0.750 (0.50, 0.75, 1.00) | 4.00 | - | 0.60 / - | 1.00x | 1.00x (1.00-1.00x) |",
+        # per seed 0.3 / 0.2, 0.6 / 0.3, 0.9 / 0.4
+        "| 0.5 s | async | 0.750 (0.50, 0.75, 1.00) | 2.00 | 1.50 | 0.30 / - | 2.00x | 2.00x (1.50-2.25x) |",
         "| 0.5 s | bound (G + T) / max(G, T), sync's parts | | | | | 1.25x | |"]
     refused = run_script(tmp_path / "results.json", "--target", "0.7", script="bench/latency_table.py", check=False)
     assert refused.returncode != 0 and "--target 0.7 is not one of the sweep's targets [0.5, 0.8]" in refused.stderr
@@ -229,3 +234,122 @@ def test_a_sweeps_result_files_name_what_it_left_out_or_added():
     assert bench.result_name(bench.Args(tasks=("tldr",), async_steps=(4, 16), corrections=("none", "m2po"))) == (
         "off_policy_corrections_tldr_none_m2po_k4-16")
     assert bench.result_name(bench.Args(async_steps=(16, 4, 1, 0))) == "off_policy_corrections"
+    # snapshots for bench/dip_diagnostics.py change neither the runs' numbers nor the names
+    snapshots = bench.Args(algorithms=("grpo",), save_every=4)
+    assert bench.result_name(snapshots) == bench.result_name(bench.Args(algorithms=("grpo",)))
+    command = bench.run_command("grpo", "math", 16, "none", 1, snapshots, "out")
+    assert " ".join(command[2:]).endswith("--seed 1 --output_dir out --save_every 4")
+
+
+def test_every_computed_passage_of_results_is_what_the_stored_data_give(tmp_path):
+    """bench/RESULTS.md's computed passages are bench/findings.py's rendering of bench/results: as committed they
+    match; a number edited by hand in RESULTS.md, or one accuracy changed in the stored curves, makes --check fail
+    and name the passages."""
+    import pathlib
+    import shutil
+
+    bench = pathlib.Path(__file__).parent.parent / "bench"
+    assert "every computed passage" in run_script("--check", script="bench/findings.py").stdout
+    edited = tmp_path / "RESULTS.md"
+    text = (bench / "RESULTS.md").read_text()
+    passage = text.index("<!-- computed: horizon_findings -->")
+    first_number = passage + text[passage:].index("0.9")  # the first accuracy in that passage
+    edited.write_text(text[:first_number] + "0.8" + text[first_number + 3:])
+    refused = run_script("--check", "--results_md", edited, script="bench/findings.py", check=False)
+    assert refused.returncode != 0 and "horizon_findings" in refused.stderr and "latency" not in refused.stderr
+    results = tmp_path / "results"
+    shutil.copytree(bench / "results", results)
+    path = results / "off_policy_corrections_grpo_k16_total_episodes-8192_eval_in_trainer.json"
+    stored = json.loads(path.read_text())
+    stored["curves"]["grpo math k16 none seed1"]["eval/accuracy"][5] -= 0.25
+    path.write_text(json.dumps(stored))
+    refused = run_script("--check", "--results_dir", results, script="bench/findings.py", check=False)
+    assert refused.returncode != 0 and "horizon_table" in refused.stderr and "horizon_findings" in refused.stderr
+
+
+def test_the_findings_statistics_on_hand_computed_numbers():
+    """A paired difference is its mean and range over the seeds, "no evidence" where the range straddles 0; a run's
+    fall is its largest drop from an earlier evaluation; the time-averaged return is the area under the curve."""
+    findings = bench_module("findings")
+    assert findings.difference({1: -0.02, 2: -0.04}) == "-0.030 (per seed -0.040 to -0.020, 2 seeds)"
+    assert findings.difference({1: -0.02, 2: 0.01}) == (
+        "no evidence of a difference (per seed -0.020 to +0.010, 2 seeds)")
+    curve = {"eval_update": [0, 4, 8, 12, 16, 20], "eval/accuracy": [0.3, 0.96, 0.9, 0.5, 0.97, 0.8]}
+    assert findings.fall(curve) == (pytest.approx(0.46), 12)  # 0.96 to 0.5; 0.97 at 16 to 0.8 is smaller
+    assert findings.onset(curve) == 8 and findings.mean_accuracy(curve) == pytest.approx(4.13 / 5)
+    assert findings.lowest(curve) == (0.5, 12) and findings.back_at(curve) == 16
+    # returns 0 -> 1 over the first minute, then 1: over 2 minutes 0.75, over half a minute 0.25
+    evals = [{"wall_minutes": 0.0, "return": 0.0}, {"wall_minutes": 1.0, "return": 1.0},
+             {"wall_minutes": 3.0, "return": 1.0}]
+    assert findings.time_averaged_return(evals, 2.0) == pytest.approx(0.75)
+    assert findings.time_averaged_return(evals, 0.5) == pytest.approx(0.25)
+    # a horizon run's folder, as the bench names it (dip_diagnostics.json's key)
+    assert findings.run_name(("grpo", 16, "decoupled", "--lr_scheduler_type constant"), 2) == (
+        "grpo-math-k16-decoupled_total_episodes-8192_eval_in_trainer_lr_scheduler_type-constant-seed2")
+
+
+def test_dip_diagnostics_reads_a_runs_snapshots(tmp_path):
+    """bench/dip_diagnostics.py on a run whose snapshot at update 4 is the starting policy itself: the classes hold
+    every problem, update 4 measures as update 0, each class's decision probability is the mean of a direct forward's
+    next-token probability, and its accuracy that of greedy completions (near-greedy may differ on a tie)."""
+    import os
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import toy
+
+    policy_path, dataset = os.path.join(toy.MATH_DIR, "sft_policy"), os.path.join(toy.MATH_DIR, "dataset")
+    run = tmp_path / "run"
+    shutil.copytree(policy_path, run / "policies" / "update-4")
+    flags = {"model_name_or_path": policy_path, "dataset_name": dataset, "eval_split": "test",
+             "prompt_column": "question", "answer_column": "answer", "temperature": 0.7, "response_length": 24,
+             "eval_num_prompts": 64, "seed": 1}
+    (run / "args.json").write_text(json.dumps({"args": flags}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"update": u, "eval/accuracy": 0.5}) + "\n" for u in (0, 4)))
+    run_script(run, "--output", tmp_path / "dip.json", script="bench/dip_diagnostics.py")
+    measured = json.loads((tmp_path / "dip.json").read_text())["run"]
+    diagnostics = bench_module("dip_diagnostics")
+    classes = measured["classes"]
+    assert measured["update"] == [0, 4] and sum(c["problems"] for c in classes.values()) == 64
+    for c in classes.values():
+        assert c["accuracy"][0] == c["accuracy"][1] and c["decision"][0] == c["decision"][1]
+    # the decision by hand: the policy's next-token probability at temperature 0.7 after the solution's prefix
+    import datasets
+
+    rows = datasets.load_from_disk(dataset)["test"].select(range(64))
+    tokenizer, policy = AutoTokenizer.from_pretrained(policy_path), AutoModelForCausalLM.from_pretrained(policy_path)
+    by_class = {c: [] for c in diagnostics.CLASSES}
+    greedy_right = {c: [] for c in diagnostics.CLASSES}
+    for question, solution, a, b in zip(rows["question"], rows["answer"], rows["a"], rows["b"]):
+        prefix, decision = diagnostics.decision_split(solution)
+        assert decision == ("+" if a % 10 + b % 10 >= 10 else "=")
+        ids = tokenizer(question)["input_ids"] + tokenizer(prefix)["input_ids"]
+        with torch.no_grad():
+            logits = policy(torch.tensor([ids])).logits[0, -1] / 0.7
+        by_class[diagnostics.problem_class(a, b)].append(
+            torch.softmax(logits, -1)[tokenizer.convert_tokens_to_ids(decision)].item())
+        output = policy.generate(torch.tensor([tokenizer(question)["input_ids"]]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        completion = tokenizer.decode(output[0, len(tokenizer(question)["input_ids"]):], skip_special_tokens=True)
+        greedy_right[diagnostics.problem_class(a, b)].append(toy.states_the_sum(completion, a, b))
+    for c in diagnostics.CLASSES:
+        assert classes[c]["decision"][0] == pytest.approx(sum(by_class[c]) / len(by_class[c]), abs=1e-5)
+        assert abs(classes[c]["accuracy"][0] * classes[c]["problems"] - sum(greedy_right[c])) <= 1, c
+
+
+def test_a_sweep_records_the_world_its_runs_were_made_in(tmp_path):
+    """The starting policy's weights' sha256 (its safetensors files, in order) and the CPU, from a run's args.json."""
+    import hashlib
+
+    bench = bench_module("off_policy_corrections")
+    policy, run = tmp_path / "policy", tmp_path / "run"
+    policy.mkdir()
+    run.mkdir()
+    (policy / "model-00001.safetensors").write_bytes(b"one")
+    (policy / "model-00002.safetensors").write_bytes(b"two")
+    (run / "args.json").write_text(json.dumps({"args": {"model_name_or_path": str(policy)}}))
+    world = bench.world(str(run))
+    assert world["policy_sha256"] == hashlib.sha256(b"onetwo").hexdigest()
+    assert world["cpu"] and isinstance(world["avx512"], bool)

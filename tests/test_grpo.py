@@ -245,6 +245,7 @@ def test_grpo_learns_the_toy_task(tmp_path):
     # and nothing is stale: the off-policy diagnostics read 0 and 1
     assert all(m["async/mismatch_kl"] == 0 and m["async/is_ratio_mean"] == m["async/is_ratio_max"] == 1
                and m["async/is_truncated_frac"] == 0 and m["async/ess"] == 1 for m in train)
+    assert all(m["async/seq_log_ratio_mean"] == m["async/seq_log_ratio_peak_max"] == 0 for m in train)
     # the entropy is logged with no entropy bonus in the loss
     assert all(0 < m["policy/entropy_avg"] < math.log(len(toy.WORDS)) for m in train)
 

@@ -43,3 +43,7 @@ def test_off_policy_diagnostics_at_staleness_4_with_truncated_importance_samplin
     assert all(m["async/is_ratio_max"] > 1.1 and m["async/ess"] < 1 for m in train[1:])
     mismatch = [m["async/mismatch_kl"] for m in train[:5]]  # staleness 0 to 4 (and 4 epochs of drift each)
     assert mismatch == sorted(mismatch) and mismatch[0] < 1e-4 < mismatch[1], mismatch
+    # per completion: its largest token move is above its mean one, and grows with the staleness too
+    peaks = [m["async/seq_log_ratio_peak"] for m in train[:5]]
+    assert peaks == sorted(peaks) and all(m["async/seq_log_ratio_peak_max"] >= m["async/seq_log_ratio_peak"]
+                                          > abs(m["async/seq_log_ratio_mean"]) for m in train[1:])

@@ -136,6 +136,24 @@ def test_the_diagnostics():
     assert merged["async/ess"] == pytest.approx((5 + 4.5) ** 2 / (6 * (11.5 + 1.2 ** 2 + 0.8 ** 2 + 2.5 ** 2)))
 
 
+def test_the_drift_per_completion():
+    """Each completion's mean log-ratio and largest |log-ratio| over its own real tokens, then over completions: two
+    of 3 and 1 tokens (a per-token mean would weigh the long one 3x), and one row with no real token (left out)."""
+    log_ratio = torch.tensor([[0.2, -1.0, 0.0, 9.0], [0.5, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    drift = corrections.sequence_log_ratios(log_ratio, mask)
+    assert drift["async/seq_log_ratio_mean"] == pytest.approx((-0.8 / 3 + 0.5) / 2)
+    assert drift["async/seq_log_ratio_peak"] == pytest.approx((1.0 + 0.5) / 2)
+    assert drift["async/seq_log_ratio_peak_max"] == pytest.approx(1.0)
+    # in off_policy_terms, of log pi_step / pi_sampling (1.5, 0.5, 3), every correction alike
+    none = terms("none").diagnostics
+    assert none["async/seq_log_ratio_mean"] == pytest.approx(math.log(1.5 * 0.5 * 3) / 3)
+    assert none["async/seq_log_ratio_peak"] == none["async/seq_log_ratio_peak_max"] == pytest.approx(math.log(3))
+    merged = corrections.merge_diagnostics([none, terms("tis", new=START).diagnostics])  # the largest of the peaks
+    assert merged["async/seq_log_ratio_peak_max"] == pytest.approx(math.log(3))
+    assert merged["async/seq_log_ratio_peak"] == pytest.approx((math.log(3) + math.log(2.5)) / 2)
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("correction", CORRECTIONS)
 def test_no_gradient_flows_through_the_weights_or_the_anchor(correction, level):
@@ -175,6 +193,7 @@ def test_a_micro_batch_with_no_real_token_counts_for_nothing(correction):
     assert corrections.merge_diagnostics([empty.diagnostics, full]) == corrections.merge_diagnostics([full])
     alone = corrections.merge_diagnostics([empty.diagnostics])
     assert alone["async/ess"] == 1 and alone["async/is_ratio_max"] == 1 and alone["async/mismatch_kl"] == 0
+    assert alone["async/seq_log_ratio_peak_max"] == 0
 
 
 @pytest.mark.parametrize("correction", CORRECTIONS)
@@ -188,6 +207,7 @@ def test_nothing_stale_every_correction_is_none(correction):
     assert diagnostics["async/mismatch_kl"] == 0 and diagnostics["async/is_ratio_mean"] == 1
     assert diagnostics["async/is_ratio_max"] == 1 and diagnostics["async/is_truncated_frac"] == 0
     assert diagnostics["async/ess"] == 1
+    assert diagnostics["async/seq_log_ratio_mean"] == diagnostics["async/seq_log_ratio_peak_max"] == 0
     loss = ppo.policy_loss(fresh, made.anchor, ADVANTAGES, MASK, 0.2, MASK.sum().item(), made.token_weights,
                            made.clip)[0]
     loss.backward()

@@ -86,6 +86,19 @@ def test_clipped_value_loss_on_hand_computed_numbers():
     assert clipfrac.item() == pytest.approx(0.5)
 
 
+def test_explained_variance_on_hand_computed_numbers():
+    """Over the real tokens only (the pad holds a value far off): returns 2, 0, 4 (variance 4), residuals 1, 0, 1
+    (variance 1/3): 1 - 1/12; predictions equal to the returns explain all; returns that do not vary, NaN."""
+    import ppo_vllm
+
+    returns, values = torch.tensor([[2.0, 0.0], [4.0, 50.0]]), torch.tensor([[1.0, 0.0], [3.0, -50.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    for script in (ppo, ppo_vllm):  # the twins' copies
+        assert script.explained_variance(values, returns, mask) == pytest.approx(11 / 12)
+        assert script.explained_variance(returns, returns, mask) == 1
+        assert math.isnan(script.explained_variance(values, torch.ones_like(returns), mask))
+
+
 def test_score_lands_on_the_last_real_token_with_and_without_eos():
     eos, pad = 1, 0
     responses, lengths, _ = common.truncate_after_eos(torch.tensor([[5, 1, 6, 7], [5, 6, 7, 8]]), [eos], pad)
@@ -100,19 +113,22 @@ def test_score_lands_on_the_last_real_token_with_and_without_eos():
 def test_logs_every_metric_and_saves_the_policy_alone(tmp_path):
     """3 updates of 16 prompts, evaluated at the start and the end (the learning run is the whole suite's)."""
     run = tmp_path / "run"
-    run_script(*QUICK, "--total_episodes", "48", "--eval_every", "3", "--output_dir", run, script="ppo.py")
+    run_script(*QUICK, "--total_episodes", "48", "--eval_every", "3", "--lr_scheduler_type", "constant",
+               "--output_dir", run, script="ppo.py")
     metrics = read_metrics(run)
     train = [m for m in metrics if "loss/policy_avg" in m]
     assert [m["update"] for m in train] == [1, 2, 3]
     assert [m["update"] for m in metrics if "eval/gold_win_rate" in m] == [0, 3]
     for name in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
-                 "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "objective/scores",
-                 "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-                 "val/num_eos_tokens", "lr", "episode", "eps"):
+                 "loss/value_avg", "val/clipfrac_avg", "val/explained_variance", "val/ratio", "val/ratio_var",
+                 "objective/scores", "objective/kl", "objective/entropy", "objective/non_score_reward",
+                 "objective/rlhf_reward", "val/num_eos_tokens", "lr", "episode", "eps"):
         assert all(math.isfinite(m[name]) for m in train), name
     # the first of 4 epochs is on-policy, so ratios start at 1 and move only a little
     assert 0.8 < train[0]["val/ratio"] < 1.2 and train[0]["val/ratio_var"] > 0
     assert train[0]["objective/kl"] == pytest.approx(0, abs=1e-4)
+    assert all(m["val/explained_variance"] <= 1 for m in train)
+    assert [m["lr"] for m in train] == [3e-5] * 3  # --lr_scheduler_type constant (online_dpo's test: linear decay)
     assert_trained_policy_saved(run)  # the policy alone: a value head would be an unexpected key
 
 

@@ -1,0 +1,670 @@
+"""Every measured number in the prose of bench/RESULTS.md's long-horizon findings (the paper's findings, 6: the
+corrections at exact staleness over 128 updates, the dip's controls, sequence-level tis) and of its latency sweep,
+computed from the results in bench/results. RESULTS.md holds each computed passage between `<!-- computed: NAME -->`
+and `<!-- /computed -->`; this script renders them from the data and prints them, writes them there (--write), or
+checks that RESULTS.md holds exactly what the data give (--check: a number edited by hand, or a result changed under
+it, fails; tests/test_bench.py runs it).
+
+The statistics, each named where the prose uses it:
+- a run's mean accuracy: over its 32 evaluations at updates 4-128 (the starting policy's, update 0, left out);
+- its lowest accuracy after update 8 and the update of it; back at 0.95: the first update after that lowest
+  evaluated at 0.95 or more;
+- its fall: the largest drop from an earlier evaluation's accuracy to a later one (peak to trough, updates 4-128),
+  with the trough's update; its onset: the first evaluation below 0.95 after one at 0.95 or more;
+- comparisons paired per seed (the same seed: the same prompts and the same starting samples), as each seed's
+  difference, then their mean and range (min to max) over the seeds; a range that straddles 0 reads "no evidence of
+  a difference" (with 2 or 3 seeds a range is all the spread there is).
+
+    python bench/findings.py            # print the passages
+    python bench/findings.py --write    # put them in bench/RESULTS.md
+    python bench/findings.py --check    # exit 1, naming the passages, where RESULTS.md is not what the data give
+"""
+
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import tyro
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+
+import horizon_table  # noqa: E402
+import latency_table  # noqa: E402
+import off_policy_corrections  # noqa: E402
+
+PASSAGE = re.compile(r"(<!-- computed: (\w+) -->\n)(.*?)(<!-- /computed -->)", re.S)
+CORRECTIONS = ("decoupled", "pure_is", "tis", "mask", "m2po")  # none's alternatives, in the kit's order
+BACK = 0.95
+CONTROLS = (("--lr_scheduler_type constant", "A constant learning rate"),  # the dip's controls of GRPO at K = 16
+            ("--no_dynamic_sampling", "Dynamic sampling off"))
+
+
+@dataclass
+class Args:
+    write: bool = False
+    """put the passages in --results_md"""
+    check: bool = False
+    """exit 1 where --results_md's passages are not what the data give"""
+    results_dir: str = os.path.join(BENCH, "results")
+    """the results the numbers are computed from"""
+    results_md: str = os.path.join(BENCH, "RESULTS.md")
+    """the file whose passages are written or checked"""
+
+
+# ---------------------------------------------------------------------------------------------- per run
+def accuracy(curve: dict) -> dict[int, float]:
+    return dict(zip(curve["eval_update"], curve["eval/accuracy"]))
+
+
+def mean_accuracy(curve: dict) -> float:
+    """Over the evaluations after the start (updates 4-128: 32 of them)."""
+    return statistics.mean(score for update, score in accuracy(curve).items() if update > 0)
+
+
+def lowest(curve: dict, after: int = 8) -> tuple[float, int]:
+    return min((score, update) for update, score in accuracy(curve).items() if update > after)
+
+
+def back_at(curve: dict, level: float = BACK) -> int | None:
+    """The first update after the lowest (after update 8) evaluated at `level` or more."""
+    low = lowest(curve)[1]
+    return next((u for u, score in sorted(accuracy(curve).items()) if u > low and score >= level), None)
+
+
+def fall(curve: dict) -> tuple[float, int]:
+    """The largest drop from an earlier evaluation to a later one (updates 4-128), and the later one's update."""
+    peak, largest = 0.0, (0.0, 0)
+    for update, score in sorted(accuracy(curve).items()):
+        if update > 0:
+            peak = max(peak, score)
+            largest = max(largest, (peak - score, update))
+    return largest
+
+
+def back_after(curve: dict, after: int, level: float = BACK) -> int | None:
+    """The first update after `after` evaluated at `level` or more."""
+    return next((u for u, score in sorted(accuracy(curve).items()) if u > after and score >= level), None)
+
+
+def onset(curve: dict, level: float = BACK) -> int | None:
+    """The first evaluation below `level` after one at `level` or more."""
+    reached = False
+    for update, score in sorted(accuracy(curve).items()):
+        if score >= level:
+            reached = True
+        elif reached:
+            return update
+    return None
+
+
+def window(curve: dict, name: str, first: int, last: int) -> float:
+    return statistics.mean(v for u, v in zip(curve["update"], curve[name]) if first <= u <= last)
+
+
+# ---------------------------------------------------------------------------------------------- text
+def span(values, form: str = "{:.3f}", sep: str = "-") -> str:
+    """"a-b" over the values (one value if they are equal)."""
+    low, high = min(values), max(values)
+    if form.format(low) == form.format(high):
+        return form.format(low)
+    return f"{form.format(low)}{sep}{form.format(high)}"
+
+
+def bullet(text: str) -> str:
+    """A markdown list item of `text`, its white space made single, wrapped at 118 characters."""
+    return textwrap.fill(" ".join(text.split()), 118, initial_indent="- ", subsequent_indent="  ",
+                         break_on_hyphens=False)
+
+
+def paragraph(text: str) -> str:
+    return textwrap.fill(" ".join(text.split()), 118, break_on_hyphens=False)
+
+
+def updates(values) -> str:
+    """The span of the updates given ("-" where there are none)."""
+    given = [v for v in values if v is not None]
+    return span(given, "{}") if given else "-"
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    """a - b, seed by seed, over the seeds both have."""
+    return {seed: a[seed] - b[seed] for seed in sorted(a) if seed in b}
+
+
+def difference(diffs: dict[int, float], form: str = "{:+.3f}") -> str:
+    """Paired differences as the prose states them: their mean and range over the seeds, or "no evidence of a
+    difference" where the range straddles 0."""
+    values = list(diffs.values())
+    seeds = f"{len(values)} seed{'s' if len(values) > 1 else ''}"
+    if len(values) == 1:
+        return f"{form.format(values[0])} (one seed)"
+    if min(values) < 0 < max(values):
+        return (f"no evidence of a difference (per seed {span(values, form, ' to ')}, {seeds})")
+    return f"{form.format(statistics.mean(values))} (per seed {span(values, form, ' to ')}, {seeds})"
+
+
+# ---------------------------------------------------------------------------------------------- data
+def horizon_runs(results_dir: str) -> tuple[dict, list[str], dict]:
+    """The 128-update runs: {(algorithm, K, correction, own flags and build): {seed: curve}}, their files, and the
+    builds other than the stored one: {"[toy <sha256[:8]>]": the world its file records}."""
+    paths = sorted(glob.glob(os.path.join(results_dir, "off_policy_corrections_*total_episodes-8192_eval_in_trainer*"
+                                                       ".json")))
+    worlds = {}
+    for path in paths:
+        with open(path) as f:
+            world = json.load(f).get("world")
+        if world:
+            worlds[f"[toy {world['policy_sha256'][:8]}]"] = world
+    return horizon_table.rows(paths), paths, worlds
+
+
+def per_seed(runs: dict, key: tuple, statistic) -> dict[int, float]:
+    return {seed: statistic(curve) for seed, curve in sorted(runs.get(key, {}).items())}
+
+
+# ---------------------------------------------------------------------------------------------- passages
+def k16(runs: dict) -> str:
+    none = per_seed(runs, ("grpo", 16, "none", ""), mean_accuracy)
+    corrected = {c: per_seed(runs, ("grpo", 16, c, ""), mean_accuracy) for c in CORRECTIONS}
+    pairs = {c: paired(corrected[c], none) for c in CORRECTIONS}
+    below = sum(d < 0 for diffs in pairs.values() for d in diffs.values())
+    total = sum(len(diffs) for diffs in pairs.values())
+    ppo_none = per_seed(runs, ("ppo", 16, "none", ""), mean_accuracy)
+    ppo = {c: paired(per_seed(runs, ("ppo", 16, c, ""), mean_accuracy), ppo_none) for c in ("decoupled", "m2po")}
+    rloo_none = per_seed(runs, ("rloo", 16, "none", ""), mean_accuracy)
+    rloo = {c: paired(per_seed(runs, ("rloo", 16, c, ""), mean_accuracy), rloo_none) for c in ("decoupled", "m2po")}
+    every = [curve for c in CORRECTIONS for curve in runs[("grpo", 16, c, "")].values()]
+    nones = list(runs[("grpo", 16, "none", "")].values())
+    behind = [sum(accuracy(curve)[u] < accuracy(runs[("grpo", 16, "none", "")][seed])[u]
+                  for u in accuracy(curve) if u > 0)
+              for c in CORRECTIONS for seed, curve in runs[("grpo", 16, c, "")].items()]
+    backs = [back_at(curve) for curve in every]
+    no_trust = [lowest(curve)[0] for c in ("pure_is", "m2po") for curve in runs[("grpo", 16, c, "")].values()]
+    none_reach = [next(u for u, s in sorted(accuracy(curve).items()) if s >= BACK) for curve in nones]
+    none_after = [min(s for u, s in accuracy(curve).items() if u >= reach) for curve, reach in zip(nones, none_reach)]
+    headline = ("every per-token correction does worse than none over 128 updates" if below == total
+                else f"a per-token correction does worse than none in {below} of {total} seed pairs")
+    return bullet(f"""**On the stored build, at K = 16 {headline}.** Mean
+  accuracy over the 32
+  evaluations (updates 4-128), GRPO on seeds {seeds(none)}: none {span(none.values())}, the five corrections
+  {span([v for c in CORRECTIONS for v in corrected[c].values()])}; a correction minus none of the same seed is below 0
+  in {below} of the {total} pairs: {"; ".join(f"{c} {difference(pairs[c])}" for c in CORRECTIONS)}. PPO (seeds
+  {seeds(ppo_none)}): none {span(ppo_none.values())}; decoupled {difference(ppo["decoupled"])}, m2po
+  {difference(ppo["m2po"])} against none. RLOO (one ratio per completion and a KL penalty, seeds {seeds(rloo_none)}):
+  decoupled {difference(rloo["decoupled"])}, m2po {difference(rloo["m2po"])} against none.""") + "\n" + bullet(f"""
+  **The shape, GRPO at K = 16.** Each correction learns at full speed on the starting policy's samples
+  ({span([accuracy(c)[8] for c in every])} at update 8; none {span([accuracy(c)[8] for c in nones])}), falls to its
+  lowest at updates {updates(lowest(c)[1] for c in every)} ({span([lowest(c)[0] for c in every], "{:.2f}")}; pure_is
+  and m2po, which have no trust region on the ratio, {span(no_trust, "{:.2f}")}), is back at 0.95 at update
+  {updates(backs)} (median {statistics.median(b for b in backs if b is not None):g} of the {len(every)} runs) and ends
+  at {span([accuracy(c)[128] for c in every])} as the learning rate runs out. none reaches 0.95 at update
+  {updates(none_reach)} and its lowest from there on is {span(none_after)}; it ends at
+  {span([accuracy(c)[128] for c in nones])}. A corrected run is behind none of the same seed at {updates(behind)} of
+  the 32 evaluations.""")
+
+
+def k4(runs: dict) -> str:
+    none = per_seed(runs, ("grpo", 4, "none", ""), mean_accuracy)
+    pairs = {c: paired(per_seed(runs, ("grpo", 4, c, ""), mean_accuracy), none) for c in CORRECTIONS}
+    every = [curve for c in CORRECTIONS for curve in runs[("grpo", 4, c, "")].values()]
+    nones = list(runs[("grpo", 4, "none", "")].values())
+    apart = []  # (correction, update, |seed 1 - seed 2|) where the two seeds differ by more than 0.03
+    cells = 0
+    for c in ("none", *CORRECTIONS):
+        by_seed = [accuracy(curve) for _, curve in sorted(runs[("grpo", 4, c, "")].items())]
+        for u in by_seed[0]:
+            if u > 0:
+                cells += 1
+                gap = max(s[u] for s in by_seed) - min(s[u] for s in by_seed)
+                if gap > 0.03:
+                    apart.append(f"{c} at update {u} ({gap:.3f})")
+    stays = [max(u for u in accuracy(curve) if accuracy(curve)[u] < 0.99) + 4 for curve in every]
+    return bullet(f"""**At K = 4 the same shape, small and short** (GRPO, every correction, seeds
+  {seeds(none)}): each correction is at
+  {span([accuracy(c)[8] for c in every])} at update 8 (none {span([accuracy(c)[8] for c in nones])}), lowest at
+  updates {updates(lowest(c)[1] for c in every)} ({span([lowest(c)[0] for c in every], "{:.2f}")}), and at 0.99 or
+  more from update {updates(stays)} to the end. Mean accuracy over the 32 evaluations against none of the same seed:
+  {"; ".join(f"{c} {difference(pairs[c])}" for c in CORRECTIONS)}. The two seeds are within 0.03 of each other at
+  {cells - len(apart)} of the {cells} evaluations (every correction and none, updates 4-128); apart by more at
+  {", ".join(apart)}.""")
+
+
+def mechanism(runs: dict) -> str:
+    def diagnostics(curves, first, last):
+        return {name: span([window(c, name, first, last) for c in curves], form)
+                for name, form in (("async/mismatch_kl", "{:.3f}"), ("async/ess", "{:.3f}"),
+                                   ("async/is_truncated_frac", "{:.3f}"), ("policy/clipfrac_avg", "{:.3f}"))}
+
+    k4_runs = [curve for c in CORRECTIONS for curve in runs[("grpo", 4, c, "")].values()]
+    before, during = diagnostics(k4_runs, 5, 8), diagnostics(k4_runs, 9, 12)
+    doubled = []  # the first update whose mismatch KL is twice its mean over updates 5-8
+    for curve in k4_runs:
+        base = window(curve, "async/mismatch_kl", 5, 8)
+        doubled.append(next(u for u, v in zip(curve["update"], curve["async/mismatch_kl"]) if u > 8 and v > 2 * base))
+    k16_runs = [curve for c in CORRECTIONS for curve in runs[("grpo", 16, c, "")].values()]
+    k16_none = list(runs[("grpo", 16, "none", "")].values())
+    at = {u: span([dict(zip(c["update"], c["async/mismatch_kl"]))[u] for c in k16_runs]) for u in (4, 8, 12)}
+    return bullet(f"""**What the diagnostics show at the fall, and what they do not.** At K = 4 the corrected
+  runs fall from
+  {span([accuracy(c)[8] for c in k4_runs])} at update 8 to {span([accuracy(c)[12] for c in k4_runs])} at update 12,
+  while over updates 9-12 the mismatch KL ({during["async/mismatch_kl"]} per token, mean over the window, range over
+  the {len(k4_runs)} runs), the ESS ({during["async/ess"]}), the truncated share ({during["async/is_truncated_frac"]})
+  and the clip fraction ({during["policy/clipfrac_avg"]}) move little from updates 5-8
+  ({before["async/mismatch_kl"]}, {before["async/ess"]}, {before["async/is_truncated_frac"]},
+  {before["policy/clipfrac_avg"]}); the mismatch KL first doubles its updates-5-8 mean at update {updates(doubled)},
+  after the fall. These diagnostics trail the fall: they measure it, they neither cause nor foretell it, and none of
+  them is a signal to watch for it. At K = 16 the mismatch KL of a corrected run grows from the first updates, as the
+  trainer moves away from the starting policy's samples it still trains on ({at[4]} at update 4, {at[8]} at update 8,
+  {at[12]} at update 12; none {span([window(c, "async/mismatch_kl", 1, 12) for c in k16_none])} over updates 1-12),
+  through the learning as much as the fall: it does not tell them apart.""")
+
+
+def ppo_rloo(runs: dict) -> str:
+    nones = list(runs[("ppo", 16, "none", "")].values())
+    corrected = [curve for c in ("decoupled", "m2po") for curve in runs[("ppo", 16, c, "")].values()]
+    start = next(iter(runs[("ppo", 16, "none", "")].values()))
+    sft = accuracy(start)[0]
+
+    def eval_kl(curve, update):
+        return dict(zip(curve["eval_update"], curve["eval/kl"]))[update]
+
+    none_falls = [fall(c) for c in nones]
+    lows = [lowest(c) for c in corrected]
+    perfect_from = []  # the first update from which every evaluation is 1.000
+    for curve in corrected:
+        below = [u for u, s in accuracy(curve).items() if s < 1.0]
+        perfect_from.append(max(below) + 4)
+    late_dips = [f"{span([s for u, s in accuracy(c).items() if u > 64 and s < 1.0])} at updates "
+                 f"{updates(u for u, s in accuracy(c).items() if u > 64 and s < 1.0)}"
+                 for c in corrected if any(s < 1.0 for u, s in accuracy(c).items() if u > 64)]
+    rloo = {c: list(runs[("rloo", 16, c, "")].values()) for c in ("none", "decoupled", "m2po")}
+    return bullet(f"""**PPO at K = 16 (seeds {seeds(runs[("ppo", 16, "none", "")])}): none falls too; a
+  correction collapses, below the
+  starting policy, and recovers.** Without a correction PPO falls by {span([f for f, _ in none_falls], "{:.2f}")}
+  (peak to trough) to {span([accuracy(c)[u] for c, (_, u) in zip(nones, none_falls)])} at update
+  {updates(u for _, u in none_falls)}, its eval KL from {span([eval_kl(c, 24) for c in nones], "{:.1f}")} at update 24
+  to {span([eval_kl(c, u) for c, (_, u) in zip(nones, none_falls)], "{:.1f}")}, and is back at 0.95 at update
+  {updates(back_after(c, u) for c, (_, u) in zip(nones, none_falls))}: its clip against the sampling weights
+  does not keep it from falling. With
+  decoupled or m2po it falls to {span([s for s, _ in lows])} at updates {updates(u for _, u in lows)}, below the
+  starting policy's {sft:.3f}, with eval KL {span([eval_kl(c, u) for c, (_, u) in zip(corrected, lows)], "{:.0f}")}
+  there (peak {span([max(c["eval/kl"]) for c in corrected], "{:.0f}")}): a collapse, not a dip; it recovers, back at
+  0.95 at update {updates(back_at(c) for c in corrected)}, and every evaluation is 1.000 from update
+  {updates(perfect_from)} on{"" if not late_dips else " (" + "; ".join(late_dips) + " before that)"}; final eval KL
+  {span([c["eval/kl"][-1] for c in corrected], "{:.2f}")} (none {span([c["eval/kl"][-1] for c in nones], "{:.2f}")}).
+  """) + "\n" + bullet(f"""**RLOO at K = 16** (seeds {seeds(runs[("rloo", 16, "none", "")])}): lowest after
+  update 8 with none
+  {span([lowest(c)[0] for c in rloo["none"]], "{:.2f}")}, decoupled {span([lowest(c)[0] for c in rloo["decoupled"]],
+  "{:.2f}")}, m2po {span([lowest(c)[0] for c in rloo["m2po"]], "{:.2f}")}; final eval KL none
+  {span([c["eval/kl"][-1] for c in rloo["none"]], "{:.2f}")}, decoupled {span([c["eval/kl"][-1]
+  for c in rloo["decoupled"]], "{:.2f}")}, m2po {span([c["eval/kl"][-1] for c in rloo["m2po"]], "{:.2f}")}.""")
+
+
+def kl_penalty(runs: dict) -> str:
+    flag = "--kl_penalty_logprobs start"
+    lines = []
+    for c in ("none", "decoupled", "m2po"):
+        sampling = per_seed(runs, ("ppo", 16, c, ""), mean_accuracy)
+        start = per_seed(runs, ("ppo", 16, c, flag), mean_accuracy)
+        spread = max(sampling.values()) - min(sampling.values())
+        diffs = paired(start, sampling)
+        within = sum(abs(d) <= spread for d in diffs.values())
+        lines.append(f"{c} {difference(diffs)}, {within} of {len(diffs)} within the spread between sampling's seeds "
+                     f"({spread:.3f})")
+    return bullet(f"""**PPO's KL penalty under staleness** (`--kl_penalty_logprobs start`, the trainer's
+  log-probs at the start of the
+  update, against `sampling`, the engine's, K updates old; seeds {seeds(runs[("ppo", 16, "none", flag)])}): mean
+  accuracy over the 32 evaluations, start minus sampling of the same seed: {"; ".join(lines)}. Every run ends at
+  {span([accuracy(c)[128] for key, by in runs.items() if key[0] == "ppo" and key[1] == 16 for c in by.values()])}.
+  Two seeds do not separate them; the default stays `sampling`.""")
+
+
+def read_with_6(runs: dict) -> str:
+    # the linear schedule over N updates is at (N - u) / N of its peak after update u (the curves' lr, rounded to
+    # 1e-6, is too coarse for the ratio): 4's and 5's runs had 32 updates, 6's 128
+    short, long = 32, max(next(iter(runs[("grpo", 16, "decoupled", "")].values()))["update"])
+    return paragraph(f"""**Read 4 and 5 with 6.** Their runs are 32 updates long with the learning rate
+  decaying linearly to 0 over those
+32 (at the start of update 32 it is {1 / short:.3f} of its peak); 6's 128-update runs decay it over 128 (after
+update 32 it is {(long - short) / long:.2f} of its peak). Horizon and schedule changed together, so 4's and
+  5's final numbers cannot be read as 6's dip cut short: by their last updates the learning rate had all but
+  stopped their policies where they were; the constant-rate control (7) separates the two. Where 4 and 5 read
+  GRPO's per-token corrections at K = 16 as a collapse, on 128 updates each dips and recovers (6); PPO's
+  corrected runs collapse there too, below the starting policy, and recover (6). Their tables stand as measured
+  on 32 updates.""")
+
+
+def time_averaged_return(evals: list[dict], minutes: float, clock: str = "wall_minutes") -> float:
+    """The area under a run's eval return against `clock`, from 0 to `minutes` (trapezoids between evaluations),
+    over `minutes`: its mean return over that time."""
+    points, area = [(e[clock], e["return"]) for e in evals], 0.0
+    for (t0, r0), (t1, r1) in zip(points, points[1:]):
+        if t0 >= minutes:
+            break
+        if t1 > minutes:
+            r1, t1 = r0 + (r1 - r0) * (minutes - t0) / (t1 - t0), minutes
+        area += (t1 - t0) * (r0 + r1) / 2
+    return area / minutes
+
+
+def ratio(values: list[float]) -> str:
+    """Per-seed ratios as the prose states them: their median and range."""
+    return f"{statistics.median(values):.2f}x ({span(values, '{:.2f}')}x)"
+
+
+def latency_findings(results: dict) -> str:
+    table, rows = results["table"], results["args"]["eval_rows"]
+    vllm = ("async", "inflight")
+    names = {"async": "K = 1", "inflight": "in flight"}
+
+    def per_seed_ratio(latency, arm, key):  # sync's over the arm's, seed by seed
+        return [s / a for s, a in zip(table[latency]["sync"][key], table[latency][arm][key])]
+
+    def whole(latency, arm):  # the whole run's wall clock since update 1, sync's over the arm's
+        return [s["evals"][-1]["wall_minutes"] / a["evals"][-1]["wall_minutes"]
+                for s, a in zip(table[latency]["sync"]["curves"], table[latency][arm]["curves"])]
+
+    def evaluation_share(latency, arms):  # the share of the wall clock since update 1 not on the trainer's path
+        return [1 - run["evals"][-1]["training_minutes"] / run["evals"][-1]["wall_minutes"]
+                for arm in arms for run in table[latency][arm]["curves"]]
+
+    def no_overlap(latency, arm):  # sync's seconds per update (training clock) over the engine's per batch
+        sync = statistics.median(table[latency]["sync"]["training_minutes_total"]) * 60 / results["args"]["updates"]
+        return sync / table[latency][arm]["phases"]["time/generate"]
+
+    def area(latency, arm):  # the arm's time-averaged return minus sync's, over the shorter run of each seed's pair
+        diffs = {}
+        for seed, (s, a) in enumerate(zip(table[latency]["sync"]["curves"], table[latency][arm]["curves"]), 1):
+            minutes = min(s["evals"][-1]["wall_minutes"], a["evals"][-1]["wall_minutes"])
+            diffs[seed] = time_averaged_return(a["evals"], minutes) - time_averaged_return(s["evals"], minutes)
+        return diffs
+
+    crossings = [next(e["return"] for e in run["evals"] if e["return"] >= 0.7)
+                 for arms in table.values() for arm in ("sync", *vllm) for run in arms[arm]["curves"]]
+    one_row = min(c for c in crossings)
+    at_one_row = sum(c == one_row for c in crossings)
+    flips = [(latency, arm, statistics.median(table[latency]["sync"]["wall_minutes_to_0.7"])
+              / statistics.median(table[latency][arm]["wall_minutes_to_0.7"]),
+              statistics.median(per_seed_ratio(latency, arm, "wall_minutes_to_0.7")))
+             for latency in table for arm in vllm]
+    flips = [f for f in flips if (f[2] - 1) * (f[3] - 1) < 0]
+    slow = [latency for latency in table if float(latency) >= 0.5]
+    wall = "; ".join(f"{latency} s: K = 1 {ratio(whole(latency, 'async'))}, in flight "
+                     f"{ratio(whole(latency, 'inflight'))}" for latency in table)
+    unshared = "; ".join(f"{latency} s: K = 1 {no_overlap(latency, 'async'):.2f}x, in flight "
+                         f"{no_overlap(latency, 'inflight'):.2f}x" for latency in slow)
+    launch = "; ".join(f"{latency} s: K = 1 {ratio(per_seed_ratio(latency, 'async', 'minutes_to_0.7'))}, in flight "
+                       f"{ratio(per_seed_ratio(latency, 'inflight', 'minutes_to_0.7'))}" for latency in table)
+    disagree = "; ".join(f"{names[arm]} at {latency} s: {a:.2f}x against {b:.2f}x" for latency, arm, a, b in flips)
+    areas = "; ".join(f"{latency} s: K = 1 {difference(area(latency, 'async'))}, in flight "
+                      f"{difference(area(latency, 'inflight'))}" for latency in table)
+    ratios = {latency: per_seed_ratio(latency, "inflight", "wall_minutes_to_0.7") for latency in slow}
+    verdict = "met" if all(min(r) >= 1.5 for r in ratios.values()) else "not shown"
+    to_target = "; ".join(f"{span(r, '{:.2f}')}x at {latency} s" for latency, r in ratios.items())
+    ahead = ", ".join(f"{latency} s" for latency in table if min(area(latency, "inflight").values()) > 0)
+    share_sync = span(evaluation_share(slow[-1], ("sync",)), "{:.0%}")
+    share_vllm = span(evaluation_share(slow[-1], vllm), "{:.0%}")
+    return "\n".join([
+        bullet(f"""**Per update and on the whole run's wall clock** (since update 1, the 24 updates with their
+        evaluations; sync's minutes over the arm's, per seed: median (range)): {wall}."""),
+        bullet(f"""**Most of that is the engine playing while the trainer evaluates.** Evaluations (every 2 updates, in
+        the trainer, the same work in every arm) take {share_sync} of sync's wall clock since update 1 at {slow[-1]} s
+        and {share_vllm} of the vLLM arms', whose engine plays on meanwhile. Without evaluations to overlap, an update
+        can be no faster than the engine's batch: sync's seconds per update (training clock) over the engine's seconds
+        per batch is {unshared}. A run that evaluates less often gains less than the whole-run ratios say."""),
+        bullet(f"""**From launch** (the engine's start in), minutes to return 0.7, sync's over the arm's per seed:
+        {launch}."""),
+        bullet(f"""**To the same return, no more than the evaluations resolve.** With {rows} rows an evaluation moves
+        in steps of 1/{rows}: {at_one_row} of the {len(crossings)} first crossings of 0.7 (every arm, latency and seed)
+        are at exactly {round(one_row * rows)}/{rows}, one row above it, so the time to 0.7 (the table's last column:
+        wall clock since update 1, sync's over the arm's per seed) turns on one row, and the ratio of the medians and
+        the median of the per-seed ratios can fall on either side of 1 ({disagree}). The area under the
+        return-against-time curve uses every evaluation: each arm's mean eval return over the wall clock since update
+        1, up to the end of the shorter run of the pair, minus sync's, per seed: {areas}."""),
+        bullet(f"""**The aim, 1.5x sync to the same return where steps take 0.5 s or more, is {verdict}**: in flight's
+        per-seed ratios to 0.7 (wall clock since update 1) are {to_target}, read off {rows}-row evaluations; its
+        time-averaged return is above sync's in every seed at {ahead or "no latency"}.""")])
+
+
+def which_tokens_move(results_dir: str) -> str:
+    with open(os.path.join(results_dir, "which_tokens_move_decoupled.json")) as f:
+        measured = json.load(f)
+    by_update = {int(u): entry for u, entry in measured["by_update"].items()}
+    shown = sorted(by_update)
+    tokens = sum(kind["tokens"] for kind in by_update[shown[0]]["by_kind"].values())
+
+    def decision_share(entry):  # position 10: after the tens column's two digits, "+" for a carry or "=" for none
+        return sum(share for position, token, share in entry["top_tokens"] if position == 10)
+
+    def digits(entry):
+        return entry["by_kind"]["result"]["share_of_mismatch"] + entry["by_kind"]["answer"]["share_of_mismatch"]
+
+    right, wrong = by_update[shown[-2]]["mismatch_kl_right_vs_wrong"]
+    shares = ", ".join(f"{decision_share(by_update[u]):.0%}" for u in shown)
+    largest = span([by_update[u]["largest_token_share_median"] for u in shown], "{:.2f}")
+    moved = span([by_update[u]["tokens_moved_by_more_than_1_per_completion"] for u in shown if u >= 16], "{:.2f}")
+    late_digits = span([digits(by_update[u]) for u in shown if u >= 24], "{:.0%}")
+    return bullet(f"""**Which tokens move** (one run: decoupled at K = 16, seed 1, its snapshots; `python
+    bench/which_tokens_move.py --run_dir runs/mechanism/decoupled --updates {" ".join(map(str, shown))}`, on
+    {measured["prompts"]} completions of the starting policy, {tokens} tokens; one seed, a case rather than a rate):
+    the token at position 10, the task's one decision (after the tens column's two digits: `+` to add the carry, `=`
+    for none), carries {shares} of the mismatch KL at updates {", ".join(map(str, shown))}; a completion's largest
+    token carries {largest} of its mismatch (median over completions); tokens moved by |log-ratio| > 1 per
+    completion: {by_update[shown[0]]["tokens_moved_by_more_than_1_per_completion"]:.2f} at update {shown[0]},
+    {moved} at updates 16-{shown[-1]}. The digits of the results and of the final answer carry
+    {digits(by_update[8]):.0%} of it at update 8 and {late_digits} at updates 24-{shown[-1]}. Wrong completions carry
+    {wrong / right:.1f}x the mismatch per token of right ones at update {shown[-2]}. In this run the drift is the
+    decision token of each stale completion moved far, not many tokens moved a little.""")
+
+
+def builds(runs: dict, worlds: dict) -> str:
+    """The same run, seed and flags on the stored build of the arithmetic task and on another."""
+    lines = []
+    for label, world in sorted(worlds.items()):
+        same = [(key, seed) for key, by_seed in sorted(runs.items()) if key[3] == label for seed in by_seed
+                if seed in runs.get(key[:3] + ("",), {})]
+        if not same:
+            continue
+        there = {(key, seed): runs[key[:3] + ("",)][seed] for key, seed in same}  # the stored build's run
+        pairs = "; ".join(
+            f"{key[0]} K = {key[1]} {key[2]} seed {seed}: mean accuracy {mean_accuracy(there[key, seed]):.3f} there, "
+            f"{mean_accuracy(runs[key][seed]):.3f} here, largest fall {fall(there[key, seed])[0]:.2f} there, "
+            f"{fall(runs[key][seed])[0]:.2f} here" for key, seed in same)
+        first = sorted({(there[key, seed]["objective/scores"][0], runs[key][seed]["objective/scores"][0])
+                        for key, seed in same})
+        none = per_seed(runs, ("grpo", 16, "none", label), mean_accuracy)
+        against_none = "; ".join(
+            f"{c} {difference(paired(per_seed(runs, ('grpo', 16, c, label), mean_accuracy), none))}"
+            for c in CORRECTIONS if runs.get(("grpo", 16, c, label))) if none else ""
+        lines.append(bullet(f"""**Two builds of the task.** The toy tasks are built the same on one CPU every time, not
+        across CPUs (float rounding). The runs of 1-6 were made on the task as built on the AVX-512 machine of
+        2026-11-26/28 (its starting policy's hash was not recorded); the runs marked {label} on the task as built on
+        this session's machine ({world["cpu"]}, {"with" if world["avx512"] else "without"} AVX-512; starting policy
+        sha256 {world["policy_sha256"][:8]}...). The same flags and seed differ from the first batch on (its mean
+        reward {", ".join(f"{a:.3f} there, {b:.3f} here" for a, b in first)}), and then in the whole run: {pairs}. A
+        seed on one build is not the same run on another (the kit's code is not the difference: the commit that made
+        the stored runs, a4859c1, run here, samples this machine's first batches, not the stored ones); a finding of 6
+        holds for the build it was measured on until another build's runs show it. Here, GRPO at K = 16, a correction's
+        mean accuracy minus none's of the same seed: {against_none or "not run"}."""))
+    return "\n".join(lines)
+
+
+def controls(runs: dict, label: str) -> str:
+    """The dip's controls against the runs they vary, on one build (`label`: "" for the stored one), as far as they
+    have run."""
+    def key(k: int, correction: str, flag: str = "") -> tuple:
+        return ("grpo", k, correction, " ".join(filter(None, [flag, label])))
+
+    def describe(run: tuple) -> str:
+        by_seed = runs.get(run, {})
+        if not by_seed:
+            return "not run"
+        reach = [next((u for u, score in sorted(accuracy(c).items()) if score >= BACK), None) for c in by_seed.values()]
+        after = [min(score for u, score in accuracy(c).items() if u >= r) for c, r in zip(by_seed.values(), reach)
+                 if r is not None]
+        falls = [fall(c) for c in by_seed.values()]
+        onsets = ", ".join(str(onset(c) or "none") for c in by_seed.values())
+        depths = span([f for f, _ in falls], "{:.2f}")
+        largest = ("no fall" if max(f for f, _ in falls) == 0
+                   else f"largest fall {depths} (trough at update {updates(u for f, u in falls if f > 0)})")
+        return (f"first at 0.95 at update {updates(reach)}, lowest from there {span(after)}; {largest}, onset at "
+                f"update {onsets} by seed; mean accuracy {span([mean_accuracy(c) for c in by_seed.values()])} (seeds "
+                f"{seeds(by_seed)})")
+
+    def against(run: tuple, base: tuple) -> str:
+        if not runs.get(run) or not runs.get(base):
+            return ""
+        depth = paired(per_seed(runs, run, lambda c: fall(c)[0]), per_seed(runs, base, lambda c: fall(c)[0]))
+        mean = paired(per_seed(runs, run, mean_accuracy), per_seed(runs, base, mean_accuracy))
+        return (f"; paired with the same seed's run with the preset's defaults, the fall {difference(depth)}, the mean "
+                f"accuracy {difference(mean)}")
+
+    where = f" ({label})" if label else ""
+    corrected = {(c, seed): fall(curve)[0] for c in CORRECTIONS for seed, curve in runs.get(key(16, c), {}).items()}
+    falling = {run: depth for run, depth in corrected.items() if depth >= 0.1}
+    listed = ", ".join(f"{c} seed {seed} {depth:.2f}" for (c, seed), depth in sorted(corrected.items()))
+    if not corrected:
+        verdict = "no corrected run of the preset at K = 16 has run on this build yet"
+    elif not falling:
+        shown = [f"with {name.lower()}, decoupled's largest fall is "
+                 f"{span([fall(c)[0] for c in by_seed.values()], '{:.2f}')} (seeds {seeds(by_seed)})"
+                 for flag, name in CONTROLS if (by_seed := runs.get(key(16, "decoupled", flag)))]
+        controlled = "; ".join(shown) or "no control has run"
+        verdict = (f"no corrected run of the preset at K = 16 falls on this build (largest fall: {listed}), so the dip "
+                   f"of 6 did not occur here and these controls cannot test its cause; {controlled}")
+    else:
+        verdict = f"corrected runs of the preset at K = 16 fall on this build: {listed}"
+    baseline = "; ".join(f"{c} {describe(key(16, c))}" for c in ("none", "decoupled", "m2po") if runs.get(key(16, c)))
+    lines = [bullet(f"""**On-policy, K = 0**{where} (GRPO, none: at K = 0 every correction is none):
+    {describe(key(0, "none"))}. With the same preset at K = 16: {baseline or "not run"}.""")]
+    for flag, name in CONTROLS:
+        parts = "; ".join(f"{c} {describe(key(16, c, flag))}{against(key(16, c, flag), key(16, c))}"
+                          for c in ("none", "decoupled"))
+        lines.append(bullet(f"""**{name}**{where} (`{flag}`, GRPO at K = 16): {parts}."""))
+    lines.append(bullet(f"""**What the controls show{where}**: {verdict}. The dip of 6 was measured on the stored build
+    only; its cause there stays untested (the controls need that build, and this machine builds another)."""))
+    return "\n".join(lines)
+
+
+def run_name(key: tuple, seed: int) -> str:
+    """The run folder of bench/off_policy_corrections.py (and dip_diagnostics.json's key) of a horizon run."""
+    algorithm, k, correction, own = key
+    flags = re.sub(r"\s*\[toy \w+\]", "", own)  # the build is no flag
+    extra = " ".join(["--total_episodes 8192 --eval_in_trainer", flags]).strip()
+    return f"{algorithm}-math-k{k}-{correction}{off_policy_corrections.extra_suffix(Extra(extra))}-seed{seed}"
+
+
+@dataclass
+class Extra:
+    extra: str
+
+
+def classes_at_fall(runs: dict, dip: dict) -> str:
+    """For every run with snapshots (dip_diagnostics.json) that falls: each problem class's accuracy and decision
+    probability at the evaluation before its fall (its peak) and at the trough."""
+    lines = []
+    for key, by_seed in sorted(runs.items()):
+        for seed, curve in sorted(by_seed.items()):
+            measured = dip.get(run_name(key, seed))
+            depth, trough = fall(curve)
+            if measured is None or depth < 0.1 or f"[toy {measured['world']['policy_sha256'][:8]}]" not in key[3]:
+                continue  # no snapshots measured, no fall, or the same name on another build
+            peak = max((score, -u) for u, score in accuracy(curve).items() if 0 < u < trough)
+            at = {u: i for i, u in enumerate(measured["update"])}
+            changes = ", ".join(
+                f"{name} {c['accuracy'][at[-peak[1]]]:.2f} -> {c['accuracy'][at[trough]]:.2f} (decision "
+                f"{c['decision'][at[-peak[1]]]:.2f} -> {c['decision'][at[trough]]:.2f})"
+                for name, c in measured["classes"].items())
+            algorithm, k, correction, own = key
+            lines.append(f"{algorithm} K = {k} {correction}{' ' + own if own else ''}, seed {seed}, update "
+                         f"{-peak[1]} -> {trough}: {changes}")
+    if not lines:
+        return ""
+    rows = [sum(c["problems"] for c in run["classes"].values()) for run in dip.values()]
+    apart = max(round(abs(sum(c["accuracy"][i] * c["problems"] for c in run["classes"].values()) - logged * n))
+                for run, n in zip(dip.values(), rows) for i, logged in enumerate(run["eval_accuracy"])
+                if logged is not None)
+    return bullet(f"""**Where the fall is, by problem class** (`bench/dip_diagnostics.py` on the runs' snapshots: the
+    accuracy of each class of the 256 evaluation problems, and in brackets the probability of its decision token given
+    the worked solution up to it, from the evaluation before the fall to its trough; pooled, the classes' accuracies
+    are within {apart} row{"s" if apart != 1 else ""} of the run's own near-greedy eval/accuracy at every snapshot of
+    every run measured): {"; ".join(lines)}.""")
+
+
+def sequence_level(runs: dict) -> str:
+    parts = []
+    for algorithm in ("grpo", "ppo"):
+        key = (algorithm, 16, "tis", "--correction_level sequence")
+        if not runs.get(key):
+            parts.append(f"{algorithm.upper()}: not run")
+            continue
+        mine = per_seed(runs, key, mean_accuracy)
+        against = "; ".join(
+            f"against {c} {difference(paired(mine, per_seed(runs, (algorithm, 16, c, ''), mean_accuracy)))}"
+            for c in ("none", "decoupled") if runs.get((algorithm, 16, c, "")))
+        lows = [lowest(c) for c in runs[key].values()]
+        parts.append(f"{algorithm.upper()} (seeds {seeds(mine)}): mean accuracy {span(mine.values())}, {against}; "
+                     f"lowest after update 8 {span([s for s, _ in lows])} at updates {updates(u for _, u in lows)}")
+    return bullet(f"""**tis per completion** (`--off_policy_correction tis --correction_level sequence`: one weight per
+    completion, the product of its token ratios, truncated at 2) at K = 16, mean accuracy over the 32 evaluations,
+    paired per seed: {"; ".join(parts)}.""")
+
+
+def seeds(by_seed: dict) -> str:
+    return ", ".join(str(s) for s in sorted(by_seed))
+
+
+def passages(results_dir: str) -> dict[str, str]:
+    runs, paths, worlds = horizon_runs(results_dir)
+    with open(os.path.join(results_dir, "multiturn_latency.json")) as f:
+        latency = json.load(f)
+    dip = {}
+    if os.path.exists(os.path.join(results_dir, "dip_diagnostics.json")):
+        with open(os.path.join(results_dir, "dip_diagnostics.json")) as f:
+            dip = json.load(f)
+    return {"horizon_table": "\n".join(horizon_table.table(paths)),
+            "horizon_findings": "\n".join([k16(runs), k4(runs), mechanism(runs), ppo_rloo(runs), kl_penalty(runs)]),
+            "which_tokens_move": which_tokens_move(results_dir),
+            "controls": "\n".join(filter(None, [builds(runs, worlds), *(controls(runs, label) for label in worlds),
+                                                 classes_at_fall(runs, dip)])),
+            "sequence_level": sequence_level(runs),
+            "read_with_6": read_with_6(runs),
+            "latency_table": "\n".join(latency_table.table(latency, 0.7)),
+            "latency_findings": latency_findings(latency)}
+
+
+def main(args: Args):
+    computed = passages(args.results_dir)
+    if not (args.write or args.check):
+        for name, text in computed.items():
+            print(f"<!-- computed: {name} -->\n{text}\n<!-- /computed -->\n")
+        return
+    with open(args.results_md) as f:
+        markdown = f.read()
+    found = {match.group(2): match.group(3) for match in PASSAGE.finditer(markdown)}
+    if args.check:
+        wrong = [name for name in computed if found.get(name) != computed[name] + "\n"]
+        unknown = sorted(set(found) - set(computed))
+        if wrong or unknown:
+            sys.exit(f"{args.results_md}: passages not what the data in {args.results_dir} give: "
+                     f"{', '.join(wrong) or '-'}; passages no data make: {', '.join(unknown) or '-'}")
+        print(f"{args.results_md}: every computed passage ({len(computed)}) is what the data give")
+        return
+    missing = sorted(set(computed) - set(found))
+    if missing:
+        sys.exit(f"{args.results_md} has no place for {', '.join(missing)}: add `<!-- computed: NAME -->` and "
+                 "`<!-- /computed -->` lines where each goes")
+    markdown = PASSAGE.sub(lambda m: m.group(1) + computed[m.group(2)] + "\n" + m.group(4), markdown)
+    with open(args.results_md, "w") as f:
+        f.write(markdown)
+    print(f"{len(computed)} passages written to {args.results_md}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
