@@ -43,7 +43,8 @@ def test_the_engines_evaluation_gives_eval_checkpoints_numbers_for_the_same_weig
         measured = {name: value for name, value in row.items() if name.startswith("eval/")}
         assert measured == pytest.approx({name: engine[row["update"]][name] for name in measured}, rel=1e-6,
                                          abs=1e-7), row["update"]
-    assert engine[4]["eval/kl"] > engine[2]["eval/kl"] > 0  # the versions it took: the policy moved away
+    # the versions it took, each its own (a sampled KL estimate may be below 0 while the policy has barely moved)
+    assert len({engine[update]["eval/ref_perplexity"] for update in (0, 2, 4)}) == 3
     # logged with the time of its update's line (that of the weights evaluated), though it came later
     lines = read_metrics(runs / "engine")
     trained_at = {m["update"]: m["time"] for m in lines if "loss/policy_avg" in m}

@@ -9,6 +9,7 @@ from scripts import assert_learns, assert_same_weights_and_metrics, read_metrics
 from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
 
 SCRIPT = "grpo_vllm.py"
+STALENESS = (1, 2)
 
 
 @pytest.mark.slow

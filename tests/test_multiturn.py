@@ -355,7 +355,8 @@ def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
     datasets.DatasetDict({"train": validation.select([]), "validation": validation}).save_to_disk(tmp_path / "empty")
     cases = [
         (["--env", "toy:chess"], "--env 'toy:chess': no embedded environment 'chess'"),
-        (["--env", "tests/envs.py:NoStep"], "an environment needs reset(row, seed) and step(action); it has no step"),
+        (["--env", "tests/envs.py:NoStep"], "--env 'tests/envs.py:NoStep' has reset but no step: a TRL-style "
+                                           "environment"),
         (["--env", "tests/envs.py"], "--env 'tests/envs.py' must be path/to/file.py:class or module:class"),
         (["--max_turns", "0"], "--max_turns must be positive, got 0"),
         (["--max_episode_tokens", "0"], "--max_episode_tokens must be positive, got 0"),
@@ -381,12 +382,13 @@ def test_bad_input_gives_a_one_line_error_and_leaves_nothing(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["grpo_multiturn.py", "grpo_multiturn_vllm.py"])
-def test_mask_truncated_completions_drops_exactly_the_truncated_episodes(tmp_path, script):
+def test_mask_truncated_completions_drops_exactly_the_truncated_episodes(tmp_path):
     """tests/envs.py:SaysAnswer ends its episodes at their second turn. With --max_turns 1 every episode is
     truncated: with the flag nothing is left in the loss (0 at every update), without it the same episodes train;
     with --max_turns 3 none is: the flag changes nothing, bit for bit. A mask that dropped the wrong episodes, or
-    none, fails one of the two."""
+    none, fails one of the two. grpo_multiturn_vllm.py's loss is the same code; the engine's episodes bring their
+    truncation to it by name (test_each_episodes_values_and_counts_reach_the_trainer_by_name)."""
+    script = "grpo_multiturn.py"
     from own_inputs import chat_policy_and_prompts
 
     policy, prompts = chat_policy_and_prompts(tmp_path)

@@ -30,6 +30,7 @@ import common
 import toy
 
 SCRIPT = "online_dpo_vllm.py"
+STALENESS = (0, 1, 2)
 FAULTY = "tests/run_with_faulty_generator.py"  # the generator process runs a function of faulty_generators.py
 
 

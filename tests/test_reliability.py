@@ -12,9 +12,9 @@ import toy
 
 # k >= 2 per prompt
 NEEDS_PAIRS = {"online_dpo.py", "online_dpo_vllm.py", "rloo.py", "bok.py", "rloo_vllm.py", "grpo.py", "grpo_vllm.py"}
-# a fault mid-run goes through the same common code in every loop: the vLLM scripts other than the first
-# (each run starts an engine) are left out of those tests
-MID_RUN = ("online_dpo.py", "online_dpo_vllm.py", "ppo.py", "rloo.py", "bok.py")
+# a fault mid-run goes through the same common code in every loop (common.check_rewards, the reward's call): one
+# script of each kind, synchronous (k completions a prompt, and PPO's one) and vLLM (each run starts an engine)
+MID_RUN = ("online_dpo.py", "online_dpo_vllm.py", "ppo.py")
 HAS_LOSS_TYPE = {"online_dpo.py", "online_dpo_vllm.py"}
 
 

