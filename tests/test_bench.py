@@ -288,6 +288,7 @@ def test_the_findings_statistics_on_hand_computed_numbers():
         "grpo-math-k16-decoupled_total_episodes-8192_eval_in_trainer_lr_scheduler_type-constant-seed2")
 
 
+@pytest.mark.slow  # on the arithmetic task, which only the slow tier builds
 def test_dip_diagnostics_reads_a_runs_snapshots(tmp_path):
     """bench/dip_diagnostics.py on a run whose snapshot at update 4 is the starting policy itself: the classes hold
     every problem, update 4 measures as update 0, each class's decision probability is the mean of a direct forward's
