@@ -135,12 +135,12 @@ def test_with_top_p_and_many_weight_buckets_the_trainers_log_probs_are_the_engin
 
 @pytest.mark.slow
 def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_start(tmp_path):
-    """A large policy's first evaluation in the trainer takes minutes while the engine starts beside it (here 20 s
-    longer):
-    the weight channel still connects after it, the engine takes every version, and batch 1, sampled during
-    the evaluation, is waiting when the trainer needs it."""
+    """A large policy's first evaluation in the trainer takes minutes while the engine starts beside it (here 60 s
+    longer: with 20, an engine starting beside two other test workers was 3.4 s late): the weight channel still
+    connects after it, the engine takes every version, and batch 1, sampled during the evaluation, is waiting when
+    the trainer needs it."""
     out = tmp_path / "run"
-    run_script("online_dpo_vllm", "20", *QUICK, "--total_episodes", "64", "--eval_every", "100",
+    run_script("online_dpo_vllm", "60", *QUICK, "--total_episodes", "64", "--eval_every", "100",
                "--logprob_check_every", "1", "--eval_in_trainer", "--output_dir", out,
                script="tests/run_with_slow_evaluation.py")
     train = [m for m in read_metrics(out) if "loss/policy_avg" in m]
