@@ -34,6 +34,7 @@ def bench_module(name: str):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_off_policy_quick(tmp_path):
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/off_policy.py")
     results = json.loads((tmp_path / "results.json").read_text())
@@ -58,6 +59,7 @@ def test_off_policy_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_sync_vs_async_quick(tmp_path):
     started = time.time()
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/sync_vs_async.py")
@@ -74,6 +76,7 @@ def test_sync_vs_async_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_math_sync_vs_async_quick(tmp_path):
     """Also the learning test of online DPO, sync and async, on the arithmetic task."""
     result = run_script("--quick", "--output_dir", tmp_path, script="bench/math_sync_vs_async.py")
@@ -89,6 +92,7 @@ def test_math_sync_vs_async_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_multiturn_sync_vs_async_quick(tmp_path):
     """Both multi-turn scripts on guess-the-number with steps 0.1 s slower, 6 updates: each row is its runs'
     numbers, each step took the latency, and the curves are kept."""
@@ -113,6 +117,7 @@ def test_multiturn_sync_vs_async_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_off_policy_corrections_quick(tmp_path):
     """GRPO on the arithmetic task at K = 2 without a correction and with m2po, 4 updates: each cell is its run's
     numbers."""
@@ -142,6 +147,7 @@ def test_off_policy_corrections_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_which_tokens_move_reads_a_runs_snapshots(tmp_path):
     """A K = 2 GRPO run on the arithmetic task with a snapshot every 2 updates: the mismatch of each snapshot on the
     starting policy's completions, split by kind and position into shares that add up to 1, each kind's tokens

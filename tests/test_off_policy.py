@@ -264,7 +264,8 @@ def first_step(call: dict) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["grpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py"])
+@pytest.mark.parametrize("script", ["grpo_vllm.py", *(pytest.param(script, marks=pytest.mark.heavy)
+                                                      for script in ("rloo_vllm.py", "ppo_vllm.py"))])
 def test_on_the_first_update_of_a_stale_run_every_correction_is_none(tmp_path, script):
     """The first update of a K-stale run trains the weights that sampled its batch, as a synchronous update
     does: there every correction takes none's ratio, weights and clip (pure_is and m2po at the first optimizer

@@ -281,6 +281,7 @@ def kill_process_tree(pid: int):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_path, two_rank_k2_run):
     """Two nodes of one rank on localhost, each node's engine sampling its node's share of every global batch
     with the global rows' seeds: killed once checkpoint 2 is written (started by torchrun, as a SLURM job
@@ -318,6 +319,7 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_engines_on_one_node_train_as_one_engine(tmp_path, two_rank_k2_run):
     """--vllm_engines_per_node 2: each of a node's two ranks has an engine of its own (on a CPU they share the
     engine's core), sampling its share of every batch: the same run as with one engine, bit for bit."""

@@ -72,6 +72,7 @@ def test_two_ranks_train_as_one_at_zero_2(tmp_path, script):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("script", ZERO_3)
 def test_two_ranks_resume_at_zero_3(tmp_path, script):
     """With ZeRO-3, three updates on two ranks (ZERO_3_AGAINST_ONE_RANK: trained as on one rank), and a second
