@@ -41,7 +41,7 @@ def pytest_sessionstart(session):
 def pytest_terminal_summary(terminalreporter, config):
     if config.option.markexpr == "not slow":
         terminalreporter.write_line("the fast tier: python -m pytest -m 'slow or not slow' runs the whole suite, the "
-                                    "tests marked slow too (CI does)")
+                                    "tests marked slow too (CI does, but for those marked heavy)")
 
 
 def pytest_collection_modifyitems(items):
