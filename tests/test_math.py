@@ -40,7 +40,7 @@ SHORT = ["--preset", "toy-math", "--total_episodes", "768", "--eval_every", "12"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["bok", "ppo_vllm"])
+@pytest.mark.parametrize("script", [pytest.param("bok", marks=pytest.mark.heavy), "ppo_vllm"])  # bok: heavy
 def test_the_other_scripts_learn_arithmetic(tmp_path, script):
     out = tmp_path / "run"
     run_script(*SHORT, "--output_dir", out, script=f"{script}.py")

@@ -43,6 +43,7 @@ def test_engine_greedy_equals_hf_greedy_after_weight_sync():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # in CI, in-flight updates learn with GRPO's (test_inflight.py), online DPO's in-flight runs there
 def test_a_short_run_with_in_flight_updates_beats_the_sft_policy(tmp_path):
     """Full-parameter asynchronous online DPO (K=1) learns on the toy task with in-flight weight updates: 10
     updates, as its synchronous twin's learning test (measured +0.375 gold win-rate with seed 1; with whole
@@ -84,6 +85,7 @@ def test_k0_gives_the_same_losses_as_inline_generation(tmp_path, k0_shared_run):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # in CI, the shared device's K=0 run (k0_shared_run) and its inline twin
 def test_an_engine_on_the_trainers_device_takes_turns_with_it(tmp_path):
     """--vllm_device shared with K=1: the engine samples batch t only once the trainer asks for it, so
     the trainer waits through every generation (with cores of its own, it samples during training)."""

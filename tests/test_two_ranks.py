@@ -22,6 +22,9 @@ import common
 
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 SYNC_SCRIPTS = tuple(script for script in SCRIPTS if not script.endswith("_vllm.py"))
+# heavy (not in CI): online DPO's and GRPO's losses over two ranks are checked in CI through their vLLM twins'
+# K=2 two-rank runs, best-of-k's is RLOO's ranks with the best sample's loss
+SECOND_WITNESSES = ("online_dpo.py", "grpo.py", "bok.py")
 # ZeRO-3 with a resume on two ranks: online DPO's twins, each resumed after a preemption in its first update of
 # its own (one of the two ways: the preemption is common code), and asynchronous PPO (a value model too) with a
 # LoRA adapter (ZeRO-3 gathers the adapted layers to generate its evaluations, to merge them for the engine and
@@ -63,10 +66,11 @@ def run_on_two_ranks(script, args, out, updates: int, one_rank_dir=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SYNC_SCRIPTS)
+@pytest.mark.parametrize("script", [pytest.param(script, marks=pytest.mark.heavy) if script in SECOND_WITNESSES
+                                    else script for script in SYNC_SCRIPTS])
 def test_two_ranks_train_as_one_at_zero_2(tmp_path, script):
     """ZeRO-2 (the default) for every synchronous script; the vLLM scripts' own K=2 two-rank runs do the same
-    (vllm_script_tests.py)."""
+    (vllm_script_tests.py). In CI, RLOO's and PPO's (SECOND_WITNESSES: heavy)."""
     args = two_rank_args(script, 2, updates=2)
     run_on_two_ranks(script, args, tmp_path / "run", updates=2, one_rank_dir=tmp_path / "one")
 
