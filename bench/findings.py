@@ -620,10 +620,24 @@ def seeds(by_seed: dict) -> str:
     return ", ".join(str(s) for s in sorted(by_seed))
 
 
+def toy_build_table(results: dict) -> str:
+    """bench/toy_build_load.py's measurements: per thread setting, a build's wall and CPU seconds alone and beside
+    the busy processes, and the ratios beside / alone of the same run."""
+    rows = ["| threads | alone wall | alone CPU | beside wall | beside CPU | wall ratio | CPU ratio | same weights |",
+            "|---|---|---|---|---|---|---|---|"]
+    for setting, row in results["table"].items():
+        rows.append(f"| {setting} | {row['alone_wall']:.1f} s | {row['alone_cpu']:.1f} s | {row['beside_wall']:.1f} s | "
+                    f"{row['beside_cpu']:.1f} s | {row['wall_ratio']:.2f}x | {row['cpu_ratio']:.2f}x | "
+                    f"{'yes' if row['same_weights'] else 'no'} |")
+    return "\n".join(rows)
+
+
 def passages(results_dir: str) -> dict[str, str]:
     runs, paths, worlds = horizon_runs(results_dir)
     with open(os.path.join(results_dir, "multiturn_latency.json")) as f:
         latency = json.load(f)
+    with open(os.path.join(results_dir, "toy_build_load.json")) as f:
+        toy_builds = json.load(f)
     dip = {}
     if os.path.exists(os.path.join(results_dir, "dip_diagnostics.json")):
         with open(os.path.join(results_dir, "dip_diagnostics.json")) as f:
@@ -636,7 +650,8 @@ def passages(results_dir: str) -> dict[str, str]:
             "sequence_level": sequence_level(runs),
             "read_with_6": read_with_6(runs),
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),
-            "latency_findings": latency_findings(latency)}
+            "latency_findings": latency_findings(latency),
+            "toy_build_load": toy_build_table(toy_builds)}
 
 
 def main(args: Args):
