@@ -264,6 +264,10 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
         toy.build_guess()
     if toy.TOOLS_DIR in folders:
         toy.build_tools()
+    if toy.PROBE_DIR in folders:
+        toy.build_probe()
+    if toy.LAKE_DIR in folders:
+        toy.build_lake()
     tokenizer = data.load_tokenizer(data_args.model_name_or_path)
     eos_ids = data.eos_token_ids(data_args.model_name_or_path, tokenizer)
     if lora_args is not None:

@@ -2,7 +2,7 @@
 secret is a number from 1 to PROBE_RANGE; a bare number is a probe, which the environment answers "higher", "lower" or
 "equal"; "answer N" ends the episode, reward 1 if N is the secret, else 0. An episode that never answers is cut off by
 --max_turns with nothing. Three probes of a binary search always pin the secret (15 = 2^4 - 1), so a fourth turn can
-always win; the preset turns, PROBE_TURNS, leave two to spare.
+always win; PROBE_TURNS, the --max_turns of its runs, leaves two to spare.
 
 The SFT policy can search: it always probes the midpoint of the numbers still possible. Its fault is in stopping:
 once the secret is known (one number left) it answers only ANSWER_SHARE of its turns, else it probes the known number
@@ -11,18 +11,18 @@ almost no game (it wins about 5% of them, in PROBE_TURNS turns); sampled at the 
 55%. What it has to learn is when to stop, which is where the credit a turn gets matters (ALGORITHMS.md, "Credit
 per turn").
 
-The shaped variant adds, to each turn's reward, F = Phi(after) - Phi(before) with the potential
-Phi(low, high) = -(high - low) / (PROBE_RANGE - 1), minus the share of the range still possible, and Phi = 0 once the
-episode has answered: a probe earns the share of the range it rules out, an answer earns back what was left (its
-reward is then the win plus that share). This is potential-based shaping (Ng, Harada and Russell, 1999, with
-gamma = 1 and the potential 0 at the end), and it does not change which policies are best: the shaping of an episode
-telescopes to Phi(end) - Phi(start), which is 1 for every episode that answers, whatever it probed, so among
-episodes that answer, returns are the sparse ones plus 1. An episode cut off by --max_turns before answering gets
-1 - (high - low) / (PROBE_RANGE - 1) <= 1, never more than a wrong answer, so with --max_turns of at least 4 (a sure
-win is possible) the best policies are those of the sparse game: search, then answer. A flat reward per probe that
-came closer (+0.1) or went further (-0.1) is not a potential difference: probing pays for its own sake, an episode
-that probes all its turns collects more than one that answers early, and a pilot run learned to probe and never
-answer.
+The shaped variant adds to each turn's reward F = Phi(after) - Phi(before), with the potential
+Phi(low, high) = -(high - low) / (PROBE_RANGE - 1) of the numbers still possible (-1 at the start, 0 once one number
+is left) and Phi = 0 once the episode has answered: a probe earns the part of the range it rules out, an answer earns
+what was still open (its reward is the win plus that). This is potential-based shaping (Ng, Harada and Russell,
+1999) with gamma = 1 and the potential 0 where the episode ends, so it does not change which policies are best: an
+episode's shaping telescopes to Phi(end) - Phi(start), which is 1 for every episode that answers, whatever it probed
+and whenever it answered. A policy's expected shaped return is then its sparse one plus 1, less the share still open,
+(high - low) / (PROBE_RANGE - 1), of the episodes --max_turns cuts off before they answer; with --max_turns of at
+least 4 some policies win every game (bisect, then answer), they alone reach the highest shaped return (2), and they
+are the sparse game's best policies. A flat reward per probe that came closer (+0.1) or went further (-0.1) is not a
+potential difference: probing pays for its own sake, an episode that probes all its turns collects more than one
+that answers, and a pilot run with it learned to probe and never answer.
 """
 
 import os
