@@ -8,7 +8,7 @@ import pytest
 
 import environments
 import toy
-from toy.lake import LAKE_SLIP, SHORTEST_PATH, moved, sft_move
+from toy.lake import LAKE_SLIP, SHORTEST_PATH, best_win_chances, moved, sft_move
 from toy.play import play, rule_turns
 from toy.probe import ANSWER_SHARE, EARLY_SHARE, PROBE_RANGE, PROBE_WORDS, sft_probe
 
@@ -126,6 +126,16 @@ def test_the_shortest_paths_reach_the_goal_from_every_start():
             cell, moves = moved(cell, SHORTEST_PATH[cell]), moves + 1
         lengths[start] = moves
     assert lengths == {0: 6, 1: 5, 2: 4, 3: 5, 4: 5, 6: 3, 8: 4, 9: 3, 10: 2, 13: 2, 14: 1}
+
+
+def test_the_best_chances_are_the_shortest_paths_and_on_the_slippery_lake_worked_out_by_hand():
+    """Not slippery: 1 wherever a shortest path is short enough. Slippery, from 14 (G right of it): with one move,
+    right, 2/3 (a slip goes up to 10 or down against the wall); with two, right again, 2/3 + 1/6 (slipped down, still
+    on 14) x 2/3 = 7/9 (down would give 2/3 x 2/3 + 1/6, the slip right, = 11/18)."""
+    distances = {0: 6, 1: 5, 2: 4, 3: 5, 4: 5, 6: 3, 8: 4, 9: 3, 10: 2, 13: 2, 14: 1}
+    assert best_win_chances(0.0, 3) == {cell: float(distance <= 3) for cell, distance in distances.items()}
+    assert best_win_chances(1 / 3, 1) == pytest.approx({cell: 2 / 3 if cell == 14 else 0.0 for cell in distances})
+    assert best_win_chances(1 / 3, 2)[14] == pytest.approx(7 / 9)
 
 
 def test_the_lake_habit_takes_a_shortest_path_sometimes_and_else_goes_right():

@@ -6,15 +6,14 @@ anchor states (--turn_advantage gigpo) are the cells (state_key()).
 
 On the slippery lake a move goes the way the policy said with probability 1 - LAKE_SLIP, else to one side of it
 (half each): a third of the moves slip, half of gymnasium's two thirds, so that within LAKE_TURNS the best policy
-wins about 0.6 of the episodes (gymnasium's slips cap it near 0.2 in ten moves) and there is room above the SFT
-policy. The slips are drawn from the episode's reset seed: the same row, seed and moves give the same cells, as the
-environment contract asks (a resumed run replays its episodes), and a group's k episodes (one row and seed) slip
-alike on the same turn.
+wins about 0.6 of the episodes (with gymnasium's slips, 0.23) and there is room above the SFT policy. The slips are
+drawn from the episode's reset seed: the same row, seed and moves give the same cells, as the environment contract
+asks (a resumed run replays its episodes), and a group's k episodes (one row and seed) slip alike on the same turn.
 
 The SFT policy knows the map: in each cell it takes a move of a shortest path to G LAKE_PATH_SHARE of the time, and
 else its habit, right. Near-greedy it goes right everywhere, into a hole or against the east wall, and wins only
 from the cells the goal is right of (about 17% of the episodes, in LAKE_TURNS turns); sampled at the scripts'
-temperature it wins about 38% (the slippery lake: 30%, where a shortest path's moves win 60%)."""
+temperature it wins about 38% (the slippery lake: 30%, where the best policy wins 60%)."""
 
 import os
 import random
@@ -48,8 +47,8 @@ LAKE_MAP = ("SFFF",
             "FFFH",
             "HFFG")  # cell = 4 * row + column
 SIDE = len(LAKE_MAP)
+STARTS = [cell for cell, square in enumerate("".join(LAKE_MAP)) if square in "SF"]
 MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}  # gymnasium's order, clockwise
-STARTS = [cell for cell in range(SIDE * SIDE) if LAKE_MAP[cell // SIDE][cell % SIDE] in "SF"]
 LAKE_TURNS = 10  # the --max_turns its runs take (ENVIRONMENTS.md): the longest shortest path takes 6
 LAKE_SLIP = 1 / 3  # the share of the slippery lake's moves that go to a side
 LAKE_PATH_SHARE = 0.4  # of the SFT policy's moves, those along a shortest path (the rest: right)
@@ -62,6 +61,30 @@ def moved(cell: int, move: str) -> int:
     row, column = divmod(cell, SIDE)
     down, right = MOVES[move]
     return min(max(row + down, 0), SIDE - 1) * SIDE + min(max(column + right, 0), SIDE - 1)
+
+
+def square(cell: int) -> str:
+    """What is on `cell`: S (the usual start), F (frozen), H (a hole) or G (the goal)."""
+    return LAKE_MAP[cell // SIDE][cell % SIDE]
+
+
+def sides(move: str) -> tuple[str, str]:
+    """The two moves at right angles to `move`, where a slip takes it."""
+    clockwise = list(MOVES)
+    at = clockwise.index(move)
+    return clockwise[at - 1], clockwise[(at + 1) % len(clockwise)]
+
+
+def best_win_chances(slip: float, turns: int) -> dict[int, float]:
+    """Each start cell's highest chance of reaching the goal within `turns` moves when `slip` of them go to a side
+    (value iteration, one move at a time)."""
+    chance = dict.fromkeys(STARTS, 0.0)  # with no move left
+    worth = lambda cell: 1.0 if square(cell) == "G" else chance.get(cell, 0.0)  # noqa: E731  (a hole's: 0)
+    for _ in range(turns):
+        chance = {cell: max((1 - slip) * worth(moved(cell, move))
+                            + sum(slip / 2 * worth(moved(cell, side)) for side in sides(move)) for move in MOVES)
+                  for cell in STARTS}
+    return chance
 
 
 def shortest_path_moves() -> dict[int, str]:
@@ -99,13 +122,11 @@ class FrozenLake:
         if action.strip() not in MOVES:
             return f"invalid {self.cell} :", 0.0, False
         move = action.strip()
-        if self.slip and self.rng.random() < self.slip:  # to one side or the other, half each
-            clockwise = list(MOVES)
-            move = clockwise[(clockwise.index(move) + self.rng.choice((-1, 1))) % len(clockwise)]
+        if self.slip and self.rng.random() < self.slip:
+            move = self.rng.choice(sides(move))
         self.cell = moved(self.cell, move)
-        square = LAKE_MAP[self.cell // SIDE][self.cell % SIDE]
-        if square in "HG":
-            return None, float(square == "G"), True
+        if square(self.cell) in "HG":
+            return None, float(square(self.cell) == "G"), True
         return f"{self.cell} :", 0.0, False
 
 
@@ -127,7 +148,8 @@ def build_lake(seed: int = 0) -> None:
 
 def make_lake(folder: str, seed: int, rng: random.Random, start: float) -> dict:
     """Rows (the start cells) and the SFT policy of the grid worlds into `folder`; returns what the policy and two
-    rules win on the validation rows of each lake, the policy greedy and sampled at the scripts' temperature (0.7)."""
+    rules win on the validation rows of each lake, the policy greedy and sampled at the scripts' temperature (0.7), and
+    the best policy's expected return there."""
     splits = DatasetDict({split: Dataset.from_dict({"start": [rng.choice(STARTS) for _ in range(size)]})
                           for split, size in [("train", 4096), ("validation", 256)]})
     splits.save_to_disk(os.path.join(folder, "dataset"))
@@ -156,4 +178,6 @@ def make_lake(folder: str, seed: int, rng: random.Random, start: float) -> dict:
                          ("shortest_path", rule_turns(tokenizer, lambda env: SHORTEST_PATH[env.cell]))):
             played = play([env_class() for _ in rows], rows, list(range(len(rows))), LAKE_TURNS, act, tokenizer)
             numbers |= {f"{lake}_{who}_{what}": round(value, 3) for what, value in rates(played).items()}
+        best = best_win_chances(env_class.slip, LAKE_TURNS)
+        numbers[f"{lake}_best_return"] = round(sum(best[row["start"]] for row in rows) / len(rows), 3)
     return numbers | {"policy_parameters": parameter_count(policy)}
