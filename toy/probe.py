@@ -20,9 +20,9 @@ episode's shaping telescopes to Phi(end) - Phi(start), which is 1 for every epis
 and whenever it answered. A policy's expected shaped return is then its sparse one plus 1, less the share still open,
 (high - low) / (PROBE_RANGE - 1), of the episodes --max_turns cuts off before they answer; with --max_turns of at
 least 4 some policies win every game (bisect, then answer), they alone reach the highest shaped return (2), and they
-are the sparse game's best policies. A flat reward per probe that came closer (+0.1) or went further (-0.1) is not a
-potential difference: probing pays for its own sake, an episode that probes all its turns collects more than one
-that answers, and a pilot run with it learned to probe and never answer.
+are the sparse game's best policies. A flat reward per probe that came closer to the secret (+0.1) or went further
+(-0.1) is not a potential difference: it pays probing for its own sake, whatever a probe rules out, and a pilot run
+with it learned to probe and never answer.
 """
 
 import os
