@@ -77,7 +77,9 @@ def presets(args_class) -> dict[str, str]:
 TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_MODEL", "DATASET", "MATH_POLICY",
                                                           "MATH_DATASET", "LARGE_SFT_POLICY", "BASE_POLICY",
                                                           "SFT_DATASET", "PREFERENCE_DATASET", "GUESS_POLICY",
-                                                          "GUESS_DATASET", "TOOLS_POLICY", "TOOLS_DATASET")}
+                                                          "GUESS_DATASET", "TOOLS_POLICY", "TOOLS_DATASET",
+                                                          "PROBE_POLICY", "PROBE_DATASET", "LAKE_POLICY",
+                                                          "LAKE_DATASET")}
 
 
 def parse(args_class, run_fields: tuple[str, ...] = ()):

@@ -7,6 +7,10 @@ saved in Hugging Face formats (the training scripts load them with `from_pretrai
     pipeline.py    what sft.py and reward_model.py start from on that world (build_pipeline)
     arithmetic.py  the arithmetic task with GSM8k-style answers, `--preset toy-math` (build_math)
     guess.py       the guess-the-number environment of the multi-turn scripts (build_guess)
+    probe.py       guess-the-number where the policy decides when to answer, `--env toy:probe_answer` and
+                   `toy:probe_answer_shaped` (build_probe)
+    lake.py        FrozenLake's 4x4 grid world, `--env toy:lake` and `toy:lake_slippery` (build_lake)
+    play.py        what those two builds play their episodes with
     tools.py       the addition task with a tool `add`, `--env toy:add_with_tool` (build_tools)
     builder.py     what they share: the cache folders, one build at a time, tokenizers, shapes, training
 
@@ -39,8 +43,26 @@ from toy.guess import (
     SlowGuessTheNumber,
     build_guess,
 )
+from toy.lake import (
+    LAKE_DATASET,
+    LAKE_DIR,
+    LAKE_POLICY,
+    LAKE_TURNS,
+    FrozenLake,
+    FrozenLakeSlippery,
+    build_lake,
+)
 from toy.large import LARGE_DIR, LARGE_SFT_POLICY, build_large
 from toy.pipeline import BASE_POLICY, PIPELINE_DIR, PREFERENCE_DATASET, SFT_DATASET, build_pipeline
+from toy.probe import (
+    PROBE_DATASET,
+    PROBE_DIR,
+    PROBE_POLICY,
+    PROBE_TURNS,
+    ProbeAnswer,
+    ProbeAnswerShaped,
+    build_probe,
+)
 from toy.tldr import DATASET, REWARD_MODEL, SFT_POLICY, TOY_DIR, WORDS, build, gold_score, model_config, parse_query
 from toy.tools import (
     TOOLS_DATASET,
@@ -54,4 +76,5 @@ from toy.tools import (
 )
 
 ENVIRONMENTS = {"guess_number": GuessTheNumber, "guess_number_slow": SlowGuessTheNumber,
-                "add_with_tool": AddWithTool}  # --env toy:NAME
+                "add_with_tool": AddWithTool, "probe_answer": ProbeAnswer, "probe_answer_shaped": ProbeAnswerShaped,
+                "lake": FrozenLake, "lake_slippery": FrozenLakeSlippery}  # --env toy:NAME
