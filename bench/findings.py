@@ -626,8 +626,9 @@ def toy_build_table(results: dict) -> str:
     rows = ["| threads | alone wall | alone CPU | beside wall | beside CPU | wall ratio | CPU ratio | same weights |",
             "|---|---|---|---|---|---|---|---|"]
     for setting, row in results["table"].items():
-        rows.append(f"| {setting} | {row['alone_wall']:.1f} s | {row['alone_cpu']:.1f} s | {row['beside_wall']:.1f} s | "
-                    f"{row['beside_cpu']:.1f} s | {row['wall_ratio']:.2f}x | {row['cpu_ratio']:.2f}x | "
+        rows.append(f"| {setting} | {row['alone_wall']:.1f} s | {row['alone_cpu']:.1f} s | "
+                    f"{row['beside_wall']:.1f} s | {row['beside_cpu']:.1f} s | {row['wall_ratio']:.2f}x | "
+                    f"{row['cpu_ratio']:.2f}x | "
                     f"{'yes' if row['same_weights'] else 'no'} |")
     return "\n".join(rows)
 

@@ -360,3 +360,26 @@ def test_a_sweep_records_the_world_its_runs_were_made_in(tmp_path):
     world = bench.world(str(run))
     assert world["policy_sha256"] == hashlib.sha256(b"onetwo").hexdigest()
     assert world["cpu"] and isinstance(world["avx512"], bool)
+
+
+def test_the_turn_credit_table_pairs_each_estimator_with_episode_of_the_same_seed():
+    """bench/turn_credit.py's table and its choice of phase two's estimator, on hand-made evaluations: updates to
+    the target per seed, the paired difference over the seeds where both reach it, the drift of the turns."""
+    turn_credit = bench_module("turn_credit")
+
+    def evals(returns, turns):
+        return [{"update": 4 * i, "return": r, "turns": t} for i, (r, t) in enumerate(zip(returns, turns))]
+
+    arms = {"episode": {1: evals([1.0, 1.5, 1.9], [3, 3.5, 4]), 2: evals([1.0, 1.85, 1.9], [3, 3, 3])},
+            "unbiased": {1: evals([1.0, 1.8, 2.0], [3, 4, 4.5]), 2: evals([1.0, 1.2, 1.7], [3, 2.5, 2])},
+            "gigpo": {1: evals([1.0, 1.9, 1.9], [3, 3, 3]), 2: evals([1.0, 1.8, 1.9], [3, 3, 3])}}
+    rows = turn_credit.table({"probe": {"sync": arms}}, {"probe": 1.8})
+    assert rows[0] == "probe (toy:probe_answer_shaped), sync: target return 1.8"
+    assert rows[4] == "| episode | 1: 8, 2: 4 |  | +0.50 (+0.00 to +1.00) |  |"
+    # seed 1: 4 - 8; seed 2 never reaches 1.8: no pair. Drifts +1.5 and -1, against episode's +1 and 0
+    assert rows[5] == ("| unbiased | 1: 4, 2: - | -4.0 (-4.0 to -4.0) | +0.25 (-1.00 to +1.50) | "
+                       "-0.25 (-1.00 to +0.50) |")
+    assert rows[6] == "| gigpo | 1: 4, 2: 4 | -2.0 (-4.0 to +0.0) | +0.00 (+0.00 to +0.00) | -0.50 (-1.00 to +0.00) |"
+    # unbiased misses the target in a seed; gigpo's median (4) beats episode's (6)
+    assert turn_credit.soonest(arms, 1.8) == "gigpo"
+    assert turn_credit.soonest({"episode": arms["episode"], "unbiased": arms["unbiased"]}, 1.8) == "episode"
