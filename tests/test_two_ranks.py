@@ -23,7 +23,8 @@ import common
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 SYNC_SCRIPTS = tuple(script for script in SCRIPTS if not script.endswith("_vllm.py"))
 # heavy (not in CI): online DPO's and GRPO's losses over two ranks are checked in CI through their vLLM twins'
-# K=2 two-rank runs, best-of-k's is RLOO's ranks with the best sample's loss
+# K=2 two-rank runs; best-of-k's batches, sampler and metrics over ranks are RLOO's (common.py), its NLL's
+# normalisation over ranks is checked only here
 SECOND_WITNESSES = ("online_dpo.py", "grpo.py", "bok.py")
 # ZeRO-3 with a resume on two ranks: online DPO's twins, each resumed after a preemption in its first update of
 # its own (one of the two ways: the preemption is common code), and asynchronous PPO (a value model too) with a
