@@ -37,6 +37,7 @@ sys.path.insert(0, BENCH)
 import horizon_table  # noqa: E402
 import latency_table  # noqa: E402
 import off_policy_corrections  # noqa: E402
+import turn_credit  # noqa: E402
 
 PASSAGE = re.compile(r"(<!-- computed: (\w+) -->\n)(.*?)(<!-- /computed -->)", re.S)
 CORRECTIONS = ("decoupled", "pure_is", "tis", "mask", "m2po")  # none's alternatives, in the kit's order
@@ -633,6 +634,26 @@ def toy_build_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def turn_credit_findings(results: dict) -> str:
+    """bench/turn_credit.py's tables, then per environment: the estimator soonest at the target in the synchronous
+    runs (turn_credit.soonest: the lowest median over seeds of the updates to it, among those reaching it in every
+    seed), and the one whose turns drifted furthest from episode's (the largest median of the paired drifts)."""
+    runs = {env: {mode: {estimator: {int(seed): evals for seed, evals in by_seed.items()}
+                         for estimator, by_seed in arms.items()} for mode, arms in by_mode.items()}
+            for env, by_mode in results["runs"].items()}
+    lines = turn_credit.table(runs, results["targets"])
+    for env, by_mode in runs.items():
+        arms, target = by_mode["sync"], results["targets"][env]
+        drifts = {estimator: statistics.median(turn_credit.turn_drift(evals) - turn_credit.turn_drift(
+                      arms["episode"][seed]) for seed, evals in by_seed.items())
+                  for estimator, by_seed in arms.items() if estimator != "episode"}
+        furthest = max(drifts, key=lambda estimator: abs(drifts[estimator]))
+        lines.append(bullet(f"""{env}, synchronous: soonest at {target:g},
+            {turn_credit.soonest(arms, target)}; the turns' drift furthest from episode's, {furthest}'s (median
+            over seeds of the paired difference {drifts[furthest]:+.2f} turns)."""))
+    return "\n".join(lines).strip()
+
+
 def passages(results_dir: str) -> dict[str, str]:
     runs, paths, worlds = horizon_runs(results_dir)
     with open(os.path.join(results_dir, "multiturn_latency.json")) as f:
@@ -652,7 +673,15 @@ def passages(results_dir: str) -> dict[str, str]:
             "read_with_6": read_with_6(runs),
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),
             "latency_findings": latency_findings(latency),
-            "toy_build_load": toy_build_table(toy_builds)}
+            "toy_build_load": toy_build_table(toy_builds)} | turn_credit_passage(results_dir)
+
+
+def turn_credit_passage(results_dir: str) -> dict[str, str]:
+    path = os.path.join(results_dir, "turn_credit.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {"turn_credit": turn_credit_findings(json.load(f))}
 
 
 def main(args: Args):

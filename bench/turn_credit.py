@@ -8,14 +8,14 @@ is biased wherever the policy decides when the episode stops: ALGORITHMS.md, "Cr
   lake   toy:lake_slippery: FrozenLake's 4x4 map, a third of the moves slipping to a side; reward 1 at the goal
 
 Phase one, synchronous (grpo_multiturn.py): every estimator on each environment, every seed. Phase two: `episode`
-and the estimator that reached the target soonest in phase one (median over seeds of the updates to it), each at
-K = 1 (grpo_multiturn_vllm.py --async_steps 1) and in flight (--inflight_updates), every seed. Every run evaluates
-in the trainer every --eval_every updates on --eval_rows rows. Prints per environment, mode and estimator the
-updates to the target per seed, and against `episode` of the same seed (paired) their difference's median and
-range, and the drift of the evaluated number of turns (the last evaluation's against the first), paired the same
-way. A finished run (its `done` marker) is not run again, so an interrupted benchmark goes on where it stopped when
-given the same --output_dir. Writes results.json there, with every run's evaluations, and for a full run
-bench/results/turn_credit.json.
+and the estimator that reached the target soonest in phase one (median over seeds of the updates to it), each at K =
+1 (grpo_multiturn_vllm.py --async_steps 1) and in flight (--inflight_updates), every seed. Every run evaluates in
+the trainer every --eval_every updates on --eval_rows rows. Prints per environment, mode and estimator the updates
+to the target per seed, and against `episode` of the same seed (paired) their difference's median and range; the
+same for the last evaluation's return and for the drift of the evaluated number of turns (the last evaluation's
+against the first). A finished run (its `done` marker) is not run again, so an interrupted benchmark goes on where
+it stopped when given the same --output_dir. Writes results.json there, with every run's evaluations, and for a full
+run bench/results/turn_credit.json.
 
     python bench/turn_credit.py                          # 54 runs of 1-3 minutes each on 2 CPU cores
     python bench/turn_credit.py --envs probe --seeds 1   # one environment, one seed
@@ -129,26 +129,31 @@ def soonest(arms: dict[str, dict[int, list[dict]]], target: float) -> str:
 
 
 def table(runs: dict, targets: dict[str, float]) -> list[str]:
-    """Per environment and mode, each estimator's updates to the target per seed, and against episode of the same
-    seed: the paired difference in updates (over the seeds where both reach it) and in the drift of the turns.
-    runs: env -> mode -> estimator -> seed -> evaluations."""
+    """Per environment and mode, each estimator's updates to the target per seed, its last evaluation's return, and
+    the drift of the turns; each against episode of the same seed: the paired difference (updates over the seeds
+    where both reach the target). runs: env -> mode -> estimator -> seed -> evaluations."""
     rows = []
     for env, by_mode in runs.items():
         for mode, arms in by_mode.items():
             rows += [f"{env} ({ENVS[env][0]}), {mode}: target return {targets[env]:g}", "",
-                     "| estimator | updates to target, per seed | minus episode's (paired) | turns drift | "
-                     "drift minus episode's (paired) |", "|---|---|---|---|---|"]
+                     "| estimator | updates to target, per seed | minus episode's (paired) | last return | "
+                     "minus episode's (paired) | turns drift | minus episode's (paired) |",
+                     "|---|---|---|---|---|---|---|"]
             baseline = arms.get("episode", {})
             for estimator, by_seed in arms.items():
                 reached = {seed: updates_to(evals, targets[env]) for seed, evals in by_seed.items()}
+                last = {seed: evals[-1]["return"] for seed, evals in by_seed.items()}
                 drift = {seed: turn_drift(evals) for seed, evals in by_seed.items()}
                 per_seed = ", ".join(f"{seed}: {'-' if n is None else n}" for seed, n in sorted(reached.items()))
                 theirs = {seed: updates_to(evals, targets[env]) for seed, evals in baseline.items()}
                 paired = [n - theirs[seed] for seed, n in reached.items()
                           if n is not None and theirs.get(seed) is not None]
+                last_paired = [r - baseline[seed][-1]["return"] for seed, r in last.items() if seed in baseline]
                 drift_paired = [d - turn_drift(baseline[seed]) for seed, d in drift.items() if seed in baseline]
                 against_episode = estimator != "episode"
                 rows.append(f"| {estimator} | {per_seed} | {spread(paired) if against_episode else ''} | "
+                            f"{spread(list(last.values()), '{:.2f}')} | "
+                            f"{spread(last_paired, '{:+.2f}') if against_episode else ''} | "
                             f"{spread(list(drift.values()), '{:+.2f}')} | "
                             f"{spread(drift_paired, '{:+.2f}') if against_episode else ''} |")
             rows.append("")

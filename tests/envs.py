@@ -128,6 +128,26 @@ class SecretFromSeed(toy.GuessTheNumber):
         return super().reset({"secret": random.Random(seed).randint(1, toy.GUESS_RANGE)}, seed)
 
 
+class SecretFromSeedNarrowing(SecretFromSeed):
+    """SecretFromSeed whose state_key() is the range the answers so far leave (--turn_advantage gigpo's anchor
+    states): a group's episodes share their secret, so their turns meet in the same ranges."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        self.low, self.high = 1, toy.GUESS_RANGE
+        return super().reset(row, seed)
+
+    def state_key(self) -> tuple[int, int]:
+        return self.low, self.high
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        message, reward, done = super().step(action)
+        if message in ("higher :", "lower :"):
+            guess = int(action.split()[0])
+            self.low, self.high = (max(self.low, guess + 1), self.high) if message == "higher :" else (
+                self.low, min(self.high, guess - 1))
+        return message, reward, done
+
+
 class AnswersOtherwise(toy.GuessTheNumber):
     """Guess-the-number that answers every guess with the same message, as an environment changed between a run and
     its resumption would."""

@@ -375,11 +375,13 @@ def test_the_turn_credit_table_pairs_each_estimator_with_episode_of_the_same_see
             "gigpo": {1: evals([1.0, 1.9, 1.9], [3, 3, 3]), 2: evals([1.0, 1.8, 1.9], [3, 3, 3])}}
     rows = turn_credit.table({"probe": {"sync": arms}}, {"probe": 1.8})
     assert rows[0] == "probe (toy:probe_answer_shaped), sync: target return 1.8"
-    assert rows[4] == "| episode | 1: 8, 2: 4 |  | +0.50 (+0.00 to +1.00) |  |"
-    # seed 1: 4 - 8; seed 2 never reaches 1.8: no pair. Drifts +1.5 and -1, against episode's +1 and 0
-    assert rows[5] == ("| unbiased | 1: 4, 2: - | -4.0 (-4.0 to -4.0) | +0.25 (-1.00 to +1.50) | "
-                       "-0.25 (-1.00 to +0.50) |")
-    assert rows[6] == "| gigpo | 1: 4, 2: 4 | -2.0 (-4.0 to +0.0) | +0.00 (+0.00 to +0.00) | -0.50 (-1.00 to +0.00) |"
+    assert rows[4] == "| episode | 1: 8, 2: 4 |  | 1.90 (1.90 to 1.90) |  | +0.50 (+0.00 to +1.00) |  |"
+    # seed 1: 4 - 8; seed 2 never reaches 1.8: no pair. Last returns 2.0 and 1.7 against 1.9 and 1.9. Drifts +1.5
+    # and -1, against episode's +1 and 0
+    assert rows[5] == ("| unbiased | 1: 4, 2: - | -4.0 (-4.0 to -4.0) | 1.85 (1.70 to 2.00) | -0.05 (-0.20 to +0.10) "
+                       "| +0.25 (-1.00 to +1.50) | -0.25 (-1.00 to +0.50) |")
+    assert rows[6] == ("| gigpo | 1: 4, 2: 4 | -2.0 (-4.0 to +0.0) | 1.90 (1.90 to 1.90) | +0.00 (+0.00 to +0.00) | "
+                       "+0.00 (+0.00 to +0.00) | -0.50 (-1.00 to +0.00) |")
     # unbiased misses the target in a seed; gigpo's median (4) beats episode's (6)
     assert turn_credit.soonest(arms, 1.8) == "gigpo"
     assert turn_credit.soonest({"episode": arms["episode"], "unbiased": arms["unbiased"]}, 1.8) == "episode"

@@ -268,9 +268,10 @@ def test_the_default_run_learns_guess_the_number(tmp_path):
 def test_resume_is_exact_through_kills_mid_episode(tmp_path):
     """Killed while an update's episodes are played (before any checkpoint) and while checkpoint 4 is written:
     the resumed run replays the same episodes and ends with the same weights, bit for bit. With a KL penalty to the
-    reference policy (its log-probs of the episodes too) and truncated episodes left out of the loss."""
+    reference policy (its log-probs of the episodes too), truncated episodes left out of the loss, and each turn's
+    own advantage (--turn_advantage reward_to_go, discounted: each turn's reward and index replayed too)."""
     args = ["--total_episodes", "192", "--save_every", "2", "--eval_every", "0", "--beta", "0.05",
-            "--mask_truncated_completions"]
+            "--mask_truncated_completions", "--turn_advantage", "reward_to_go", "--gamma", "0.9"]
     whole, resumed = uninterrupted_and_resumed_runs(
         tmp_path, "grpo_multiturn.py", args,
         ("SIGKILL during update 1, before any checkpoint", "SIGKILL while checkpoint 4 is being written"))
@@ -282,9 +283,10 @@ def test_resume_is_exact_through_kills_mid_episode(tmp_path):
 def test_two_ranks_train_as_one(tmp_path):
     """Two ranks of 16 rows each (the batch's reward statistics over both: --scale_rewards batch) against one rank
     of 32 in two micro-batch rounds: the same episodes (reset and sampling seeds by the row's place in the global
-    batch; the environment's secret comes from its reset seed), the same losses, the same weights."""
+    batch; the environment's secret comes from its reset seed), the same losses, the same weights. With each turn's
+    rewards normalised per turn index within its group (--turn_advantage turn_index_norm)."""
     args = ["--total_episodes", "128", "--eval_every", "0", "--scale_rewards", "batch", "--env",
-            "tests/envs.py:SecretFromSeed"]
+            "tests/envs.py:SecretFromSeed", "--turn_advantage", "turn_index_norm"]
     script = "grpo_multiturn.py"
     run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script=script,
                launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),

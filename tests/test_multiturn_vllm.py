@@ -119,15 +119,22 @@ def test_lora_and_an_off_policy_correction_at_k2(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_and_one_engine_train_as_one_rank(tmp_path):
     """Two ranks of 16 rows each taking their shares of the engine's batches (K=2), against one rank of 32: the same
-    episodes (seeded by their rows in the global batch), losses and weights."""
+    episodes (seeded by their rows in the global batch), losses and weights. With --turn_advantage gigpo (each
+    turn's state from the environment in the generator process; its episode level over the batch of both ranks):
+    exactly K=2 stale, the engine's log-probs the trainer's."""
     args = ["--total_episodes", "128", "--eval_every", "0", "--scale_rewards", "batch", "--async_steps", "2",
-            "--env", "tests/envs.py:SecretFromSeed"]
+            "--env", "tests/envs.py:SecretFromSeedNarrowing", "--turn_advantage", "gigpo", "--logprob_check_every",
+            "1"]
     run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script=SCRIPT,
                launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
                env={"OMP_NUM_THREADS": "1"})
     run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script=SCRIPT,
                env={"OMP_NUM_THREADS": "1"})
     assert_two_ranks_train_as_one(tmp_path / "two", tmp_path / "one")
+    for run in ("two", "one"):
+        train = [m for m in read_metrics(tmp_path / run) if "loss/policy_avg" in m]
+        assert [m["async/staleness"] for m in train] == [0, 1, 2, 2], run
+        assert max(m["async/logprob_diff"] for m in train if "async/logprob_diff" in m) < 1e-6, run
 
 
 def test_a_researchers_environment_trains_a_chat_model_in_the_engine(tmp_path):
@@ -236,8 +243,10 @@ def test_in_flight_episodes_learn_and_every_policy_token_records_the_version_tha
 
 
 # deterministic in-flight swaps on the slow environment (steps of 25-75 ms), 8 updates checkpointed every 2
+# (--turn_advantage unbiased: each turn's reward and index kept with the episodes in flight and replayed on resume)
 DETERMINISTIC_INFLIGHT = ["--inflight_updates", "--inflight_deterministic", "--env", "toy:guess_number_slow",
-                          "--total_episodes", "256", "--eval_every", "0", "--save_every", "2"]
+                          "--total_episodes", "256", "--eval_every", "0", "--save_every", "2", "--turn_advantage",
+                          "unbiased"]
 
 
 @pytest.fixture(scope="module")

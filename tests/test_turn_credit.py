@@ -57,6 +57,23 @@ def test_each_turn_advantage_on_hand_computed_numbers(script, estimator, expecte
     torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("estimator", ["reward_to_go", "turn_index_norm", "unbiased", "gigpo"])
+def test_each_ranks_share_of_whole_groups_takes_the_advantages_of_the_whole_batch(script, estimator):
+    """Two ranks = one for every estimator: each looks only within a group (gigpo's episode level with
+    --scale_rewards group; batch is all-reduced across ranks, tests/test_multiturn_vllm.py), so two shares of whole
+    groups get what the whole batch gets. Random groups of 4 episodes of 1-4 turns, states from 3 values."""
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randn(16, 4, generator=generator)
+    turns = torch.randint(1, 5, (16,), generator=generator).float()
+    states = torch.randint(0, 3, (16, 4), generator=generator)
+    args = script.Args(turn_advantage=estimator, gamma=0.9, scale_rewards="group")
+    whole = script.turn_advantages(rewards, turns, states, rewards.sum(dim=1), 4, args)
+    shares = [script.turn_advantages(rewards[rows], turns[rows], states[rows], rewards[rows].sum(dim=1), 4, args)
+              for rows in (slice(0, 8), slice(8, 16))]
+    assert whole.abs().sum() > 0
+    torch.testing.assert_close(torch.cat(shares), whole, atol=0, rtol=0)
+
+
 def test_each_policy_token_takes_its_turns_advantage(script):
     """Turn 0's two tokens, the environment's reply (-1), turn 1's token, then padding."""
     token_turns = torch.tensor([[0, 0, -1, 1, -1]])
