@@ -1,5 +1,6 @@
-"""Building the embedded tasks (the toy package): one build at a time on a machine (the build lock), each in a process
-of its own, which clears what a killed build left; each task cached by the hash of its own code."""
+"""Building the embedded tasks (the toy package): one build of a task at a time on a machine (its lock; other tasks
+build meanwhile), each in a process of its own, which clears what a killed build left; each task cached by the hash
+of its own code."""
 
 import fcntl
 import hashlib
@@ -36,25 +37,26 @@ def waiting_for_a_lock(pids: list[int]) -> bool:
 
 
 @pytest.mark.slow
-def test_a_build_waits_for_any_other_and_leaves_its_caller_as_it_was(tmp_path):
+def test_a_build_waits_for_one_of_its_own_task_not_another_and_leaves_its_caller_as_it_was(tmp_path):
     toy.build()
     shutil.copytree(toy.TOY_DIR, tmp_path / "toy")  # built: what the pipeline's data and the arithmetic task need
-    with open(tmp_path / "builds.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another build, in progress
+    (tmp_path / "toy-pipeline.building-killed").mkdir()  # what a build killed mid-way leaves behind
+    with open(tmp_path / "toy-math.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another build of the arithmetic task, in progress
         math, pipeline = start_build(tmp_path / "toy", "build_math"), start_build(tmp_path / "toy", "build_pipeline")
+        output = pipeline.communicate(timeout=120)[0]  # another task's build goes on meanwhile
+        assert pipeline.returncode == 0, output
         deadline = time.time() + 120
-        while not waiting_for_a_lock([math.pid, pipeline.pid]):
-            assert math.poll() is None and pipeline.poll() is None and time.time() < deadline
+        while not waiting_for_a_lock([math.pid]):
+            assert math.poll() is None and time.time() < deadline
             time.sleep(0.1)
-        assert sorted(os.listdir(tmp_path)) == ["builds.lock", "toy"]  # neither has started building
+        assert not (tmp_path / "toy-math").exists() and not list(tmp_path.glob("toy-math.building-*"))
         math.kill()
         math.wait()
-        (tmp_path / "toy-pipeline.building-killed").mkdir()  # what a build killed mid-way leaves behind
-    output = pipeline.communicate(timeout=120)[0]
-    assert pipeline.returncode == 0, output
     assert output.splitlines()[-1] == "caller 2 2 True", output  # the build's 1 thread and its seed were its own
     assert "toy: building the pipeline's data" in output
-    assert sorted(os.listdir(tmp_path)) == ["builds.lock", "toy", "toy-pipeline"]  # the leftover removed
+    # the leftover removed; each task's lock file stays
+    assert sorted(os.listdir(tmp_path)) == ["toy", "toy-math.lock", "toy-pipeline", "toy-pipeline.lock"]
     built = toy.PIPELINE_DIR  # the same build as the one the suite uses, bit for bit
     toy.build_pipeline()
     for name in ("base_policy/model.safetensors", "sft_dataset/train/data-00000-of-00001.arrow"):

@@ -1,5 +1,5 @@
-"""What every embedded task's build shares: where it is cached, one build at a time in a process of its own, the
-word-level tokenizers, the policies' shapes and their training loop. Imports no other module of the kit."""
+"""What every embedded task's build shares: where it is cached, one build of a task at a time in a process of its own,
+the word-level tokenizers, the policies' shapes and their training loop. Imports no other module of the kit."""
 
 import fcntl
 import glob
@@ -23,7 +23,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 # ASYNC_RLHF_TOY_DIR: the TL;DR-like world's folder, the other tasks' beside it (its path and "-math", ...)
 MOVED_TO = os.environ.get("ASYNC_RLHF_TOY_DIR")
 CACHE = os.path.dirname(os.path.abspath(MOVED_TO)) if MOVED_TO else os.path.expanduser("~/.cache/async-rlhf-kit")
-BUILD_LOCK = os.path.join(CACHE, "builds.lock")  # one for every build (built_once)
 # A build's torch threads, whatever its caller's: one. With two, OpenMP's threads wait on each other at every
 # operation of these tiny models, spinning, wherever another process wants a core (bench/toy_build_load.py); the
 # weights do not depend on it.
@@ -51,14 +50,15 @@ def cache_folder(task: str, *sources: str) -> str:
 
 
 def built_once(folder: str, make, seed: int, name: str):
-    """Build `name` into `folder` unless it is there. Builds wait for each other (BUILD_LOCK: two at once on two
-    cores made both several times slower), and one that finds its folder built when its turn comes does
-    nothing. It runs in a Python process of its own, which holds the lock with its caller, so the caller's
-    thread count, random state and memory stay as they were."""
+    """Build `name` into `folder` unless it is there. Builds of the same task wait for each other (the lock file
+    `folder`.lock), and one that finds its folder built when its turn comes does nothing; builds of different tasks
+    run at once (each one thread: beside a busy process a build took 1.04x its time alone, bench/toy_build_load.py).
+    It runs in a Python process of its own, which holds the lock with its caller, so the caller's thread count,
+    random state and memory stay as they were."""
     if os.path.exists(os.path.join(folder, "summary.json")):
         return
     os.makedirs(os.path.dirname(folder), exist_ok=True)
-    with open(BUILD_LOCK, "w") as lock:
+    with open(folder + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(os.path.join(folder, "summary.json")):  # built while this one waited
             return
@@ -76,7 +76,8 @@ def built_once(folder: str, make, seed: int, name: str):
 def build_in_this_process(folder: str, make, seed: int, name: str, threads: int = BUILD_THREADS):
     """`make(building, seed, rng, start)` builds `name` into a scratch folder beside `folder`, seeded, with
     `threads` torch threads, and returns the numbers it measured; they go to summary.json and the folder
-    becomes `folder` in one rename. built_once's process, which holds BUILD_LOCK (or bench/toy_build_load.py's)."""
+    becomes `folder` in one rename. Called in built_once's process, which holds the task's lock, or by
+    bench/toy_build_load.py."""
     start = time.time()
     datasets.disable_progress_bars()  # the build's output: what it builds, and in how long
     transformers.utils.logging.disable_progress_bar()
