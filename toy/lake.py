@@ -20,7 +20,6 @@ import random
 import time
 from collections import deque
 
-import torch
 from datasets import Dataset, DatasetDict
 
 from toy.builder import (
@@ -32,12 +31,11 @@ from toy.builder import (
     cache_folder,
     llama_config,
     make_tokenizer,
-    masked_sft_loss,
     parameter_count,
     train,
     untrained_policy,
 )
-from toy.play import play, policy_turns, rates, rule_turns
+from toy.play import play, policy_turns, rates, rule_turns, sft_loss_of_batch
 
 LAKE_DIR = cache_folder("lake", __file__, os.path.join(os.path.dirname(__file__), "play.py"))
 LAKE_POLICY = os.path.join(LAKE_DIR, "sft_policy")
@@ -158,12 +156,7 @@ def make_lake(folder: str, seed: int, rng: random.Random, start: float) -> dict:
     train_rows = list(splits["train"])
     habit = rule_turns(tokenizer, lambda env: sft_move(env, rng))
 
-    def loss_of_batch(batch_size: int = 32) -> torch.Tensor:
-        episodes = play([FrozenLake() for _ in range(batch_size)], rng.sample(train_rows, batch_size),
-                        [0] * batch_size, LAKE_TURNS, habit, tokenizer)
-        return masked_sft_loss(policy, [e.ids for e in episodes], [e.by_policy for e in episodes],
-                               tokenizer.pad_token_id)
-
+    loss_of_batch = sft_loss_of_batch(FrozenLake, train_rows, LAKE_TURNS, habit, policy, tokenizer, rng)
     loss = train(policy, loss_of_batch, steps=LAKE_SFT_STEPS, lr=3e-3)
     print(f"toy: grid-world SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
     policy.save_pretrained(os.path.join(folder, "sft_policy"))

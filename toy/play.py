@@ -4,9 +4,12 @@ plays, its turns in one batched generate). An episode's tokens are built as the 
 without a chat template: the first message, then each turn's tokens up to its stop token (added when a turn runs out
 of tokens) and the environment's message after it."""
 
+import random
 from typing import NamedTuple
 
 import torch
+
+from toy.builder import masked_sft_loss
 
 
 class Played(NamedTuple):
@@ -64,6 +67,18 @@ def rule_turns(tokenizer, rule):
     """The act of play(): rule(env) -> the turn's text, a rule that reads the environment's state."""
     return lambda histories, envs: [(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
                                      text) for text in map(rule, envs)]
+
+
+def sft_loss_of_batch(make_env, rows: list[dict], max_turns: int, habit, policy, tokenizer, rng: random.Random):
+    """builder.train's loss for an SFT policy of an environment: each call plays 32 episodes by `habit` (the act of
+    play()) from rows drawn with `rng`, reset seed 0, and returns the policy's next-token loss on its tokens."""
+    def loss_of_batch(batch_size: int = 32) -> torch.Tensor:
+        episodes = play([make_env() for _ in range(batch_size)], rng.sample(rows, batch_size), [0] * batch_size,
+                        max_turns, habit, tokenizer)
+        return masked_sft_loss(policy, [e.ids for e in episodes], [e.by_policy for e in episodes],
+                               tokenizer.pad_token_id)
+
+    return loss_of_batch
 
 
 def rates(episodes: list[Played]) -> dict:

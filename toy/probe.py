@@ -29,7 +29,6 @@ import os
 import random
 import time
 
-import torch
 from datasets import Dataset, DatasetDict
 
 from toy.builder import (
@@ -41,12 +40,11 @@ from toy.builder import (
     cache_folder,
     llama_config,
     make_tokenizer,
-    masked_sft_loss,
     parameter_count,
     train,
     untrained_policy,
 )
-from toy.play import play, policy_turns, rates, rule_turns
+from toy.play import play, policy_turns, rates, rule_turns, sft_loss_of_batch
 
 PROBE_DIR = cache_folder("probe", __file__, os.path.join(os.path.dirname(__file__), "play.py"))
 PROBE_POLICY = os.path.join(PROBE_DIR, "sft_policy")
@@ -126,12 +124,7 @@ def make_probe(folder: str, seed: int, rng: random.Random, start: float) -> dict
     train_rows = list(splits["train"])
     habit = rule_turns(tokenizer, lambda env: sft_probe(env, rng))
 
-    def loss_of_batch(batch_size: int = 32) -> torch.Tensor:
-        episodes = play([ProbeAnswer() for _ in range(batch_size)], rng.sample(train_rows, batch_size),
-                        [0] * batch_size, PROBE_TURNS, habit, tokenizer)
-        return masked_sft_loss(policy, [e.ids for e in episodes], [e.by_policy for e in episodes],
-                               tokenizer.pad_token_id)
-
+    loss_of_batch = sft_loss_of_batch(ProbeAnswer, train_rows, PROBE_TURNS, habit, policy, tokenizer, rng)
     loss = train(policy, loss_of_batch, steps=PROBE_SFT_STEPS, lr=3e-3)
     print(f"toy: probe-and-answer SFT policy trained, final loss {loss:.3f} ({time.time() - start:.0f} s)")
     policy.save_pretrained(os.path.join(folder, "sft_policy"))
