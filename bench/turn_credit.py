@@ -19,6 +19,7 @@ run bench/results/turn_credit.json.
 
     python bench/turn_credit.py                          # 54 runs of 1-3 minutes each on 2 CPU cores
     python bench/turn_credit.py --envs probe --seeds 1   # one environment, one seed
+    python bench/turn_credit.py --async_seeds 1          # phase two on seed 1 alone (the others' runs kept)
 """
 
 import json
@@ -68,6 +69,8 @@ class Args:
     """the lake's target eval/return_mean (the best policy's chance within its turns is about 0.6)"""
     asynchronous: bool = True
     """phase two: episode and phase one's soonest estimator at K = 1 and in flight"""
+    async_seeds: tuple[int, ...] | None = None
+    """phase two's seeds (default: --seeds), e.g. those an interrupted benchmark finished"""
     extra: str = ""
     """flags given to every run, e.g. --extra="--learning_rate 3e-4\""""
     output_dir: str | None = None
@@ -174,7 +177,7 @@ def main(args: Args):
         for env in args.envs:
             for mode in ("k1", "inflight"):
                 runs[env][mode] = {estimator: {} for estimator in dict.fromkeys(("episode", best[env]))}
-        for seed in args.seeds:
+        for seed in args.seeds if args.async_seeds is None else args.async_seeds:
             for env in args.envs:
                 for mode in ("k1", "inflight"):
                     for estimator in runs[env][mode]:

@@ -385,3 +385,29 @@ def test_the_turn_credit_table_pairs_each_estimator_with_episode_of_the_same_see
     # unbiased misses the target in a seed; gigpo's median (4) beats episode's (6)
     assert turn_credit.soonest(arms, 1.8) == "gigpo"
     assert turn_credit.soonest({"episode": arms["episode"], "unbiased": arms["unbiased"]}, 1.8) == "episode"
+
+
+def test_the_turn_credit_benchmark_reads_finished_runs_and_plays_phase_two_on_its_own_seeds(tmp_path):
+    """Runs with their `done` marker are read, not run again (here every run is finished, so none starts); phase
+    two plays `episode` and phase one's soonest estimator on --async_seeds alone; results.json holds what was read."""
+    turn_credit = bench_module("turn_credit")
+    curves = {"episode": [1.0, 1.5, 1.96], "gigpo": [1.0, 1.96, 2.0]}  # gigpo reaches 1.95 first
+    for mode, estimators in (("sync", turn_credit.ESTIMATORS), ("k1", curves), ("inflight", curves)):
+        for estimator in estimators:
+            for seed in (1, 2, 3):
+                run = tmp_path / f"probe-{mode}-{estimator}-seed{seed}"
+                run.mkdir()
+                (run / "done").touch()
+                returns = curves.get(estimator, [1.0, 1.2, 1.4])
+                (run / "metrics.jsonl").write_text("".join(
+                    json.dumps({"update": 2 * i, "eval/return_mean": r, "eval/turns_mean": 4.0}) + "\n"
+                    for i, r in enumerate(returns)))
+    turn_credit.main(turn_credit.Args(envs=("probe",), probe_target=1.95, async_seeds=(2,),
+                                      output_dir=str(tmp_path)))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["targets"]["probe"] == 1.95
+    assert sorted(results["runs"]["probe"]["sync"]["unbiased"]) == ["1", "2", "3"]
+    for mode in ("k1", "inflight"):
+        assert {estimator: sorted(by_seed) for estimator, by_seed in results["runs"]["probe"][mode].items()} == {
+            "episode": ["2"], "gigpo": ["2"]}
+    assert results["runs"]["probe"]["k1"]["gigpo"]["2"][1] == {"update": 2, "return": 1.96, "turns": 4.0}
