@@ -8,7 +8,7 @@ is biased wherever the policy decides when the episode stops: ALGORITHMS.md, "Cr
   lake   toy:lake_slippery: FrozenLake's 4x4 map, a third of the moves slipping to a side; reward 1 at the goal
 
 Phase one, synchronous (grpo_multiturn.py): every estimator on each environment, every seed. Phase two: `episode`
-and the estimator that reached the target soonest in phase one (median over seeds of the updates to it), each at K =
+and the estimator that reached the target soonest in phase one and held it (soonest), each at K =
 1 (grpo_multiturn_vllm.py --async_steps 1) and in flight (--inflight_updates), every seed. Every run evaluates in
 the trainer every --eval_every updates on --eval_rows rows. Prints per environment, mode and estimator the updates
 to the target per seed, and against `episode` of the same seed (paired) their difference's median and range; the
@@ -124,10 +124,12 @@ def spread(values: list[float], form: str = "{:+.1f}") -> str:
 
 def soonest(arms: dict[str, dict[int, list[dict]]], target: float) -> str:
     """The estimator whose median over seeds of the updates to `target` is lowest, among those that reach it in
-    every seed (episode where none does)."""
+    every seed and hold it (the median over seeds of their last evaluation's return at `target` or above: a biased
+    estimator can cross it on its way down); episode where none does."""
     reached = {name: statistics.median(updates_to(evals, target) for evals in by_seed.values())
                for name, by_seed in arms.items()
-               if all(updates_to(evals, target) is not None for evals in by_seed.values())}
+               if all(updates_to(evals, target) is not None for evals in by_seed.values())
+               and statistics.median(evals[-1]["return"] for evals in by_seed.values()) >= target}
     return min(reached, key=lambda name: (reached[name], name != "episode")) if reached else "episode"
 
 

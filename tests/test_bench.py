@@ -384,6 +384,11 @@ def test_the_turn_credit_table_pairs_each_estimator_with_episode_of_the_same_see
                        "+0.00 (+0.00 to +0.00) | -0.50 (-1.00 to +0.00) |")
     # unbiased misses the target in a seed; gigpo's median (4) beats episode's (6)
     assert turn_credit.soonest(arms, 1.8) == "gigpo"
+    # sooner in every seed (at the first evaluation), but fallen below the target by the end (median of the last
+    # returns 1.6): held at 1.5, not at 1.8
+    falls = {"turn_index_norm": {1: evals([1.85, 1.9, 1.5], [3, 2, 1]), 2: evals([1.85, 1.9, 1.7], [3, 2, 1])}}
+    assert turn_credit.soonest(arms | falls, 1.8) == "gigpo"
+    assert turn_credit.soonest(arms | falls, 1.5) == "turn_index_norm"
     assert turn_credit.soonest({"episode": arms["episode"], "unbiased": arms["unbiased"]}, 1.8) == "episode"
 
 
