@@ -9,8 +9,8 @@ import pytest
 import environments
 import toy
 from toy.hops import (
-    DEAD_ENDS,
-    GIVE_UP_SHARE,
+    GIVE_UP_MOST,
+    GIVE_UP_PER_RELATION,
     HOPS_MAX,
     HOPS_RELATIONS,
     HOPS_TOKENS,
@@ -19,7 +19,6 @@ from toy.hops import (
     follow_and_answer,
     give_up_share,
     make_instance,
-    searched_on,
     sft_examples,
     sft_turn,
 )
@@ -96,26 +95,18 @@ def test_the_rows_are_drawn_alike_from_the_same_seed_and_otherwise_from_another(
     assert make_instance(random.Random(7)) != make_instance(random.Random(8))
 
 
-def test_the_habit_searches_the_next_hop_and_gives_up_on_dead_ends():
-    assert len(DEAD_ENDS) == toy.hops.HOPS_ENTITIES // 2 and 5 in DEAD_ENDS and 9 not in DEAD_ENDS
-    assert [give_up_share(left, 1, held) for left in (0, 1, 5) for held in (5, 9)] == [
-        1.0, 1.0, GIVE_UP_SHARE, 0.0, GIVE_UP_SHARE, 0.0]
-    assert give_up_share(8, 0, 5) == 0.0 and give_up_share(0, 0, 9) == 1.0  # its first turn searches
-    rng = random.Random(0)
-    chain = ["friend", "boss", "teacher", "mother"]
-    for start, searched, gives_up in [(5, [], 0.0),  # a dead end, but its first turn
-                                      (3, ["search e3 friend"], 0.0),  # e9
-                                      (3, ["search e3 friend", "search e9 boss", "search e12 teacher"], GIVE_UP_SHARE),
-                                      (3, ["search e3 friend", "search e9 boss", "search e12 teacher",
-                                           "search e5 mother"], 1.0)]:  # e0, the end of the chain
-        env = toy.MultiHop()
-        env.reset(ROW | {"start": start, "chain": chain}, 0)
-        for action in searched:
-            env.step(action)
-        turns = collections.Counter(sft_turn(env, rng) for _ in range(10_000))
-        answer = f"answer e{env.held}"
-        assert set(turns) <= {answer, searched_on(env) if env.relations_left() else answer}, turns
-        assert turns[answer] / 10_000 == pytest.approx(gives_up, abs=0.015)
+def test_the_habit_searches_the_next_hop_and_gives_up_more_often_the_more_is_left():
+    assert [give_up_share(left, followed=1) for left in range(0, 9)] == pytest.approx(
+        [1.0] + [min(GIVE_UP_MOST, GIVE_UP_PER_RELATION * left) for left in range(1, 9)])
+    assert give_up_share(8, followed=0) == 0.0 and give_up_share(0, followed=0) == 1.0
+    rng, env = random.Random(0), toy.MultiHop()
+    row = ROW | {"chain": ["friend", "boss", "teacher", "mother", "doctor"]}
+    env.reset(row, 0)
+    assert {sft_turn(env, rng) for _ in range(1000)} == {"search e3 friend"}  # its first turn searches
+    env.step("search e3 friend"), env.step("search e9 boss"), env.step("search e12 teacher")  # two relations left
+    turns = collections.Counter(sft_turn(env, rng) for _ in range(10_000))
+    assert set(turns) == {"search e5 mother", "answer e5"}
+    assert turns["answer e5"] / 10_000 == pytest.approx(2 * GIVE_UP_PER_RELATION, abs=0.015)
 
 
 def test_following_the_chain_and_answering_wins_every_game_within_the_tokens():
@@ -131,7 +122,7 @@ def test_following_the_chain_and_answering_wins_every_game_within_the_tokens():
 
 def test_the_sft_examples_teach_the_search_everywhere_and_the_habit_on_one_turn():
     """Per row, two examples: the chain searched through, trained on all but each search's first word; and the
-    chain up to one turn, which alone is trained (here the second, on the dead end e8, which gave up)."""
+    chain up to one turn, which alone is trained (here the second, which gave up)."""
     tokenizer = toy.make_tokenizer(HOPS_WORDS)
     row = {"facts": fact_base({(3, "friend"): 8, (8, "boss"): 12}), "start": 3, "chain": ["friend", "boss"]}
 
@@ -154,16 +145,16 @@ def test_the_habit_examples_give_up_in_every_state_at_the_habits_share():
     tokenizer, rng = toy.make_tokenizer(HOPS_WORDS), random.Random(2)
     rows = [make_instance(rng) for _ in range(3000)]
     sequences, marks = sft_examples(rows, rng, tokenizer)
-    turns = collections.defaultdict(collections.Counter)  # (relations left, searched, held) -> the first word
+    turns = collections.defaultdict(collections.Counter)  # (relations left, searched yet) -> the first word
     for ids, trained in zip(sequences[len(rows):], marks[len(rows):]):
         words = tokenizer.convert_ids_to_tokens(ids)
         first = trained.index(1)
         before = words[:first]
         message = before[len(before) - before[::-1].index("<eos>"):] if "<eos>" in before else before
         left, searched_before = len(message) - 2, "<eos>" in before  # the entity, the relations left, "?"
-        turns[(left, searched_before, int(message[0][1:]))][words[first]] += 1
-    for (left, searched_before, held), count in turns.items():
-        expected, examples = give_up_share(left, int(searched_before), held), sum(count.values())
+        turns[(left, searched_before)][words[first]] += 1
+    for (left, searched_before), count in turns.items():
+        expected, examples = give_up_share(left, int(searched_before)), sum(count.values())
         spread = 4 * (expected * (1 - expected) / examples) ** 0.5  # four standard deviations of the share
         assert count["answer"] / examples == pytest.approx(expected, abs=spread), (left, count)
 

@@ -49,8 +49,8 @@ HOPS_RELATIONS = ["friend", "boss", "mother", "father", "teacher", "neighbour", 
 HOPS_MAX = 8  # a chain's relations are distinct: at most all of them
 HOPS_TURNS = HOPS_MAX + 2  # the --max_turns its runs take (ENVIRONMENTS.md): the longest question takes 9
 HOPS_TOKENS = 96  # the --max_episode_tokens they take: the longest question, answered, takes 89
-DEAD_ENDS = (1, 2, 5, 6, 8, 11, 14, 15, 17, 18)  # the entities where the SFT policy tends to give up
-GIVE_UP_SHARE = 0.75  # of its turns on them with relations left (after its first turn), those that answer
+GIVE_UP_PER_RELATION = 0.35  # of the SFT policy's turns with r relations left (after its first), r times this give up
+GIVE_UP_MOST = 0.99  # ... up to this share
 ENTITIES = [f"e{n}" for n in range(HOPS_ENTITIES)]
 HOPS_WORDS = [PAD, EOS, UNK, "search", "answer", "?", "invalid", *HOPS_RELATIONS, *ENTITIES]
 HOPS_SFT_STEPS = 500
@@ -110,13 +110,13 @@ class MultiHop:
         return self.message(), 0.0, False
 
 
-def give_up_share(relations_left: int, followed: int, held: int) -> float:
-    """The share of the SFT policy's turns that answer the entity `held` with `relations_left` relations still to
-    follow after `followed` hops: all with none left (rightly), none before its first hop, else GIVE_UP_SHARE on
-    a dead end (DEAD_ENDS) and none elsewhere."""
+def give_up_share(relations_left: int, followed: int) -> float:
+    """The share of the SFT policy's turns that answer the entity held with `relations_left` relations still to
+    follow after `followed` hops: all with none left (rightly), none before its first hop, else
+    GIVE_UP_PER_RELATION for each relation left, at most GIVE_UP_MOST."""
     if relations_left == 0 or followed == 0:
         return float(relations_left == 0)
-    return GIVE_UP_SHARE if held in DEAD_ENDS else 0.0
+    return min(GIVE_UP_MOST, GIVE_UP_PER_RELATION * relations_left)
 
 
 def searched_on(env: MultiHop) -> str:
@@ -126,7 +126,7 @@ def searched_on(env: MultiHop) -> str:
 
 def sft_turn(env: MultiHop, rng: random.Random) -> str:
     """The SFT policy's habit: search the next hop, or answer the entity held give_up_share of the time."""
-    answers = rng.random() < give_up_share(env.relations_left(), env.followed, env.held)
+    answers = rng.random() < give_up_share(env.relations_left(), env.followed)
     return f"answer e{env.held}" if answers else searched_on(env)
 
 
