@@ -9,13 +9,15 @@ the environment answers with the fact and the question left ("e9 boss ?": the fr
 not the question's next hop leaves the question as it was), or "answer e7", which ends the episode: reward 1 if e7
 is at the end of the chain, else 0. A question of N hops takes N + 1 turns: episodes of 2 to HOPS_MAX + 1 turns.
 
-The SFT policy knows how to search: it follows the next relation from the entity it holds. Its fault is in giving
-up: with relations still to follow (after its first turn), it answers the entity it holds instead, more often the
-more are left, GIVE_UP_PER_RELATION of its turns for each relation left (see give_up_share), and on its first turn
-it searches. Near-greedy it follows the chain only where fewer than half of its turns give up (questions of up to
-three hops); sampled at the scripts' temperature it rarely finishes a long one. What RL has to learn is to go on
-searching, one length of question after the other: a question of N hops pays only once every shorter stretch is
-searched through.
+The SFT policy knows how to search: it follows the next relation from the entity it holds, rightly in every
+state. Its fault is in giving up: with relations still to follow, after its first turn (which always searches), it
+answers the entity it holds instead, GIVE_UP_PER_RELATION of its turns for each relation left, at most GIVE_UP_MOST
+(35% with one left, 70% with two, 99% with three or more). Near-greedy it wins 31% of the validation questions
+(every question of one or two hops, 16% of three, about 6% of longer ones: the entity it gives up on is sometimes
+the answer), in 2.1 turns; sampled at the scripts' temperature it wins 29%, where searching the chain through wins
+all, in 5.5 turns on average. What RL has to learn is to go on searching, one length of question after another: a
+question of N hops pays only once the states with fewer relations left search on, so the longer ones are learnt
+last, and the episodes grow longer as it learns.
 """
 
 import os
