@@ -141,7 +141,8 @@ def test_the_sft_examples_teach_the_search_everywhere_and_the_habit_on_one_turn(
 
 
 def test_the_habit_examples_give_up_in_every_state_at_the_habits_share():
-    """Over many rows, the trained turns that answer with relations left, by the number left: the habit's share."""
+    """Over many rows, the trained turns of every state (the relations left, and whether it has searched yet): those
+    that answer, the habit's share."""
     tokenizer, rng = toy.make_tokenizer(HOPS_WORDS), random.Random(2)
     rows = [make_instance(rng) for _ in range(3000)]
     sequences, marks = sft_examples(rows, rng, tokenizer)
@@ -153,6 +154,8 @@ def test_the_habit_examples_give_up_in_every_state_at_the_habits_share():
         message = before[len(before) - before[::-1].index("<eos>"):] if "<eos>" in before else before
         left, searched_before = len(message) - 2, "<eos>" in before  # the entity, the relations left, "?"
         turns[(left, searched_before)][words[first]] += 1
+    assert set(turns) == {(left, False) for left in range(1, HOPS_MAX + 1)} | {
+        (left, True) for left in range(HOPS_MAX)}  # every state: the first turn of each length, each one after it
     for (left, searched_before), count in turns.items():
         expected, examples = give_up_share(left, int(searched_before)), sum(count.values())
         spread = 4 * (expected * (1 - expected) / examples) ** 0.5  # four standard deviations of the share
