@@ -79,7 +79,7 @@ TOY_ARTEFACTS = {f"toy:{name.lower()}": name for name in ("SFT_POLICY", "REWARD_
                                                           "SFT_DATASET", "PREFERENCE_DATASET", "GUESS_POLICY",
                                                           "GUESS_DATASET", "TOOLS_POLICY", "TOOLS_DATASET",
                                                           "PROBE_POLICY", "PROBE_DATASET", "LAKE_POLICY",
-                                                          "LAKE_DATASET")}
+                                                          "LAKE_DATASET", "HOPS_POLICY", "HOPS_DATASET")}
 
 
 def parse(args_class, run_fields: tuple[str, ...] = ()):

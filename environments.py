@@ -44,7 +44,7 @@ class EnvArgs(common.FlagGroup):
     env: str = "toy:guess_number"
     """the environment class: path/to/file.py:Class, module:Class, or toy:NAME for an embedded one (toy:guess_number;
     toy:guess_number_slow, whose steps take 25-75 ms; toy:probe_answer, toy:probe_answer_shaped, toy:lake,
-    toy:lake_slippery: ENVIRONMENTS.md); one object per episode, built with no arguments. A TRL-style
+    toy:lake_slippery, toy:hops: ENVIRONMENTS.md); one object per episode, built with no arguments. A TRL-style
     class (reset(**row), no step, its public methods its tools, get_reward()) runs as it is written"""
     max_turns: int = toy.GUESS_TURNS
     """the policy's turns an episode may take; one that is not done after them is truncated
@@ -269,6 +269,8 @@ def load_env_task(data_args: data.DatasetArgs, env_args: EnvArgs, eval_num_rows:
         toy.build_probe()
     if toy.LAKE_DIR in folders:
         toy.build_lake()
+    if toy.HOPS_DIR in folders:
+        toy.build_hops()
     tokenizer = data.load_tokenizer(data_args.model_name_or_path)
     eos_ids = data.eos_token_ids(data_args.model_name_or_path, tokenizer)
     if lora_args is not None:

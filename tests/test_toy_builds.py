@@ -73,7 +73,8 @@ def test_the_larger_toy_policy_is_the_same_model_family_7_7_times_the_size():
     assert sizes == {"small": 448_128, "large": 3_453_184}  # the small one is the built toy's (summary.json)
 
 
-FOLDERS = ("TOY_DIR", "LARGE_DIR", "PIPELINE_DIR", "MATH_DIR", "GUESS_DIR", "TOOLS_DIR", "PROBE_DIR", "LAKE_DIR")
+FOLDERS = ("TOY_DIR", "LARGE_DIR", "PIPELINE_DIR", "MATH_DIR", "GUESS_DIR", "TOOLS_DIR", "PROBE_DIR", "LAKE_DIR",
+           "HOPS_DIR")
 
 
 def folders_of_a_fresh_import(monkeypatch, kit) -> dict[str, str]:
@@ -111,7 +112,8 @@ def test_each_task_is_cached_by_the_hash_of_its_own_code(tmp_path, monkeypatch):
     assert moved_by_editing("tools") == {"TOOLS_DIR"}
     assert moved_by_editing("probe") == {"PROBE_DIR"}
     assert moved_by_editing("lake") == {"LAKE_DIR"}
-    assert moved_by_editing("play") == {"PROBE_DIR", "LAKE_DIR"}  # what the two play their episodes with
+    assert moved_by_editing("hops") == {"HOPS_DIR"}
+    assert moved_by_editing("play") == {"PROBE_DIR", "LAKE_DIR", "HOPS_DIR"}  # what the three play their episodes with
     assert moved_by_editing("pipeline") == {"PIPELINE_DIR"}
     assert moved_by_editing("tldr") == {"TOY_DIR", "LARGE_DIR", "PIPELINE_DIR"}  # the two build on the world
     assert moved_by_editing("__init__") == set()
@@ -122,4 +124,4 @@ def test_async_rlhf_toy_dir_moves_every_task(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNC_RLHF_TOY_DIR", str(tmp_path / "here"))
     assert list(folders_of_a_fresh_import(monkeypatch, None).values()) == [
         str(tmp_path / name) for name in ("here", "here-large", "here-pipeline", "here-math", "here-guess",
-                                          "here-tools", "here-probe", "here-lake")]
+                                          "here-tools", "here-probe", "here-lake", "here-hops")]

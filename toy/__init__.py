@@ -10,7 +10,9 @@ saved in Hugging Face formats (the training scripts load them with `from_pretrai
     probe.py       guess-the-number where the policy decides when to answer, `--env toy:probe_answer` and
                    `toy:probe_answer_shaped` (build_probe)
     lake.py        FrozenLake's 4x4 grid world, `--env toy:lake` and `toy:lake_slippery` (build_lake)
-    play.py        what those two builds play their episodes with
+    hops.py        multi-hop questions over a small fact base, answered one hop at a time by search, `--env toy:hops`
+                   (build_hops)
+    play.py        what those three builds play their episodes with
     tools.py       the addition task with a tool `add`, `--env toy:add_with_tool` (build_tools)
     builder.py     what they share: the cache folders, one build at a time, tokenizers, shapes, training
 
@@ -43,6 +45,7 @@ from toy.guess import (
     SlowGuessTheNumber,
     build_guess,
 )
+from toy.hops import HOPS_DATASET, HOPS_DIR, HOPS_POLICY, HOPS_TOKENS, HOPS_TURNS, MultiHop, build_hops
 from toy.lake import (
     LAKE_DATASET,
     LAKE_DIR,
@@ -77,4 +80,4 @@ from toy.tools import (
 
 ENVIRONMENTS = {"guess_number": GuessTheNumber, "guess_number_slow": SlowGuessTheNumber,
                 "add_with_tool": AddWithTool, "probe_answer": ProbeAnswer, "probe_answer_shaped": ProbeAnswerShaped,
-                "lake": FrozenLake, "lake_slippery": FrozenLakeSlippery}  # --env toy:NAME
+                "lake": FrozenLake, "lake_slippery": FrozenLakeSlippery, "hops": MultiHop}  # --env toy:NAME
