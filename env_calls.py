@@ -29,19 +29,20 @@ class CallsInFlight:
         """`call` (no arguments) under `key` (comparable: results come in its order); `where` names it in errors."""
         serial = next(self.serials)
 
-        def run():
+        def run():  # the time it ended goes with it: a caller that collects later does not count its wait
             try:
-                self.done.put((serial, call(), None))
+                result = call()
+                self.done.put((serial, result, None, time.monotonic()))
             except BaseException as error:  # the environment's code: every error is reported
-                self.done.put((serial, None, error))
+                self.done.put((serial, None, error, time.monotonic()))
 
         self.running[serial] = (key, where, time.monotonic() + self.timeout)
         threading.Thread(target=run, daemon=True).start()
 
     def finished(self, wait: float) -> list[tuple]:
-        """The calls finished since the last time, as (key, where, result, error) in the order of their keys,
-        waiting up to `wait` seconds for a first one; a call past its timeout finishes with a CallTimeout (its
-        result, should it come later, is dropped)."""
+        """The calls finished since the last time, as (key, where, result, error, the time.monotonic() it ended) in
+        the order of their keys, waiting up to `wait` seconds for a first one; a call past its timeout finishes with
+        a CallTimeout, now (its result, should it come later, is dropped)."""
         done = []
         try:
             done.append(self.done.get(timeout=wait) if wait > 0 else self.done.get_nowait())
@@ -49,14 +50,14 @@ class CallsInFlight:
                 done.append(self.done.get_nowait())
         except queue.Empty:
             pass
-        finished = [(*self.running.pop(serial)[:2], result, error) for serial, result, error in done
+        finished = [(*self.running.pop(serial)[:2], result, error, ended) for serial, result, error, ended in done
                     if serial in self.running]
         now = time.monotonic()
         for serial, (key, where, deadline) in list(self.running.items()):
             if now > deadline:
                 del self.running[serial]
                 timeout = CallTimeout(f"did not return within --env_timeout {self.timeout:g} s")
-                finished.append((key, where, None, timeout))
+                finished.append((key, where, None, timeout, now))
         return sorted(finished, key=lambda call: call[0])
 
 
@@ -75,7 +76,7 @@ def call_concurrently(calls: list, timeout: float, describe) -> list:
     for i, call in enumerate(calls):
         in_flight.start(i, call, describe(i))
     while in_flight.running:
-        for i, where, result, error in in_flight.finished(wait=0.05):
+        for i, where, result, error, _ in in_flight.finished(wait=0.05):
             if error is not None:
                 common.fail(failure_line(where, error))
             results[i] = result

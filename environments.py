@@ -532,9 +532,9 @@ class EpisodeLoop:
         while every_step and self.steps.running:
             finished += self.steps.finished(wait=0.05)
         replied = []
-        for number, where, result, error in sorted(finished, key=lambda call: call[0]):
+        for number, where, result, error, ended in sorted(finished, key=lambda call: call[0]):
             episode, calls = self.stepping.pop(number)
-            episode.step_times.append(time.monotonic() - episode.step_started)
+            episode.step_times.append(ended - episode.step_started)
             episode.counts.tool_calls += len(calls)
             if error is not None:
                 reply = self.reply_to_failure(episode, calls, where, error)

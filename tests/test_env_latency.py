@@ -44,6 +44,18 @@ def test_a_fixed_latency_delays_every_step_and_the_steps_still_run_together(chat
     assert all(len(episode.actions) == 1 and not episode.counts.failed_steps for episode in episodes)
 
 
+def test_each_step_time_is_its_own_not_the_wait_for_the_slowest(chat_model):
+    """Collected once every step of the turn has returned (as a synchronous turn is), each step's time is still its
+    own latency (log-normal, each episode's own draw), not the slowest step's."""
+    loop, episodes = playing(chat_model, 8, env_latency=0.3, env_latency_spread=1.0)
+    loop.replies(every_step=True)
+    args = EnvArgs(env_latency=0.3, env_latency_spread=1.0)
+    drawn = [environments.draw_latency(random.Random(f"7/{i}/latency"), args)[1] for i in range(8)]
+    assert max(drawn) > 2 * min(drawn)
+    for episode, seconds in zip(episodes, drawn):
+        assert seconds <= episode.step_times[0] < seconds + 0.25, (episode.step_times, drawn)
+
+
 def test_a_share_of_the_steps_hang_past_the_timeout_and_env_failure_takes_them(chat_model):
     """Which steps hang comes from each episode's own generator (its reset seed and place in its group)."""
     loop, episodes = playing(chat_model, 8, env_latency_timeouts=0.5, env_timeout=0.3, env_failure="error_message")
