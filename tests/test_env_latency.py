@@ -50,7 +50,7 @@ def test_each_step_time_is_its_own_not_the_wait_for_the_slowest(chat_model):
     loop, episodes = playing(chat_model, 8, env_latency=0.3, env_latency_spread=1.0)
     loop.replies(every_step=True)
     args = EnvArgs(env_latency=0.3, env_latency_spread=1.0)
-    drawn = [environments.draw_latency(random.Random(f"7/{i}/latency"), args)[1] for i in range(8)]
+    drawn = [environments.draw_latency(environments.latency_generator(args, 7, i), args)[1] for i in range(8)]
     assert max(drawn) > 2 * min(drawn)
     for episode, seconds in zip(episodes, drawn):
         assert seconds <= episode.step_times[0] < seconds + 0.25, (episode.step_times, drawn)
