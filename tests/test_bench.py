@@ -416,3 +416,73 @@ def test_the_turn_credit_benchmark_reads_finished_runs_and_plays_phase_two_on_it
         assert {estimator: sorted(by_seed) for estimator, by_seed in results["runs"]["probe"][mode].items()} == {
             "episode": ["2"], "gigpo": ["2"]}
     assert results["runs"]["probe"]["k1"]["gigpo"]["2"][1] == {"update": 2, "return": 1.96, "turns": 4.0}
+
+
+def agent_run(folder, launched: float, ends: list[float], returns: dict[int, float], phases: dict[str, float]):
+    """A finished run of bench/agent_speedup.py made by hand: its `done` marker (launched at `launched`), an update's
+    metrics line ending at each of `ends` with `phases` (seconds), and its snapshots' evaluations."""
+    folder.mkdir()
+    (folder / "done").write_text(json.dumps({"launched": launched}))
+    (folder / "metrics.jsonl").write_text("".join(
+        json.dumps({"update": u, "time": end, "loss/policy_avg": 0.0, **phases}) + "\n"
+        for u, end in enumerate(ends, start=1)))
+    (folder / "evaluations.json").write_text(json.dumps(returns))
+
+
+def test_the_agent_benchmarks_clocks_levels_areas_and_intervals_on_hand_computed_numbers(tmp_path):
+    """bench/agent_speedup.py: a snapshot's time from launch and from update 1's start (update 1's end less its
+    phases), the first snapshot at a level, the mean return over a horizon (trapezoids, the last return held), the
+    bootstrap interval of a median, and the paired comparison of an arm with sync."""
+    bench = bench_module("agent_speedup")
+    sync_phases = {"time/generate": 50.0, "time/score": 1.0, "time/train": 9.0}  # update 1 began 60 s before its end
+    agent_run(tmp_path / "sync", 1000.0, [1120.0, 1180.0, 1240.0, 1300.0], {0: 0.3, 2: 0.5, 4: 0.7}, sync_phases)
+    sync = bench.read_run(tmp_path / "sync", "sync", {0: 0.3, 2: 0.5, 4: 0.7})
+    assert [(p["update"], p["minutes"], p["minutes_from_update_1"]) for p in sync["points"]] == [
+        (0, 0.0, 0.0), (2, 3.0, 2.0), (4, 5.0, 4.0)]
+    assert sync["fill_minutes"] == 2.0 and sync["seconds_per_update"] == 60.0
+    assert bench.first_reaching(sync, 0.5, "minutes") == 3.0 and bench.first_reaching(sync, 0.6, "update") == 4
+    assert bench.first_reaching(sync, 0.8, "minutes") is None
+    # from launch, over 5 minutes: (0.3 + 0.5) / 2 * 3 + (0.5 + 0.7) / 2 * 2 = 2.4, over 5; over 10, 0.7 held 5 more
+    assert abs(bench.mean_return(sync, "minutes", 5.0) - 2.4 / 5) < 1e-12
+    assert abs(bench.mean_return(sync, "minutes", 10.0) - (2.4 + 3.5) / 10) < 1e-12
+    assert abs(bench.mean_return(sync, "minutes", 1.5) - (0.3 + 0.4) / 2) < 1e-12  # cut inside the first segment
+    assert bench.median_interval([2.0] * 5, 100) == (2.0, 2.0, 2.0)
+    middle, low, high = bench.median_interval([1.0, 2.0, 3.0, 4.0, 5.0], 2000)
+    assert middle == 3.0 and 1.0 <= low < 3.0 < high <= 5.0
+    assert bench.bound({"time/generate": 30.0, "time/train": 10.0}) == 4 / 3
+
+    # an arm twice as fast per update that needs one update more to each level (its snapshots every update)
+    fast_phases = {"time/wait": 25.0, "time/score": 1.0, "time/train": 4.0, "time/weight_send": 0.0}
+    agent_run(tmp_path / "fast", 1000.0, [1090.0, 1120.0, 1150.0, 1180.0],
+              {0: 0.3, 1: 0.3, 2: 0.4, 3: 0.5, 4: 0.7}, fast_phases)
+    fast = bench.read_run(tmp_path / "fast", "inflight", {0: 0.3, 1: 0.3, 2: 0.4, 3: 0.5, 4: 0.7})
+    assert fast["fill_minutes"] == 1.5 and fast["seconds_per_update"] == 30.0
+    versus = bench.compare([sync], [fast], bench.Args(levels=(0.5, 0.9)))
+    # to 0.5: sync at 3 min from launch (2 from update 1), the arm at 2.5 (1.5: update 1 began at 1060)
+    assert versus["levels"][0.5] == {"updates_more": [1], "minutes": [3.0 / 2.5], "minutes_from_update_1": [2.0 / 1.5]}
+    assert versus["levels"][0.9] == {"updates_more": [], "minutes": [], "minutes_from_update_1": []}
+    assert versus["seconds_per_update"] == [2.0]
+    horizon = 5.0  # sync's last snapshot from launch; the arm's points at 0, 1.5, 2, 2.5, 3 min, then 0.7 held
+    arm_area = (0.3 * 1.5 + 0.35 * 0.5 + 0.45 * 0.5 + 0.6 * 0.5 + 0.7 * 2) / horizon
+    assert abs(versus["mean_return"]["minutes"][0] - arm_area / (2.4 / 5)) < 1e-12
+
+
+def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_table(tmp_path):
+    """Runs with their `done` marker and evaluations.json are read, neither run nor evaluated again (here all are,
+    so nothing starts); results.json holds each arm's numbers and the ratios against sync, seed by seed."""
+    bench = bench_module("agent_speedup")
+    for seed in (1, 2):  # updates of 60 s and 30 s, each the sum of its phases
+        agent_run(tmp_path / f"sync-latency0.5-seed{seed}", 0.0, [60.0 * u for u in range(1, 5)],
+                  {0: 0.3, 2: 0.5, 4: 0.6}, {"time/generate": 50.0, "time/score": 1.0, "time/train": 9.0})
+        agent_run(tmp_path / f"inflight-latency0.5-seed{seed}", 0.0, [30.0 * u for u in range(1, 5)],
+                  {0: 0.3, 2: 0.4, 4: 0.5 + 0.1 * seed},
+                  {"time/generate": 28.0, "time/wait": 25.0, "time/score": 1.0, "time/train": 4.0})
+    bench.main(bench.Args(arms=("sync", "inflight"), latencies=(0.5,), seeds=(1, 2), updates=4, snapshot_every=2,
+                          levels=(0.5,), bootstrap=100, output_dir=str(tmp_path), results_file=None))
+    table = json.loads((tmp_path / "results.json").read_text())["table"]["0.5"]
+    assert table["sync"]["last_return"] == [0.6, 0.6] and table["inflight"]["last_return"] == [0.6, 0.7]
+    assert table["bound"] == (50 + 9) / 50
+    # to 0.5: sync at 2 min (update 2), in flight at 2 min as well (update 4, 30 s each): 1x, 2 updates more
+    assert table["inflight_vs_sync"]["levels"]["0.5"] == {"updates_more": [2, 2], "minutes": [1.0, 1.0],
+                                                         "minutes_from_update_1": [1.0, 1.0]}
+    assert table["inflight_vs_sync"]["seconds_per_update"] == [2.0, 2.0]
