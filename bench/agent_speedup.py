@@ -211,7 +211,7 @@ def compare(sync: list[dict], arm: list[dict], args: Args) -> dict:
     return out
 
 
-def interval_text(values: list[float], args: Args, form: str = "{:.2f}") -> str:
+def interval_text(values: list[float], args: Args, form: str = "{:.2f}x") -> str:
     if not values:
         return "not reached by both"
     middle, low, high = median_interval(values, args.bootstrap)
@@ -269,11 +269,11 @@ def main(args: Args):
             print(f"{arm} vs sync, per seed (median [bootstrap 95%]): seconds per update "
                   f"{interval_text(versus['seconds_per_update'], args)}")
             for level, entry in versus["levels"].items():
-                print(f"  to return {level}: from launch {interval_text(entry['minutes'], args)}x, from update 1 "
-                      f"{interval_text(entry['minutes_from_update_1'], args)}x, updates more "
+                print(f"  to return {level}: from launch {interval_text(entry['minutes'], args)}, from update 1 "
+                      f"{interval_text(entry['minutes_from_update_1'], args)}, updates more "
                       f"{interval_text(entry['updates_more'], args, '{:+.0f}')}")
             print(f"  mean return over sync's time: from launch {interval_text(versus['mean_return']['minutes'], args)}"
-                  f"x, from update 1 {interval_text(versus['mean_return']['minutes_from_update_1'], args)}x")
+                  f", from update 1 {interval_text(versus['mean_return']['minutes_from_update_1'], args)}")
     destinations = [os.path.join(args.output_dir, "results.json"), *([args.results_file] if args.results_file else [])]
     for destination in destinations:
         with open(destination, "w") as f:

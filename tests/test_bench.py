@@ -418,6 +418,25 @@ def test_the_turn_credit_benchmark_reads_finished_runs_and_plays_phase_two_on_it
     assert results["runs"]["probe"]["k1"]["gigpo"]["2"][1] == {"update": 2, "return": 1.96, "turns": 4.0}
 
 
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_agent_speedup_quick(tmp_path):
+    """Sync and in flight on toy:hops with 0.1 s log-normal steps, 4 updates: each row is its runs' numbers, every
+    snapshot (and the SFT policy) evaluated after the run, and every step took time."""
+    run_script("--quick", "--output_dir", tmp_path, script="bench/agent_speedup.py")
+    table = json.loads((tmp_path / "results.json").read_text())["table"]["0.1"]
+    for arm in ("sync", "inflight"):
+        run_dir = tmp_path / f"{arm}-latency0.1-seed1"
+        evaluations = json.loads((run_dir / "evaluations.json").read_text())
+        assert sorted(evaluations) == ["0", "2", "4"]
+        [run] = table[arm]["runs"]
+        assert [(p["update"], p["return"]) for p in run["points"]] == [(int(u), r) for u, r in evaluations.items()]
+        assert table[arm]["last_return"] == [evaluations["4"]]
+        updates = [m for m in read_metrics(run_dir) if "loss/policy_avg" in m]
+        assert len(updates) == 4 and all(m["env/step_time_median"] > 0 for m in updates)
+    assert table["bound"] >= 1 and len(table["inflight_vs_sync"]["seconds_per_update"]) == 1
+
+
 def agent_run(folder, launched: float, ends: list[float], returns: dict[int, float], phases: dict[str, float]):
     """A finished run of bench/agent_speedup.py made by hand: its `done` marker (launched at `launched`), an update's
     metrics line ending at each of `ends` with `phases` (seconds), and its snapshots' evaluations."""
