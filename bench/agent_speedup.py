@@ -10,8 +10,8 @@ in) and from update 1, and by how much against the bound that overlap alone allo
   inflight    --async_steps 1 --inflight_updates: a batch's worth of episodes always in flight, new weights taken
               between decode steps, a batch the first groups to end
 
-Every run starts from the same SFT policy with the same rows, seed and hyper-parameters, and saves its policy every
---snapshot_every updates (no evaluation in the run: its clock holds training alone). After a run, outside every
+Every run starts from the same SFT policy with the same rows, seed and hyper-parameters (the scripts' defaults but a
+constant learning rate), and saves its policy every --snapshot_every updates (no evaluation in the run: its clock holds training alone). After a run, outside every
 clock, one evaluator plays each snapshot (and the SFT start) near-greedy on the --eval_rows validation questions, with
 no latency, the same code for every arm (grpo_multiturn.evaluate). A snapshot's times are its update's metrics line's,
 from launch and from update 1's start. Per latency, printed and kept (results.json, with every run's curve):
@@ -64,6 +64,9 @@ CURVES = ("rollout/return_mean", "rollout/turns_mean", "async/staleness", "async
 CLOCKS = ("minutes", "minutes_from_update_1")
 TASK = ["--env", "toy:hops", "--model_name_or_path", "toy:hops_policy", "--dataset_name", "toy:hops_dataset",
         "--max_turns", "10", "--max_episode_tokens", "96"]
+# a constant learning rate: when a run reaches a level then does not depend on its length (decaying linearly over
+# its updates, the rate is all but 0 by the last ones, where the later levels are reached)
+TRAINING = ["--lr_scheduler_type", "constant"]
 
 
 @dataclass
@@ -83,12 +86,12 @@ class Args:
     """updates between the policy snapshots that are evaluated"""
     eval_rows: int = 256
     """validation questions each evaluation plays (one near-greedy episode each; the dataset has 256)"""
-    levels: tuple[float, ...] = (0.45, 0.55)
+    levels: tuple[float, ...] = (0.5, 0.6)
     """the evaluated returns whose first reaching is timed (the SFT policy's is about 0.31, the ceiling 1)"""
     bootstrap: int = 10000
     """resamples of the seeds for each ratio's interval"""
     extra: str = ""
-    """flags given to every run, e.g. --extra="--lr_scheduler_type constant\""""
+    """flags given to every run (and its evaluation), e.g. --extra="--num_epochs 2\""""
     quick: bool = False
     """smoke test: sync and inflight at 0.1 s, 1 seed, 4 updates, snapshots every 2, 32 rows"""
     output_dir: str | None = None
@@ -100,7 +103,7 @@ class Args:
 def run_command(arm: str, latency: float, seed: int, args: Args, output_dir: str) -> list[str]:
     """The command line of one run."""
     latency_flags = ["--env_latency", str(latency), "--env_latency_spread", str(args.latency_spread)] if latency else []
-    return [sys.executable, os.path.join(ROOT, ARMS[arm][0]), *ARMS[arm][1:], *TASK, *latency_flags,
+    return [sys.executable, os.path.join(ROOT, ARMS[arm][0]), *ARMS[arm][1:], *TASK, *TRAINING, *latency_flags,
             "--total_episodes", str(args.updates * 32), "--seed", str(seed), "--eval_every", "0",
             "--save_every", str(args.snapshot_every), *shlex.split(args.extra), "--output_dir", output_dir]
 
