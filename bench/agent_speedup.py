@@ -11,10 +11,11 @@ in) and from update 1, and by how much against the bound that overlap alone allo
               between decode steps, a batch the first groups to end
 
 Every run starts from the same SFT policy with the same rows, seed and hyper-parameters (the scripts' defaults but a
-constant learning rate), and saves its policy every --snapshot_every updates (no evaluation in the run: its clock holds training alone). After a run, outside every
-clock, one evaluator plays each snapshot (and the SFT start) near-greedy on the --eval_rows validation questions, with
-no latency, the same code for every arm (grpo_multiturn.evaluate). A snapshot's times are its update's metrics line's,
-from launch and from update 1's start. Per latency, printed and kept (results.json, with every run's curve):
+constant learning rate), and saves its policy every --snapshot_every updates (no evaluation in the run: its clock
+holds training alone). After a run, outside every clock, one evaluator plays each snapshot (and the SFT start)
+near-greedy on the --eval_rows validation questions, with no latency, the same code for every arm
+(grpo_multiturn.evaluate). A snapshot's times are its update's metrics line's, from launch and from update 1's
+start. Per latency, printed and kept (results.json, with every run's curve):
 - per arm, the median over seeds of the last return, the updates and the minutes to each --levels return (the first
   snapshot at or above it), on both clocks; the area under return against time, over the sync run's whole time, as
   the mean return over it (a faster arm's last return held after its end);
