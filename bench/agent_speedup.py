@@ -16,13 +16,13 @@ holds training alone). After a run, outside every clock, one evaluator plays eac
 near-greedy on the --eval_rows validation questions, with no latency, the same code for every arm
 (grpo_multiturn.evaluate). A snapshot's times are its update's metrics line's, from launch and from update 1's
 start. Per latency, printed and kept (results.json, with every run's curve):
-- per arm, the median over seeds of the last return, the updates and the minutes to each --levels return (the first
-  snapshot at or above it), on both clocks; the area under return against time, over the sync run's whole time, as
-  the mean return over it (a faster arm's last return held after its end);
-- per arm against sync, seed by seed (paired): sync's time to each level over the arm's, and the arm's area over
-  sync's, as their median with a bootstrap 95% interval (seeds resampled --bootstrap times), with the updates to the
-  level (staleness's cost), the seconds per update (sync's over the arm's), and the fill (minutes from launch to the
-  end of update 1);
+- per arm, the median over seeds of the last return, the seconds per update, the fill (minutes from launch to the
+  end of update 1), and the update and the minutes (both clocks) of each --levels return's first reaching (the first
+  snapshot at or above it), over the seeds that reached it;
+- per arm against sync, seed by seed (paired): sync's time to each level over the arm's, and the arm's mean return
+  over sync's whole time (the area under return against time over it, the arm's last return held after its end)
+  over sync's, each as the median with a bootstrap 95% interval (seeds resampled --bootstrap times), with the updates
+  to the level (the arm's more: staleness's cost) and the seconds per update (sync's over the arm's);
 - the overlap's bound: (G + T) / max(G, T) from sync's median generation G (its environment's steps included) and
   training T per update, what running them side by side alone can give; an arm that no longer waits for a turn's
   slowest step can beat it, which its seconds per update show.
@@ -253,10 +253,12 @@ def main(args: Args):
             table[latency][arm] = row
             reached = []
             for level in args.levels:
-                found = [first_reaching(run, level, "minutes") for run in seeds]
-                done = [value for value in found if value is not None]
-                reached.append(f"{level}: {len(done)}/{len(found)} seeds"
-                               + (f", median {statistics.median(done):.1f} min from launch" if done else ""))
+                found = {key: [value for run in seeds if (value := first_reaching(run, level, key)) is not None]
+                         for key in ("update", *CLOCKS)}
+                reached.append(f"{level}: {len(found['update'])}/{len(seeds)} seeds" + (
+                    f", median update {statistics.median(found['update']):g}, {statistics.median(found['minutes']):.1f}"
+                    f" min from launch, {statistics.median(found['minutes_from_update_1']):.1f} from update 1"
+                    if found["update"] else ""))
             print(f"{arm:10} last return {statistics.median(row['last_return']):.3f}, "
                   f"{statistics.median(row['seconds_per_update']):.1f} s per update, fill "
                   f"{statistics.median(row['fill_minutes']):.2f} min, {horizon['minutes']:.1f} min in all; "
