@@ -13,8 +13,8 @@ STALENESS = (1, 2)
 
 
 @pytest.mark.slow
-def test_k1_beats_the_sft_policy(k1_runs):
-    assert_learns(k1_runs[0])
+def test_k1_beats_the_sft_policy(k1_run):
+    assert_learns(k1_run)
 
 
 @pytest.mark.slow

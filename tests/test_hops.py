@@ -1,10 +1,18 @@
 """The multi-hop environment (toy/hops.py): its replies and rewards on instances worked out by hand, the number of
-hops its rows ask for, the SFT habit and the examples its build trains on, and rows drawn alike from a seed."""
+hops its rows ask for, the SFT habit and the examples its build trains on, and rows drawn alike from a seed; exact K
+and resume on it with long-tailed step latencies."""
 
 import collections
 import random
 
 import pytest
+from scripts import (
+    SHORT_INTERRUPTIONS,
+    assert_same_weights_and_metrics,
+    read_metrics,
+    run_script,
+    uninterrupted_and_resumed_runs,
+)
 
 import environments
 import toy
@@ -170,3 +178,30 @@ def test_it_is_the_embedded_environment_toy_hops_with_its_artefacts():
     env = toy.MultiHop()
     env.reset(ROW, 0)
     assert environments.state_key_id(env) >= 0
+
+
+HOPS_RUN = ["--env", "toy:hops", "--model_name_or_path", "toy:hops_policy", "--dataset_name", "toy:hops_dataset",
+            "--max_turns", str(toy.hops.HOPS_TURNS), "--max_episode_tokens", str(HOPS_TOKENS), "--eval_every", "0",
+            "--env_latency", "0.02", "--env_latency_spread", "1"]  # log-normal steps: a long tail, drawn per seed
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # in CI, exact K and resume with latency on guess-the-number's slow variant (test_multiturn_vllm)
+def test_hops_with_long_tailed_steps_keeps_k_exact_and_resumes_exactly(tmp_path):
+    """On toy:hops with log-normal step latencies (bench/agent_speedup.py's task): --continuous_episodes, each episode
+    at its own pace, trains on batches exactly K=1 stale, the engine's log-probs the trainer's; in flight with
+    deterministic swaps, killed while checkpoint 4 is written and resumed from checkpoint 2, it trains exactly as
+    the uninterrupted run, though every step's timing differs."""
+    run_script(*HOPS_RUN, "--continuous_episodes", "--total_episodes", "128", "--logprob_check_every", "1",
+               "--output_dir", tmp_path / "continuous", script="grpo_multiturn_vllm.py")
+    train = [m for m in read_metrics(tmp_path / "continuous") if "loss/policy_avg" in m]
+    assert [m["async/staleness"] for m in train] == [0, 1, 1, 1]
+    assert max(m["async/logprob_diff"] for m in train) < 1e-6
+    assert all(m["env/step_time_p95"] > m["env/step_time_median"] > 0 for m in train)  # the tail
+    whole, resumed = uninterrupted_and_resumed_runs(
+        tmp_path, "grpo_multiturn_vllm.py", [*HOPS_RUN, "--inflight_updates", "--inflight_deterministic",
+                                            "--total_episodes", "192", "--save_every", "2"], SHORT_INTERRUPTIONS)
+    assert_same_weights_and_metrics(whole, resumed, ["loss/policy_avg", "rollout/return_mean", "rollout/turns_mean",
+                                                     "async/token_staleness_mean"])
+    turns = [m["rollout/turns_mean"] for m in read_metrics(whole) if "loss/policy_avg" in m]
+    assert all(1 < t < toy.hops.HOPS_TURNS for t in turns), turns

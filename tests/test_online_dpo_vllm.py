@@ -55,12 +55,12 @@ def test_a_short_run_with_in_flight_updates_beats_the_sft_policy(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_hf(tmp_path, k1_runs):
+def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_hf(tmp_path, k1_run):
     # greedy (--eval_temperature 0): the engine, started once and given each policy's weights in turn,
     # completes every prompt as HF generate does, so every number but KL (from samples) agrees
     tables = {}
     for name, engine in (("hf", []), ("vllm", ["--vllm"])):
-        run_script("--run_dir", k1_runs[0], "--eval_temperature", "0", *engine, "--output_dir", tmp_path / name,
+        run_script("--run_dir", k1_run, "--eval_temperature", "0", *engine, "--output_dir", tmp_path / name,
                    script="eval_checkpoints.py")
         tables[name] = [json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
     assert [row["update"] for row in tables["vllm"]] == [row["update"] for row in tables["hf"]] == [0, 2, 4]
@@ -152,7 +152,7 @@ def test_a_slow_first_evaluation_keeps_the_weight_channel_and_hides_the_engines_
 
 
 @pytest.mark.slow
-def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_runs):
+def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, k1_run):
     out = tmp_path / "run"
     args = [*QUICK, "--total_episodes", "64", "--eval_every", "100", "--save_every", "1", "--async_steps", "1",
             "--logprob_check_every", "2"]  # as the K=1 run's
@@ -164,7 +164,7 @@ def test_a_hanging_generator_times_out_and_the_resumed_run_carries_on(tmp_path, 
     assert (out / "checkpoints" / "update-1").is_dir() and not (out / "policy").exists()
     run_script(*args, "--output_dir", out, "--resume", script="online_dpo_vllm.py")
     # the same weights and samples as the K=1 run that never failed (which saved every 2 updates)
-    assert_same_weights_and_metrics(k1_runs[0], out, ["loss/policy_avg", "async/staleness", "async/logprob_diff"])
+    assert_same_weights_and_metrics(k1_run, out, ["loss/policy_avg", "async/staleness", "async/logprob_diff"])
 
 
 @pytest.mark.slow

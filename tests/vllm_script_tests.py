@@ -17,10 +17,10 @@ from scripts import (
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     assert_two_ranks_train_as_one,
+    interrupted_and_resumed,
     read_metrics,
     run_script,
     toy_run,
-    uninterrupted_and_resumed_runs,
 )
 
 import common
@@ -133,13 +133,21 @@ def k0_shared_run(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def k1_runs(request, tmp_path_factory):
-    """K=1 uninterrupted, and interrupted (K1_INTERRUPTIONS: preempted twice, the engine sampling ahead, then
+def k1_run(request, tmp_path_factory):
+    """K=1 uninterrupted, keeping the weights of every version and every batch."""
+    script = request.module.SCRIPT
+    out = tmp_path_factory.mktemp("k1") / "whole"
+    run_keeping_weights(script, *K1_RUN[script], "--async_steps", "1", "--output_dir", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def k1_runs(request, k1_run):
+    """k1_run, and the same run interrupted (K1_INTERRUPTIONS: preempted twice, the engine sampling ahead, then
     killed while writing checkpoint 4) and resumed."""
     script = request.module.SCRIPT
-    return uninterrupted_and_resumed_runs(tmp_path_factory.mktemp("k1"), script,
-                                          [*K1_RUN[script], "--async_steps", "1"], K1_INTERRUPTIONS[script],
-                                          keep_weights=True)
+    return k1_run, interrupted_and_resumed(k1_run.parent, script, [*K1_RUN[script], "--async_steps", "1"],
+                                           K1_INTERRUPTIONS[script])
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +176,7 @@ def pytest_generate_tests(metafunc):
 @pytest.mark.slow
 def test_measured_staleness_is_exactly_k(request, async_steps):
     # only the run of this K (each a module fixture, made once for the file's tests that use it)
-    out = request.getfixturevalue({0: "k0_shared_run", 1: "k1_runs", 2: "two_rank_k2_run"}[async_steps])
-    out = out[0] if async_steps == 1 else out  # K=1: the uninterrupted run
+    out = request.getfixturevalue({0: "k0_shared_run", 1: "k1_run", 2: "two_rank_k2_run"}[async_steps])
     train = train_metrics(out)
     assert [m["async/staleness"] for m in train] == [min(u, async_steps) for u in range(len(train))]
     # the engine's log-probs match the trainer's under the same weights, to the fp32 level the README promises
