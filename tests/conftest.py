@@ -9,17 +9,18 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # threads than cores make OpenMP's spinning threads wait on each other
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The slowest files first: with --dist loadfile a free worker takes the next file, so longest-first makes both
+# The slowest files first: with --dist loadfile a free worker takes the next file, so longest-first makes the
 # workers finish at about the same time (xdist's loadgroup, which could spread a file's independent tests, does
 # not group with pytest 9: its group names never reach the tests' ids). The fast tier's vLLM runs first, in one
 # file: each pins its trainer and engine to cores of their own, so two at once would wait on each other; beside
-# them the multi-turn tests.
-SLOWEST_FIRST = ["test_vllm_scripts.py", "test_multiturn.py", "test_online_dpo_vllm.py", "test_math.py",
-                 "test_two_ranks.py", "test_grpo_vllm.py", "test_rloo_vllm.py", "test_inflight.py", "test_ppo_vllm.py",
-                 "test_bench.py", "test_engine_evaluation.py", "test_off_policy.py", "test_tools.py",
-                 "test_pipeline.py", "test_own_inputs_vllm.py", "test_reliability.py", "test_online_dpo.py",
-                 "test_rloo_bok.py", "test_ppo.py", "test_multiturn_vllm.py", "test_lora.py", "test_grpo.py",
-                 "test_own_inputs.py"]
+# them the multi-turn tests. Then the files by their slow tests' time (measured 2026-12-02, 4 workers: 24 minutes
+# for test_online_dpo_vllm.py down to seconds; a long file taken last made the slow tier's tail).
+SLOWEST_FIRST = ["test_vllm_scripts.py", "test_multiturn.py", "test_online_dpo_vllm.py", "test_multiturn_vllm.py",
+                 "test_tools.py", "test_inflight.py", "test_reliability.py", "test_grpo_vllm.py",
+                 "test_own_inputs_vllm.py", "test_online_dpo.py", "test_pipeline.py", "test_engine_evaluation.py",
+                 "test_two_ranks.py", "test_rloo_bok.py", "test_ppo_vllm.py", "test_lora.py", "test_off_policy.py",
+                 "test_rloo_vllm.py", "test_ppo.py", "test_own_inputs.py", "test_math.py", "test_grpo.py",
+                 "test_hub_templates.py", "test_bench.py"]
 
 
 def pytest_sessionstart(session):
