@@ -673,7 +673,8 @@ def passages(results_dir: str) -> dict[str, str]:
             "read_with_6": read_with_6(runs),
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),
             "latency_findings": latency_findings(latency),
-            "toy_build_load": toy_build_table(toy_builds)} | turn_credit_passage(results_dir)
+            "toy_build_load": toy_build_table(toy_builds),
+            **turn_credit_passage(results_dir), **agent_passage(results_dir)}
 
 
 def turn_credit_passage(results_dir: str) -> dict[str, str]:
@@ -682,6 +683,54 @@ def turn_credit_passage(results_dir: str) -> dict[str, str]:
         return {}
     with open(path) as f:
         return {"turn_credit": turn_credit_findings(json.load(f))}
+
+
+def agent_findings(results: dict) -> str:
+    """bench/agent_speedup.py's pilot: per latency, each arm's seconds per update, fill, evaluated returns and the
+    update and minutes (from launch, from update 1) of each level's first reaching; then each arm against sync, per
+    seed: its times to the levels, its mean return over sync's time, its seconds per update; and the overlap's bound
+    from sync's parts."""
+    args, lines = results["args"], []
+    for latency, by_arm in results["table"].items():
+        lines.append(f"`--env_latency {latency} --env_latency_spread {args['latency_spread']:g}`, {args['updates']} "
+                     f"updates, seeds {args['seeds']}, snapshots every {args['snapshot_every']} updates evaluated on "
+                     f"{args['eval_rows']} rows:")
+        lines.append("")
+        lines.append("| arm | s per update | fill (min) | evaluated return at 0, 5, 10, ... updates | "
+                     + " | ".join(f"to {level}: update, min from launch, from update 1" for level in args["levels"])
+                     + " |")
+        lines.append("|---" * (4 + len(args["levels"])) + "|")
+        for arm in args["arms"]:
+            for seed, run in zip(args["seeds"], by_arm[arm]["runs"]):
+                reached = []
+                for level in args["levels"]:
+                    point = next((p for p in run["points"] if p["return"] >= level), None)
+                    reached.append("-" if point is None else f"{point['update']}, {point['minutes']:.1f}, "
+                                   f"{point['minutes_from_update_1']:.1f}")
+                lines.append(f"| {arm} (seed {seed}) | {run['seconds_per_update']:.1f} | {run['fill_minutes']:.2f} | "
+                             + ", ".join(f"{p['return']:.2f}" for p in run["points"]) + " | "
+                             + " | ".join(reached) + " |")
+        lines.append("")
+        for arm in (arm for arm in args["arms"] if arm != "sync"):
+            versus = by_arm[f"{arm}_vs_sync"]
+            to_levels = "; ".join(
+                f"to {level} {', '.join(f'{r:.2f}x' for r in entry['minutes'])} from launch and "
+                f"{', '.join(f'{r:.2f}x' for r in entry['minutes_from_update_1'])} from update 1 "
+                f"({', '.join(f'{u:+d}' for u in entry['updates_more'])} updates)"
+                for level, entry in versus["levels"].items())
+            lines.append(f"- {arm} against sync, seed by seed: {to_levels}; mean return over sync's time "
+                         f"{', '.join(f'{r:.2f}x' for r in versus['mean_return']['minutes'])} from launch; seconds "
+                         f"per update {', '.join(f'{r:.2f}x' for r in versus['seconds_per_update'])}.")
+        lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
+    return "\n".join(lines)
+
+
+def agent_passage(results_dir: str) -> dict[str, str]:
+    path = os.path.join(results_dir, "agent_speedup_pilot.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {"agent_pilot": agent_findings(json.load(f))}
 
 
 def main(args: Args):
