@@ -130,7 +130,7 @@ def evaluate_snapshots(output_dir: str, seed: int, args: Args) -> dict[int, floa
     of its own (after the run, on no clock): grpo_multiturn.evaluate with the run's seed, no latency."""
     path = os.path.join(output_dir, "evaluations.json")
     if not os.path.exists(path):
-        command = [sys.executable, os.path.abspath(__file__).replace("agent_speedup.py", "evaluate_episodes.py"),
+        command = [sys.executable, os.path.join(ROOT, "bench", "evaluate_episodes.py"),
                    output_dir, str(seed), str(args.eval_rows), *TASK, *shlex.split(args.extra)]
         result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         if result.returncode:
