@@ -50,6 +50,9 @@ from typing import Literal
 
 import tyro
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multiturn_sync_vs_async import bound  # noqa: E402  (the overlap's bound from sync's parts, as its sweep's)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"sync": ("grpo_multiturn.py",), "k1": ("grpo_multiturn_vllm.py", "--async_steps", "1"),
         "continuous": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--continuous_episodes"),
@@ -165,11 +168,9 @@ def first_reaching(run: dict, level: float, key: str) -> float | None:
     return next((p[key] for p in run["points"] if p["return"] >= level), None)
 
 
-def mean_return(run: dict, clock: str, horizon: float) -> float:
-    """The area under the run's evaluated return against `clock` from 0 to `horizon` (trapezoids between points, the
-    last return held after the last point), over `horizon`: its mean return over that time."""
-    points = [(p[clock], p["return"]) for p in run["points"]]
-    points = [*points, (max(horizon, points[-1][0]), points[-1][1])]
+def mean_over(points: list[tuple[float, float]], horizon: float) -> float:
+    """The area under (time, return) points from 0 to `horizon` (trapezoids between points, cut at `horizon`), over
+    `horizon`: the mean return over that time."""
     area = 0.0
     for (t0, r0), (t1, r1) in zip(points, points[1:]):
         if t0 >= horizon:
@@ -180,19 +181,19 @@ def mean_return(run: dict, clock: str, horizon: float) -> float:
     return area / horizon
 
 
+def mean_return(run: dict, clock: str, horizon: float) -> float:
+    """The run's mean evaluated return against `clock` from 0 to `horizon` (mean_over), its last return held after
+    its last point."""
+    points = [(p[clock], p["return"]) for p in run["points"]]
+    return mean_over([*points, (max(horizon, points[-1][0]), points[-1][1])], horizon)
+
+
 def median_interval(values: list[float], resamples: int, seed: int = 0) -> tuple[float, float, float]:
     """The median of per-seed values and its bootstrap 95% interval: the 2.5th and 97.5th percentiles of the medians
     of `resamples` resamples of the seeds, with replacement."""
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
     return statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
-
-
-def bound(sync_phases: dict) -> float:
-    """The overlap's bound from sync's parts: (G + T) / max(G, T), G its generation (the environment's steps
-    included), T its training, each per update."""
-    generate, train_ = sync_phases["time/generate"], sync_phases["time/train"]
-    return (generate + train_) / max(generate, train_)
 
 
 def compare(sync: list[dict], arm: list[dict], args: Args) -> dict:

@@ -34,6 +34,7 @@ import tyro
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 
+import agent_speedup  # noqa: E402
 import horizon_table  # noqa: E402
 import latency_table  # noqa: E402
 import off_policy_corrections  # noqa: E402
@@ -344,14 +345,7 @@ update 32 it is {(long - short) / long:.2f} of its peak). Horizon and schedule c
 def time_averaged_return(evals: list[dict], minutes: float, clock: str = "wall_minutes") -> float:
     """The area under a run's eval return against `clock`, from 0 to `minutes` (trapezoids between evaluations),
     over `minutes`: its mean return over that time."""
-    points, area = [(e[clock], e["return"]) for e in evals], 0.0
-    for (t0, r0), (t1, r1) in zip(points, points[1:]):
-        if t0 >= minutes:
-            break
-        if t1 > minutes:
-            r1, t1 = r0 + (r1 - r0) * (minutes - t0) / (t1 - t0), minutes
-        area += (t1 - t0) * (r0 + r1) / 2
-    return area / minutes
+    return agent_speedup.mean_over([(e[clock], e["return"]) for e in evals], minutes)
 
 
 def ratio(values: list[float]) -> str:
@@ -674,15 +668,17 @@ def passages(results_dir: str) -> dict[str, str]:
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),
             "latency_findings": latency_findings(latency),
             "toy_build_load": toy_build_table(toy_builds),
-            **turn_credit_passage(results_dir), **agent_passage(results_dir)}
+            **optional_passage(results_dir, "turn_credit.json", "turn_credit", turn_credit_findings),
+            **optional_passage(results_dir, "agent_speedup_pilot.json", "agent_pilot", agent_findings)}
 
 
-def turn_credit_passage(results_dir: str) -> dict[str, str]:
-    path = os.path.join(results_dir, "turn_credit.json")
+def optional_passage(results_dir: str, file: str, name: str, render) -> dict[str, str]:
+    """{name: render(the results in `file`)}, or nothing where `file` is not in `results_dir` yet."""
+    path = os.path.join(results_dir, file)
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        return {"turn_credit": turn_credit_findings(json.load(f))}
+        return {name: render(json.load(f))}
 
 
 def agent_findings(results: dict) -> str:
@@ -723,14 +719,6 @@ def agent_findings(results: dict) -> str:
                          f"per update {', '.join(f'{r:.2f}x' for r in versus['seconds_per_update'])}.")
         lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
     return "\n".join(lines)
-
-
-def agent_passage(results_dir: str) -> dict[str, str]:
-    path = os.path.join(results_dir, "agent_speedup_pilot.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return {"agent_pilot": agent_findings(json.load(f))}
 
 
 def main(args: Args):
