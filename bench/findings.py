@@ -152,11 +152,15 @@ def difference(diffs: dict[int, float], form: str = "{:+.3f}") -> str:
 
 
 # ---------------------------------------------------------------------------------------------- data
+HORIZON_FILES = "off_policy_corrections_*total_episodes-8192_eval_in_trainer*.json"
+OTHER_BUILDS = "toy-*"  # bench/results' folders of runs made on another build of the task, one folder each
+
+
 def horizon_runs(results_dir: str) -> tuple[dict, list[str], dict]:
-    """The 128-update runs: {(algorithm, K, correction, own flags and build): {seed: curve}}, their files, and the
-    builds other than the stored one: {"[toy <sha256[:8]>]": the world its file records}."""
-    paths = sorted(glob.glob(os.path.join(results_dir, "off_policy_corrections_*total_episodes-8192_eval_in_trainer*"
-                                                       ".json")))
+    """The 128-update runs, those of other builds' folders too: {(algorithm, K, correction, own flags and build):
+    {seed: curve}}, their files, and every build a file records: {"[toy <sha256[:8]>]": its world}."""
+    paths = sorted(glob.glob(os.path.join(results_dir, HORIZON_FILES))
+                   + glob.glob(os.path.join(results_dir, OTHER_BUILDS, HORIZON_FILES)))
     worlds = {}
     for path in paths:
         with open(path) as f:
@@ -164,6 +168,29 @@ def horizon_runs(results_dir: str) -> tuple[dict, list[str], dict]:
         if world:
             worlds[f"[toy {world['policy_sha256'][:8]}]"] = world
     return horizon_table.rows(paths), paths, worlds
+
+
+def reproduced(paths: list[str]) -> dict[str, tuple[float, bool]]:
+    """Each run that a file without a recorded build (the first ones) and a file of the stored build both hold (the
+    same curve name and --extra flags): {its curve name and flags: (the largest difference of any logged number at
+    any update between the two, whether every evaluation is the same)}."""
+    stored, again = {}, {}
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        world = result.get("world")
+        if world and not world["policy_sha256"].startswith(horizon_table.STORED_BUILD):
+            continue
+        extra = " ".join(sorted(horizon_table.flags(result["args"]["extra"])))
+        for name, curve in result["curves"].items():
+            (again if world else stored)[f"{name} {extra}"] = curve
+    found = {}
+    for run in sorted(set(stored) & set(again)):
+        a, b = stored[run], again[run]
+        found[run] = (max(abs(x - y) for name in set(a) & set(b) for x, y in zip(a[name], b[name])
+                          if x is not None and y is not None),
+                      a["eval/accuracy"] == b["eval/accuracy"] and a["eval_update"] == b["eval_update"])
+    return found
 
 
 def per_seed(runs: dict, key: tuple, statistic) -> dict[int, float]:
@@ -458,9 +485,26 @@ def which_tokens_move(results_dir: str) -> str:
     decision token of each stale completion moved far, not many tokens moved a little.""")
 
 
-def builds(runs: dict, worlds: dict) -> str:
-    """The same run, seed and flags on the stored build of the arithmetic task and on another."""
-    lines = []
+def builds(runs: dict, worlds: dict, again: dict[str, tuple[float, bool]]) -> tuple[str, str]:
+    """The stored build of the arithmetic task found again (its runs made again give their curves back), and the same
+    run, seed and flags on the stored build and on another."""
+    found, lines = "", []
+    stored = [world for label, world in worlds.items() if label[5:-1] == horizon_table.STORED_BUILD]  # "[toy ...]"
+    if again and stored:
+        world = stored[0]
+        named = ", ".join(re.sub(r" math k(\d+) (\S+) seed(\d+)", r" K = \1 \2 seed \3", run).replace(
+            " --eval_in_trainer --total_episodes 8192", "") for run in again)
+        equal = all(same for _, same in again.values())
+        found = bullet(f"""**The stored build.** The toy tasks are built the same on one CPU every time, not
+        across CPUs (float rounding). The runs of 1-6 were made on the task as built on the AVX-512 machine of
+        2026-11-26/28; their files do not record the build. This session's machine ({world["cpu"]},
+        {"with" if world["avx512"] else "without"} AVX-512) builds it again (starting policy sha256
+        {world["policy_sha256"][:8]}...): {len(again)} stored run{"s" if len(again) > 1 else ""} made again here
+        with the kit's code of today, the same flags and seed ({named}), {"give" if len(again) > 1 else "gives"} the
+        stored curves back, every logged
+        number at every update within {max(d for d, _ in again.values()):.0e} (the files keep 6 decimals) and
+        {"every evaluation the same" if equal else "not every evaluation the same"}. The controls below and the runs
+        of 8 were made on it and are read with 1-6's runs.""")
     for label, world in sorted(worlds.items()):
         same = [(key, seed) for key, by_seed in sorted(runs.items()) if key[3] == label for seed in by_seed
                 if seed in runs.get(key[:3] + ("",), {})]
@@ -468,26 +512,23 @@ def builds(runs: dict, worlds: dict) -> str:
             continue
         there = {(key, seed): runs[key[:3] + ("",)][seed] for key, seed in same}  # the stored build's run
         pairs = "; ".join(
-            f"{key[0]} K = {key[1]} {key[2]} seed {seed}: mean accuracy {mean_accuracy(there[key, seed]):.3f} there, "
-            f"{mean_accuracy(runs[key][seed]):.3f} here, largest fall {fall(there[key, seed])[0]:.2f} there, "
-            f"{fall(runs[key][seed])[0]:.2f} here" for key, seed in same)
+            f"{key[0]} K = {key[1]} {key[2]} seed {seed}: mean accuracy {mean_accuracy(there[key, seed]):.3f} on "
+            f"the stored build, {mean_accuracy(runs[key][seed]):.3f} on this one, largest fall "
+            f"{fall(there[key, seed])[0]:.2f} and {fall(runs[key][seed])[0]:.2f}" for key, seed in same)
         first = sorted({(there[key, seed]["objective/scores"][0], runs[key][seed]["objective/scores"][0])
                         for key, seed in same})
         none = per_seed(runs, ("grpo", 16, "none", label), mean_accuracy)
         against_none = "; ".join(
             f"{c} {difference(paired(per_seed(runs, ('grpo', 16, c, label), mean_accuracy), none))}"
             for c in CORRECTIONS if runs.get(("grpo", 16, c, label))) if none else ""
-        lines.append(bullet(f"""**Two builds of the task.** The toy tasks are built the same on one CPU every time, not
-        across CPUs (float rounding). The runs of 1-6 were made on the task as built on the AVX-512 machine of
-        2026-11-26/28 (its starting policy's hash was not recorded); the runs marked {label} on the task as built on
-        this session's machine ({world["cpu"]}, {"with" if world["avx512"] else "without"} AVX-512; starting policy
-        sha256 {world["policy_sha256"][:8]}...). The same flags and seed differ from the first batch on (its mean
-        reward {", ".join(f"{a:.3f} there, {b:.3f} here" for a, b in first)}), and then in the whole run: {pairs}. A
-        seed on one build is not the same run on another (the kit's code is not the difference: the commit that made
-        the stored runs, a4859c1, run here, samples this machine's first batches, not the stored ones); a finding of 6
-        holds for the build it was measured on until another build's runs show it. Here, GRPO at K = 16, a correction's
-        mean accuracy minus none's of the same seed: {against_none or "not run"}."""))
-    return "\n".join(lines)
+        lines.append(bullet(f"""**Another build** (`bench/results/toy-{world["policy_sha256"][:8]}/`). The runs marked
+        {label} were made on the task as built on another machine ({world["cpu"]}, {"with" if world["avx512"] else
+        "without"} AVX-512; starting policy sha256 {world["policy_sha256"][:8]}...). The same flags and seed differ
+        from the first batch on (its mean reward {", ".join(f"{a:.3f} on the stored build, {b:.3f} on this one"
+        for a, b in first)}), and then in the whole run: {pairs}. A seed on one build is not the same run on another;
+        a finding of 6 holds for the build it was measured on until another build's runs show it. On this build, GRPO
+        at K = 16, a correction's mean accuracy minus none's of the same seed: {against_none or "not run"}."""))
+    return found, "\n".join(lines)
 
 
 def controls(runs: dict, label: str) -> str:
@@ -524,17 +565,6 @@ def controls(runs: dict, label: str) -> str:
     corrected = {(c, seed): fall(curve)[0] for c in CORRECTIONS for seed, curve in runs.get(key(16, c), {}).items()}
     falling = {run: depth for run, depth in corrected.items() if depth >= 0.1}
     listed = ", ".join(f"{c} seed {seed} {depth:.2f}" for (c, seed), depth in sorted(corrected.items()))
-    if not corrected:
-        verdict = "no corrected run of the preset at K = 16 has run on this build yet"
-    elif not falling:
-        shown = [f"with {name.lower()}, decoupled's largest fall is "
-                 f"{span([fall(c)[0] for c in by_seed.values()], '{:.2f}')} (seeds {seeds(by_seed)})"
-                 for flag, name in CONTROLS if (by_seed := runs.get(key(16, "decoupled", flag)))]
-        controlled = "; ".join(shown) or "no control has run"
-        verdict = (f"no corrected run of the preset at K = 16 falls on this build (largest fall: {listed}), so the dip "
-                   f"of 6 did not occur here and these controls cannot test its cause; {controlled}")
-    else:
-        verdict = f"corrected runs of the preset at K = 16 fall on this build: {listed}"
     baseline = "; ".join(f"{c} {describe(key(16, c))}" for c in ("none", "decoupled", "m2po") if runs.get(key(16, c)))
     lines = [bullet(f"""**On-policy, K = 0**{where} (GRPO, none: at K = 0 every correction is none):
     {describe(key(0, "none"))}. With the same preset at K = 16: {baseline or "not run"}.""")]
@@ -542,9 +572,56 @@ def controls(runs: dict, label: str) -> str:
         parts = "; ".join(f"{c} {describe(key(16, c, flag))}{against(key(16, c, flag), key(16, c))}"
                           for c in ("none", "decoupled"))
         lines.append(bullet(f"""**{name}**{where} (`{flag}`, GRPO at K = 16): {parts}."""))
-    lines.append(bullet(f"""**What the controls show{where}**: {verdict}. The dip of 6 was measured on the stored build
-    only; its cause there stays untested (the controls need that build, and this machine builds another)."""))
+    if not corrected:
+        verdict = "no corrected run of the preset at K = 16 has run on this build yet"
+    elif not falling:
+        shown = [f"with {name.lower()}, decoupled's largest fall is "
+                 f"{span([fall(c)[0] for c in by_seed.values()], '{:.2f}')} (seeds {seeds(by_seed)})"
+                 for flag, name in CONTROLS if (by_seed := runs.get(key(16, "decoupled", flag)))]
+        verdict = (f"no corrected run of the preset at K = 16 falls on this build (largest fall: {listed}), so the dip "
+                   f"of 6 did not occur here and these controls cannot test its cause; "
+                   f"{'; '.join(shown) or 'no control has run'}")
+    else:
+        verdict = (f"{len(falling)} of the {len(corrected)} corrected runs of the preset at K = 16 fall by 0.1 or more "
+                   f"on this build; {'; '.join(what_the_controls_show(runs, key))}")
+    lines.append(bullet(f"""**What the controls show{where}**: {verdict}."""))
     return "\n".join(lines)
+
+
+def what_the_controls_show(runs: dict, key) -> list[str]:
+    """Each control that has run, against the fall it tests (a fall: 0.1 or more, peak to trough)."""
+    shown = []
+    if by_seed := runs.get(key(0, "none")):
+        depths = [fall(c)[0] for c in by_seed.values()]
+        shown.append(f"on-policy (K = 0), {sum(d >= 0.1 for d in depths)} of {len(depths)} runs fall (largest fall "
+                     f"{span(depths, '{:.2f}')}, seeds {seeds(by_seed)})")
+    for flag, name in CONTROLS:
+        for c in ("decoupled", "none"):
+            if not (by_seed := runs.get(key(16, c, flag))):
+                continue
+            depths = [fall(curve)[0] for curve in by_seed.values()]
+            depth = paired(per_seed(runs, key(16, c, flag), lambda curve: fall(curve)[0]),
+                           per_seed(runs, key(16, c), lambda curve: fall(curve)[0]))
+            onsets = [(onset(by_seed[seed]), onset(runs[key(16, c)][seed])) for seed in depth]
+            schedule = ""
+            if flag == "--lr_scheduler_type constant":  # the preset's rate decays linearly to 0 over the run
+                horizon = max(next(iter(by_seed.values()))["update"])
+                troughs = [fall(runs[key(16, c)][seed])[1] for seed in depth]
+                left = span([(horizon - u) / horizon for u in troughs], "{:.2f}")
+                schedule = (f" (where the preset's runs fall, by their troughs at updates {updates(troughs)}, its "
+                            f"linearly decaying rate is still {left} of its peak: this control changes the "
+                            "rate little there, and says nothing of a smaller one)")
+            shown.append(f"with {name[0].lower() + name[1:]}, {c} {sum(d >= 0.1 for d in depths)} of {len(depths)} "
+                         f"runs fall, its fall minus the preset's of the same seed {difference(depth)}, onset at "
+                         "update " + ", ".join(f"{mine or 'none'} against {base or 'none'}" for mine, base in onsets)
+                         + schedule)
+    return shown or ["no control has run"]
+
+
+def build_label(world: dict) -> str:
+    """How the horizon runs' keys name a build: "" for the stored one, else "[toy <sha256[:8]>]"."""
+    sha = world["policy_sha256"][:8]
+    return "" if sha == horizon_table.STORED_BUILD else f"[toy {sha}]"
 
 
 def run_name(key: tuple, seed: int) -> str:
@@ -568,7 +645,8 @@ def classes_at_fall(runs: dict, dip: dict) -> str:
         for seed, curve in sorted(by_seed.items()):
             measured = dip.get(run_name(key, seed))
             depth, trough = fall(curve)
-            if measured is None or depth < 0.1 or f"[toy {measured['world']['policy_sha256'][:8]}]" not in key[3]:
+            if measured is None or depth < 0.1 or build_label(measured["world"]) != re.sub(r".*?(\[toy \w+\])?$",
+                                                                                            r"\1", key[3]):
                 continue  # no snapshots measured, no fall, or the same name on another build
             peak = max((score, -u) for u, score in accuracy(curve).items() if 0 < u < trough)
             at = {u: i for i, u in enumerate(measured["update"])}
@@ -650,6 +728,7 @@ def turn_credit_findings(results: dict) -> str:
 
 def passages(results_dir: str) -> dict[str, str]:
     runs, paths, worlds = horizon_runs(results_dir)
+    stored_build, other_builds = builds(runs, worlds, reproduced(paths))
     with open(os.path.join(results_dir, "multiturn_latency.json")) as f:
         latency = json.load(f)
     with open(os.path.join(results_dir, "toy_build_load.json")) as f:
@@ -661,8 +740,9 @@ def passages(results_dir: str) -> dict[str, str]:
     return {"horizon_table": "\n".join(horizon_table.table(paths)),
             "horizon_findings": "\n".join([k16(runs), k4(runs), mechanism(runs), ppo_rloo(runs), kl_penalty(runs)]),
             "which_tokens_move": which_tokens_move(results_dir),
-            "controls": "\n".join(filter(None, [builds(runs, worlds), *(controls(runs, label) for label in worlds),
-                                                 classes_at_fall(runs, dip)])),
+            "controls": "\n".join(filter(None, [stored_build, controls(runs, ""), classes_at_fall(runs, dip),
+                                                 other_builds, *(controls(runs, label) for label in worlds
+                                                                 if label[5:-1] != horizon_table.STORED_BUILD)])),
             "sequence_level": sequence_level(runs),
             "read_with_6": read_with_6(runs),
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),

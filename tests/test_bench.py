@@ -170,7 +170,8 @@ def test_which_tokens_move_reads_a_runs_snapshots(tmp_path):
 def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
     """bench/horizon_table.py: each cell from the results JSON's per-update curves (two seeds pooled: mean ± std;
     seed 2 back at 0.95 from update 108, seed 1 never), the rows of a file with a flag of its own named by it, a run
-    two files hold counted once, a run on another build of the task (its file's world) a row of its own."""
+    two files hold counted once, a run on another build of the task (its file's world) a row of its own, a run on the
+    stored build (horizon_table.STORED_BUILD) the stored runs' row."""
     def curve(scale: float) -> dict:
         return {"update": list(range(1, 129)), "async/mismatch_kl": [scale * u for u in range(1, 129)],
                 "async/ess": [1.0 - scale] * 128, "eval_update": list(range(0, 129, 4)),
@@ -183,9 +184,12 @@ def test_the_horizon_table_is_drawn_from_the_stored_curves(tmp_path):
                                  {"ppo math k16 none seed1": curve(0.007)}),
                                 ("c", "--total_episodes 8192", {"ppo math k4 none seed1": curve(0.001)}),
                                 ("d", "--total_episodes 8192", {"ppo math k16 none seed2": curve(0.009)}),
-                                ("e", "--total_episodes 8192", {"ppo math k16 none seed1": curve(0.005)})]:
-        # e: the same run on another build of the task, which its file records: a row of its own
-        world = {"world": {"policy_sha256": "abcdef12" + "0" * 56}} if name == "e" else {}
+                                ("e", "--total_episodes 8192", {"ppo math k16 none seed1": curve(0.005)}),
+                                ("f", "--total_episodes 8192", {"ppo math k16 none seed2": curve(0.009)})]:
+        # e: the same run on another build of the task, which its file records: a row of its own; f: a file that
+        # records the stored build, whose runs are the first files' (which record none)
+        world = {"e": {"world": {"policy_sha256": "abcdef12" + "0" * 56}},
+                 "f": {"world": {"policy_sha256": "bef384c7" + "0" * 56}}}.get(name, {})
         (tmp_path / f"{name}.json").write_text(json.dumps({"args": {"extra": extra}, "curves": curves, **world}))
         files.append(tmp_path / f"{name}.json")
     table = run_script(*files, script="bench/horizon_table.py").stdout.splitlines()
@@ -271,6 +275,35 @@ def test_every_computed_passage_of_results_is_what_the_stored_data_give(tmp_path
     path.write_text(json.dumps(stored))
     refused = run_script("--check", "--results_dir", results, script="bench/findings.py", check=False)
     assert refused.returncode != 0 and "horizon_table" in refused.stderr and "horizon_findings" in refused.stderr
+
+
+def test_a_stored_run_made_again_is_checked_against_its_curves(tmp_path):
+    """findings.reproduced: a run that a file without a build and a file of the stored build both hold gives the
+    largest difference of its logged numbers and whether its evaluations are the same; another build's file, or a
+    run only one file holds, is not compared."""
+    findings = bench_module("findings")
+
+    def write(name: str, sha: str | None, curves: dict) -> str:
+        world = {"world": {"policy_sha256": sha + "0" * 56}} if sha else {}
+        (tmp_path / name).write_text(json.dumps({"args": {"extra": "--total_episodes 8192"}, "curves": curves,
+                                                 **world}))
+        return str(tmp_path / name)
+
+    def curve(kl: list[float], accuracy: list[float]) -> dict:
+        return {"update": [1, 2], "async/mismatch_kl": kl, "async/ess": [None, 0.9], "eval_update": [0, 4],
+                "eval/accuracy": accuracy}
+
+    paths = [write("stored.json", None, {"grpo math k16 none seed1": curve([0.1, 0.2], [0.5, 0.75]),
+                                         "grpo math k16 none seed2": curve([0.1, 0.2], [0.5, 0.75])}),
+             write("again.json", "bef384c7", {"grpo math k16 none seed1": curve([0.1000003, 0.2], [0.5, 0.75]),
+                                              "grpo math k16 tis seed1": curve([0.1, 0.2], [0.5, 0.5])}),
+             write("other.json", "9798ed0e", {"grpo math k16 none seed2": curve([0.3, 0.2], [0.5, 0.5])})]
+    run = "grpo math k16 none seed1 --total_episodes 8192"
+    assert findings.reproduced(paths) == {run: (pytest.approx(3e-7), True)}
+    write("again.json", "bef384c7", {"grpo math k16 none seed1": curve([0.1, 0.2], [0.5, 0.5])})
+    assert findings.reproduced(paths) == {run: (0.25, False)}  # an evaluation 0.75 there, 0.5 here
+    assert findings.build_label({"policy_sha256": "bef384c7" + "0" * 56}) == ""
+    assert findings.build_label({"policy_sha256": "9798ed0e" + "0" * 56}) == "[toy 9798ed0e]"
 
 
 def test_the_findings_statistics_on_hand_computed_numbers():
