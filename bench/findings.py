@@ -497,7 +497,7 @@ def builds(runs: dict, worlds: dict, again: dict[str, tuple[float, bool]]) -> tu
         equal = all(same for _, same in again.values())
         found = bullet(f"""**The stored build.** The toy tasks are built the same on one CPU every time, not
         across CPUs (float rounding). The runs of 1-6 were made on the task as built on the AVX-512 machine of
-        2026-11-26/28; their files do not record the build. This session's machine ({world["cpu"]},
+        2026-11-26/28; their files do not record the build. The machine of 2026-12-02 ({world["cpu"]},
         {"with" if world["avx512"] else "without"} AVX-512) builds it again (starting policy sha256
         {world["policy_sha256"][:8]}...): {len(again)} stored run{"s" if len(again) > 1 else ""} made again here
         with the kit's code of today, the same flags and seed ({named}), {"give" if len(again) > 1 else "gives"} the
