@@ -158,7 +158,8 @@ OTHER_BUILDS = "toy-*"  # bench/results' folders of runs made on another build o
 
 def horizon_runs(results_dir: str) -> tuple[dict, list[str], dict]:
     """The 128-update runs, those of other builds' folders too: {(algorithm, K, correction, own flags and build):
-    {seed: curve}}, their files, and every build a file records: {"[toy <sha256[:8]>]": its world}."""
+    {seed: curve}}, their files, and every build a file records, by its rows' label (horizon_table.build_label: ""
+    for the stored build): its world."""
     paths = sorted(glob.glob(os.path.join(results_dir, HORIZON_FILES))
                    + glob.glob(os.path.join(results_dir, OTHER_BUILDS, HORIZON_FILES)))
     worlds = {}
@@ -166,7 +167,7 @@ def horizon_runs(results_dir: str) -> tuple[dict, list[str], dict]:
         with open(path) as f:
             world = json.load(f).get("world")
         if world:
-            worlds[f"[toy {world['policy_sha256'][:8]}]"] = world
+            worlds[horizon_table.build_label(world)] = world
     return horizon_table.rows(paths), paths, worlds
 
 
@@ -179,8 +180,8 @@ def reproduced(paths: list[str]) -> dict[str, tuple[float, bool]]:
         with open(path) as f:
             result = json.load(f)
         world = result.get("world")
-        if world and not world["policy_sha256"].startswith(horizon_table.STORED_BUILD):
-            continue
+        if horizon_table.build_label(world):
+            continue  # another build's
         extra = " ".join(sorted(horizon_table.flags(result["args"]["extra"])))
         for name, curve in result["curves"].items():
             (again if world else stored)[f"{name} {extra}"] = curve
@@ -489,9 +490,7 @@ def builds(runs: dict, worlds: dict, again: dict[str, tuple[float, bool]]) -> tu
     """The stored build of the arithmetic task found again (its runs made again give their curves back), and the same
     run, seed and flags on the stored build and on another."""
     found, lines = "", []
-    stored = [world for label, world in worlds.items() if label[5:-1] == horizon_table.STORED_BUILD]  # "[toy ...]"
-    if again and stored:
-        world = stored[0]
+    if again and (world := worlds.get("")):
         named = ", ".join(re.sub(r" math k(\d+) (\S+) seed(\d+)", r" K = \1 \2 seed \3", run).replace(
             " --eval_in_trainer --total_episodes 8192", "") for run in again)
         equal = all(same for _, same in again.values())
@@ -505,7 +504,7 @@ def builds(runs: dict, worlds: dict, again: dict[str, tuple[float, bool]]) -> tu
         number at every update within {max(d for d, _ in again.values()):.0e} (the files keep 6 decimals) and
         {"every evaluation the same" if equal else "not every evaluation the same"}. The controls below and the runs
         of 8 were made on it and are read with 1-6's runs.""")
-    for label, world in sorted(worlds.items()):
+    for label, world in sorted((label, world) for label, world in worlds.items() if label):
         same = [(key, seed) for key, by_seed in sorted(runs.items()) if key[3] == label for seed in by_seed
                 if seed in runs.get(key[:3] + ("",), {})]
         if not same:
@@ -618,12 +617,6 @@ def what_the_controls_show(runs: dict, key) -> list[str]:
     return shown or ["no control has run"]
 
 
-def build_label(world: dict) -> str:
-    """How the horizon runs' keys name a build: "" for the stored one, else "[toy <sha256[:8]>]"."""
-    sha = world["policy_sha256"][:8]
-    return "" if sha == horizon_table.STORED_BUILD else f"[toy {sha}]"
-
-
 def run_name(key: tuple, seed: int) -> str:
     """The run folder of bench/off_policy_corrections.py (and dip_diagnostics.json's key) of a horizon run."""
     algorithm, k, correction, own = key
@@ -645,8 +638,8 @@ def classes_at_fall(runs: dict, dip: dict) -> str:
         for seed, curve in sorted(by_seed.items()):
             measured = dip.get(run_name(key, seed))
             depth, trough = fall(curve)
-            if measured is None or depth < 0.1 or build_label(measured["world"]) != re.sub(r".*?(\[toy \w+\])?$",
-                                                                                            r"\1", key[3]):
+            label = horizon_table.build_label(measured["world"]) if measured else None
+            if measured is None or depth < 0.1 or label != re.sub(r".*?(\[toy \w+\])?$", r"\1", key[3]):
                 continue  # no snapshots measured, no fall, or the same name on another build
             peak = max((score, -u) for u, score in accuracy(curve).items() if 0 < u < trough)
             at = {u: i for i, u in enumerate(measured["update"])}
@@ -741,8 +734,7 @@ def passages(results_dir: str) -> dict[str, str]:
             "horizon_findings": "\n".join([k16(runs), k4(runs), mechanism(runs), ppo_rloo(runs), kl_penalty(runs)]),
             "which_tokens_move": which_tokens_move(results_dir),
             "controls": "\n".join(filter(None, [stored_build, controls(runs, ""), classes_at_fall(runs, dip),
-                                                 other_builds, *(controls(runs, label) for label in worlds
-                                                                 if label[5:-1] != horizon_table.STORED_BUILD)])),
+                                                 other_builds, *(controls(runs, label) for label in worlds if label)])),
             "sequence_level": sequence_level(runs),
             "read_with_6": read_with_6(runs),
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),

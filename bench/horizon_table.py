@@ -24,6 +24,13 @@ BACK = 0.95  # the accuracy whose first return after a run's lowest is shown
 STORED_BUILD = "bef384c7"
 
 
+def build_label(world: dict | None) -> str:
+    """How a run's row names the build its file records: "" for the stored build (or none recorded), else
+    "[toy <sha256[:8]>]"."""
+    sha = world["policy_sha256"][:8] if world else STORED_BUILD
+    return "" if sha == STORED_BUILD else f"[toy {sha}]"
+
+
 def mean_std(values: list[float], form: str = "{:.3f}") -> str:
     return form.format(statistics.mean(values)) + (f" ± {form.format(statistics.stdev(values))}"
                                                    if len(values) > 1 else "")
@@ -54,9 +61,7 @@ def rows(paths: list[str]) -> dict:
     runs = collections.defaultdict(dict)
     for result, extra in zip(results, extras):
         # the world a run was made in, where its file names one (a toy task built on another CPU is another task)
-        built = [f"[toy {result['world']['policy_sha256'][:8]}]"] if "world" in result and not result["world"][
-            "policy_sha256"].startswith(STORED_BUILD) else []
-        own = " ".join([*sorted(extra - common), *built])
+        own = " ".join([*sorted(extra - common), build_label(result.get("world"))]).strip()
         for name, curve in result["curves"].items():
             algorithm, _, k, correction, seed = name.split()
             runs[(algorithm, int(k[1:]), correction, own)][int(seed.removeprefix("seed"))] = curve
