@@ -152,7 +152,8 @@ def extra_suffix(args) -> str:
 
 def result_name(args: Args) -> str:
     """The name of a full sweep's files in bench/results: another task's, a subset of the algorithms', the
-    corrections' or the values of K, or other --extra flags, each in files of their own."""
+    corrections' or the values of K, or other --extra flags, each in files of their own; so are seeds that add to a
+    sweep of the first ones (seeds not from 1: `_seeds-3`), which must not overwrite it."""
     name = "off_policy_corrections" + "".join(f"_{task}" for task in args.tasks if task != "math")
     if set(args.algorithms) != {"grpo", "rloo", "ppo"}:
         name += "".join(f"_{algorithm}" for algorithm in args.algorithms)
@@ -160,7 +161,8 @@ def result_name(args: Args) -> str:
         name += "".join(f"_{correction}" for correction in args.corrections)
     if set(args.async_steps) != {0, 1, 4, 16}:
         name += "_k" + "-".join(str(k) for k in args.async_steps)
-    return name + extra_suffix(args)
+    name += extra_suffix(args)
+    return name + ("_seeds-" + "-".join(map(str, args.seeds)) if args.seeds[0] != 1 else "")
 
 
 def summary(values: list) -> list | None:

@@ -244,6 +244,11 @@ def test_a_sweeps_result_files_name_what_it_left_out_or_added():
     assert bench.result_name(bench.Args(tasks=("tldr",), async_steps=(4, 16), corrections=("none", "m2po"))) == (
         "off_policy_corrections_tldr_none_m2po_k4-16")
     assert bench.result_name(bench.Args(async_steps=(16, 4, 1, 0))) == "off_policy_corrections"
+    # a third seed run later goes beside the first two's file, not over it
+    assert bench.result_name(bench.Args(seeds=(1, 2, 3))) == "off_policy_corrections"
+    assert bench.result_name(bench.Args(algorithms=("grpo",), async_steps=(0,), corrections=("none",), seeds=(3,),
+                                        extra="--eval_in_trainer")) == (
+        "off_policy_corrections_grpo_none_k0_eval_in_trainer_seeds-3")
     # snapshots for bench/dip_diagnostics.py change neither the runs' numbers nor the names
     snapshots = bench.Args(algorithms=("grpo",), save_every=4)
     assert bench.result_name(snapshots) == bench.result_name(bench.Args(algorithms=("grpo",)))
