@@ -26,8 +26,12 @@ start. Per latency, printed and kept (results.json, with every run's curve):
 - the overlap's bound: (G + T) / max(G, T) from sync's median generation G (its environment's steps included) and
   training T per update, what running them side by side alone can give; an arm that no longer waits for a turn's
   slowest step can beat it, which its seconds per update show.
-A finished run (its `done` marker) is not run again and a finished evaluation (evaluations.json) not made again, so an
-interrupted benchmark goes on where it stopped when given the same --output_dir. Also writes --results_file
+Each finished and evaluated run leaves a record in --records_dir (bench/results/agent_speedup_runs: its evaluated
+curve on both clocks, its curves per update, its command and the machine it ran on), and a run with a record is not
+made again, on this machine or another: the seeds of one benchmark can be run in several sittings, and an interrupted
+one goes on where it stopped (within a sitting, a finished run's `done` marker and evaluations.json in --output_dir
+are kept too). A ratio pairs an arm's run with sync's of the same seed only where both ran on one machine (one boot:
+machines of one kind differ in speed); a pair that did not is left out and counted. Also writes --results_file
 (bench/results/agent_speedup.json).
 
     python bench/agent_speedup.py                                   # 40 runs: hours on 2 CPU cores (the sync arm's
@@ -102,6 +106,9 @@ class Args:
     """where the runs and results.json go (default runs/bench-agent-speedup-<time>)"""
     results_file: str | None = os.path.join(ROOT, "bench", "results", "agent_speedup.json")
     """where results.json is copied, the curves RESULTS.md's table is drawn from (None, and with --quick: nowhere)"""
+    records_dir: str = os.path.join(ROOT, "bench", "results", "agent_speedup_runs")
+    """where each finished run's record goes, one file per run, read instead of running it again (with --quick:
+    --output_dir's records/)"""
 
 
 def run_command(arm: str, latency: float, seed: int, args: Args, output_dir: str) -> list[str]:
@@ -140,6 +147,37 @@ def evaluate_snapshots(output_dir: str, seed: int, args: Args) -> dict[int, floa
             sys.exit(f"evaluating {output_dir} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     with open(path) as f:
         return {int(update): value for update, value in json.load(f).items()}
+
+
+def machine() -> dict:
+    """The machine a run is timed on: its CPU and this boot of it (two machines of one kind differ in speed)."""
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return {"cpu": cpu, "boot_id": f.read().strip()}
+
+
+def record(arm: str, latency: float, seed: int, args: Args) -> dict:
+    """One run's record (read_run's numbers, its command and machine): read from --records_dir where it is there,
+    else the run made, evaluated and recorded. A record made with other flags is an error, not a run to reuse."""
+    name = f"{arm}-latency{latency:g}-seed{seed}"
+    path = os.path.join(args.records_dir, name + ".json")
+    command = run_command(arm, latency, seed, args, "OUTPUT_DIR")[2:]  # the script's flags, the interpreter's path out
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)
+        if kept["command"] != command:
+            sys.exit(f"{path} was made with other flags ({' '.join(kept['command'])}), not {' '.join(command)}: "
+                     "remove it or give another --records_dir")
+        return kept
+    output_dir = train(arm, latency, seed, args)
+    kept = read_run(output_dir, arm, evaluate_snapshots(output_dir, seed, args)) | {
+        "command": command, "machine": machine()}
+    os.makedirs(args.records_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:  # written whole, then moved: an interrupted write leaves no record
+        json.dump(kept, f)
+    os.replace(path + ".tmp", path)
+    return kept
 
 
 def read_run(output_dir: str, arm: str, returns: dict[int, float]) -> dict:
@@ -197,10 +235,13 @@ def median_interval(values: list[float], resamples: int, seed: int = 0) -> tuple
 
 
 def compare(sync: list[dict], arm: list[dict], args: Args) -> dict:
-    """The arm against sync, seed by seed (the runs in seed order): per level and clock, sync's time to it over the
-    arm's (where both reached it), and the updates to it (the arm's minus sync's); per clock, the arm's mean return
-    over sync's time over sync's; the seconds per update, sync's over the arm's."""
-    out = {"levels": {}, "mean_return": {}}
+    """The arm against sync, seed by seed (the runs in seed order), each pair run on one machine (the others left
+    out, their number `unpaired`): per level and clock, sync's time to it over the arm's (where both reached it), and
+    the updates to it (the arm's minus sync's); per clock, the arm's mean return over sync's time over sync's; the
+    seconds per update, sync's over the arm's."""
+    pairs = [(s, a) for s, a in zip(sync, arm) if s.get("machine") == a.get("machine")]
+    out = {"levels": {}, "mean_return": {}, "unpaired": len(sync) - len(pairs)}
+    sync, arm = [s for s, _ in pairs], [a for _, a in pairs]
     for level in args.levels:
         entry = {"updates_more": [], **{clock: [] for clock in CLOCKS}}
         for s, a in zip(sync, arm):
@@ -229,13 +270,14 @@ def main(args: Args):
         args.updates, args.snapshot_every = 4, 2
         args.eval_rows, args.bootstrap, args.results_file = 32, 100, None
     args.output_dir = args.output_dir or os.path.join(ROOT, "runs", f"bench-agent-speedup-{int(time.time())}")
+    if args.quick:
+        args.records_dir = os.path.join(args.output_dir, "records")
     os.makedirs(args.output_dir, exist_ok=True)
     runs = {latency: {arm: [] for arm in args.arms} for latency in args.latencies}
     for seed in args.seeds:  # interleaved, so that a slow spell of a shared machine hits every arm alike
         for latency in args.latencies:
             for arm in args.arms:
-                output_dir = train(arm, latency, seed, args)
-                runs[latency][arm].append(read_run(output_dir, arm, evaluate_snapshots(output_dir, seed, args)))
+                runs[latency][arm].append(record(arm, latency, seed, args))
 
     table = {}
     for latency, by_arm in runs.items():
@@ -273,7 +315,8 @@ def main(args: Args):
         for arm in (arm for arm in args.arms if arm != "sync"):
             versus = compare(by_arm["sync"], by_arm[arm], args)
             table[latency][f"{arm}_vs_sync"] = versus
-            print(f"{arm} vs sync, per seed (median [bootstrap 95%]): seconds per update "
+            unpaired = f" ({versus['unpaired']} seeds left out: run on two machines)" if versus["unpaired"] else ""
+            print(f"{arm} vs sync, per seed (median [bootstrap 95%]){unpaired}: seconds per update "
                   f"{interval_text(versus['seconds_per_update'], args)}")
             for level, entry in versus["levels"].items():
                 print(f"  to return {level}: from launch {interval_text(entry['minutes'], args)}, from update 1 "

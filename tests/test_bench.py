@@ -2,6 +2,7 @@
 the number its run logged."""
 
 import json
+import shutil
 import statistics
 import time
 
@@ -479,7 +480,7 @@ def test_agent_speedup_quick(tmp_path):
 def agent_run(folder, launched: float, ends: list[float], returns: dict[int, float], phases: dict[str, float]):
     """A finished run of bench/agent_speedup.py made by hand: its `done` marker (launched at `launched`), an update's
     metrics line ending at each of `ends` with `phases` (seconds), and its snapshots' evaluations."""
-    folder.mkdir()
+    folder.mkdir(parents=True)
     (folder / "done").write_text(json.dumps({"launched": launched}))
     (folder / "metrics.jsonl").write_text("".join(
         json.dumps({"update": u, "time": end, "loss/policy_avg": 0.0, **phases}) + "\n"
@@ -530,17 +531,34 @@ def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_
     so nothing starts); results.json holds each arm's numbers and the ratios against sync, seed by seed."""
     bench = bench_module("agent_speedup")
     for seed in (1, 2):  # updates of 60 s and 30 s, each the sum of its phases
-        agent_run(tmp_path / f"sync-latency0.5-seed{seed}", 0.0, [60.0 * u for u in range(1, 5)],
+        agent_run(tmp_path / "runs" / f"sync-latency0.5-seed{seed}", 0.0, [60.0 * u for u in range(1, 5)],
                   {0: 0.3, 2: 0.5, 4: 0.6}, {"time/generate": 50.0, "time/score": 1.0, "time/train": 9.0})
-        agent_run(tmp_path / f"inflight-latency0.5-seed{seed}", 0.0, [30.0 * u for u in range(1, 5)],
+        agent_run(tmp_path / "runs" / f"inflight-latency0.5-seed{seed}", 0.0, [30.0 * u for u in range(1, 5)],
                   {0: 0.3, 2: 0.4, 4: 0.5 + 0.1 * seed},
                   {"time/generate": 28.0, "time/wait": 25.0, "time/score": 1.0, "time/train": 4.0})
-    bench.main(bench.Args(arms=("sync", "inflight"), latencies=(0.5,), seeds=(1, 2), updates=4, snapshot_every=2,
-                          levels=(0.5,), bootstrap=100, output_dir=str(tmp_path), results_file=None))
-    table = json.loads((tmp_path / "results.json").read_text())["table"]["0.5"]
+    args = dict(arms=("sync", "inflight"), latencies=(0.5,), seeds=(1, 2), updates=4, snapshot_every=2, levels=(0.5,),
+                bootstrap=100, output_dir=str(tmp_path / "runs"), results_file=None, records_dir=str(tmp_path / "kept"))
+    bench.main(bench.Args(**args))
+    table = json.loads((tmp_path / "runs" / "results.json").read_text())["table"]["0.5"]
     assert table["sync"]["last_return"] == [0.6, 0.6] and table["inflight"]["last_return"] == [0.6, 0.7]
     assert table["bound"] == (50 + 9) / 50
     # to 0.5: sync at 2 min (update 2), in flight at 2 min as well (update 4, 30 s each): 1x, 2 updates more
     assert table["inflight_vs_sync"]["levels"]["0.5"] == {"updates_more": [2, 2], "minutes": [1.0, 1.0],
                                                          "minutes_from_update_1": [1.0, 1.0]}
-    assert table["inflight_vs_sync"]["seconds_per_update"] == [2.0, 2.0]
+    assert table["inflight_vs_sync"]["seconds_per_update"] == [2.0, 2.0] and table["inflight_vs_sync"]["unpaired"] == 0
+
+    # the records stand for the runs, which need not be there (another sitting, another machine): nothing is run
+    shutil.rmtree(tmp_path / "runs")
+    kept = tmp_path / "kept" / "sync-latency0.5-seed2.json"
+    elsewhere = json.loads(kept.read_text())
+    assert elsewhere["command"][:2] == ["--env", "toy:hops"] and elsewhere["machine"]["boot_id"]
+    elsewhere["machine"]["boot_id"] = "another boot"  # seed 2's sync ran on another machine than its in-flight run
+    kept.write_text(json.dumps(elsewhere))
+    bench.main(bench.Args(**args))
+    table = json.loads((tmp_path / "runs" / "results.json").read_text())["table"]["0.5"]
+    assert table["sync"]["last_return"] == [0.6, 0.6]
+    assert table["inflight_vs_sync"]["seconds_per_update"] == [2.0] and table["inflight_vs_sync"]["unpaired"] == 1
+
+    # a record made with other flags is not taken for this benchmark's run
+    with pytest.raises(SystemExit, match="sync-latency0.5-seed1.json was made with other flags"):
+        bench.main(bench.Args(**(args | {"extra": "--num_epochs 2"})))
