@@ -156,29 +156,22 @@ HORIZON_FILES = "off_policy_corrections_*total_episodes-8192_eval_in_trainer*.js
 OTHER_BUILDS = "toy-*"  # bench/results' folders of runs made on another build of the task, one folder each
 
 
-def horizon_runs(results_dir: str) -> tuple[dict, list[str], dict]:
+def horizon_runs(results_dir: str) -> tuple[dict, list[dict], dict]:
     """The 128-update runs, those of other builds' folders too: {(algorithm, K, correction, own flags and build):
-    {seed: curve}}, their files, and every build a file records, by its rows' label (horizon_table.build_label: ""
-    for the stored build): its world."""
-    paths = sorted(glob.glob(os.path.join(results_dir, HORIZON_FILES))
-                   + glob.glob(os.path.join(results_dir, OTHER_BUILDS, HORIZON_FILES)))
-    worlds = {}
-    for path in paths:
-        with open(path) as f:
-            world = json.load(f).get("world")
-        if world:
-            worlds[horizon_table.build_label(world)] = world
-    return horizon_table.rows(paths), paths, worlds
+    {seed: curve}}, their files' results, and every build a file records, by its rows' label
+    (horizon_table.build_label: "" for the stored build): its world."""
+    results = horizon_table.load(sorted(glob.glob(os.path.join(results_dir, HORIZON_FILES))
+                                        + glob.glob(os.path.join(results_dir, OTHER_BUILDS, HORIZON_FILES))))
+    worlds = {horizon_table.build_label(result["world"]): result["world"] for result in results if result.get("world")}
+    return horizon_table.rows(results), results, worlds
 
 
-def reproduced(paths: list[str]) -> dict[str, tuple[float, bool]]:
+def reproduced(results: list[dict]) -> dict[str, tuple[float, bool]]:
     """Each run that a file without a recorded build (the first ones) and a file of the stored build both hold (the
     same curve name and --extra flags): {its curve name and flags: (the largest difference of any logged number at
     any update between the two, whether every evaluation is the same)}."""
     stored, again = {}, {}
-    for path in paths:
-        with open(path) as f:
-            result = json.load(f)
+    for result in results:
         world = result.get("world")
         if horizon_table.build_label(world):
             continue  # another build's
@@ -720,8 +713,8 @@ def turn_credit_findings(results: dict) -> str:
 
 
 def passages(results_dir: str) -> dict[str, str]:
-    runs, paths, worlds = horizon_runs(results_dir)
-    stored_build, other_builds = builds(runs, worlds, reproduced(paths))
+    runs, results, worlds = horizon_runs(results_dir)
+    stored_build, other_builds = builds(runs, worlds, reproduced(results))
     with open(os.path.join(results_dir, "multiturn_latency.json")) as f:
         latency = json.load(f)
     with open(os.path.join(results_dir, "toy_build_load.json")) as f:
@@ -730,7 +723,7 @@ def passages(results_dir: str) -> dict[str, str]:
     if os.path.exists(os.path.join(results_dir, "dip_diagnostics.json")):
         with open(os.path.join(results_dir, "dip_diagnostics.json")) as f:
             dip = json.load(f)
-    return {"horizon_table": "\n".join(horizon_table.table(paths)),
+    return {"horizon_table": "\n".join(horizon_table.table(results)),
             "horizon_findings": "\n".join([k16(runs), k4(runs), mechanism(runs), ppo_rloo(runs), kl_penalty(runs)]),
             "which_tokens_move": which_tokens_move(results_dir),
             "controls": "\n".join(filter(None, [stored_build, controls(runs, ""), classes_at_fall(runs, dip),

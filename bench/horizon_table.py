@@ -52,10 +52,18 @@ def flags(extra: str) -> list[str]:
     return grouped
 
 
-def rows(paths: list[str]) -> dict:
+def load(paths: list[str]) -> list[dict]:
+    """The results JSON of each of `paths`."""
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    return results
+
+
+def rows(results: list[dict]) -> dict:
     """Each run's seeds' curves, by (algorithm, K, correction, the flags that set its file apart): {seed: curve}, a
     run that two files hold (a sweep of a few corrections on more seeds) counted once."""
-    results = [json.load(open(path)) for path in paths]
     extras = [set(flags(result["args"]["extra"])) for result in results]
     common = set.intersection(*extras)
     runs = collections.defaultdict(dict)
@@ -68,7 +76,7 @@ def rows(paths: list[str]) -> dict:
     return runs
 
 
-def table(paths: list[str]) -> list[str]:
+def table(results: list[dict]) -> list[str]:
     """The table's lines (markdown), its rows sorted by algorithm, K, correction and flags."""
     def windows(k: int) -> tuple:  # the first K + 1 updates train on the starting policy's samples
         return (1, k + 1), (k + 2, 32), (33, 64), (65, 128)
@@ -76,7 +84,7 @@ def table(paths: list[str]) -> list[str]:
     lines = ["| run | seeds | " + " | ".join(map(str, UPDATES)) + f" | lowest after 8 (update) | back to {BACK} "
              "(update) | mismatch KL 1-(K+1) / (K+2)-32 / 33-64 / 65-128 | ESS (K+2)-32 / 65-128 | final eval KL |",
              "|" + " --- |" * (len(UPDATES) + 7)]
-    for (algorithm, k, correction, own), by_seed in sorted(rows(paths).items()):
+    for (algorithm, k, correction, own), by_seed in sorted(rows(results).items()):
         seeds = sorted(by_seed.items())
         curves = [curve for _, curve in seeds]
         accuracy = [dict(zip(curve["eval_update"], curve["eval/accuracy"])) for curve in curves]
@@ -98,4 +106,4 @@ def table(paths: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(table(sys.argv[1:])))
+    print("\n".join(table(load(sys.argv[1:]))))

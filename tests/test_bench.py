@@ -305,10 +305,10 @@ def test_a_stored_run_made_again_is_checked_against_its_curves(tmp_path):
                                               "grpo math k16 tis seed1": curve([0.1, 0.2], [0.5, 0.5])}),
              write("other.json", "9798ed0e", {"grpo math k16 none seed2": curve([0.3, 0.2], [0.5, 0.5])})]
     run = "grpo math k16 none seed1 --total_episodes 8192"
-    assert findings.reproduced(paths) == {run: (pytest.approx(3e-7), True)}
-    write("again.json", "bef384c7", {"grpo math k16 none seed1": curve([0.1, 0.2], [0.5, 0.5])})
-    assert findings.reproduced(paths) == {run: (0.25, False)}  # an evaluation 0.75 there, 0.5 here
     table = bench_module("horizon_table")
+    assert findings.reproduced(table.load(paths)) == {run: (pytest.approx(3e-7), True)}
+    write("again.json", "bef384c7", {"grpo math k16 none seed1": curve([0.1, 0.2], [0.5, 0.5])})
+    assert findings.reproduced(table.load(paths)) == {run: (0.25, False)}  # an evaluation 0.75 there, 0.5 here
     assert table.build_label({"policy_sha256": "bef384c7" + "0" * 56}) == table.build_label(None) == ""
     assert table.build_label({"policy_sha256": "9798ed0e" + "0" * 56}) == "[toy 9798ed0e]"
 
