@@ -34,8 +34,9 @@ are kept too). A ratio pairs an arm's run with sync's of the same seed only wher
 machines of one kind differ in speed); a pair that did not is left out and counted. Also writes --results_file
 (bench/results/agent_speedup.json).
 
-    python bench/agent_speedup.py                                   # 40 runs: hours on 2 CPU cores (the sync arm's
-                                                                    # with latency about half an hour each)
+    python bench/agent_speedup.py                                   # 40 runs: over 10 hours on 2 CPU cores (sync's
+                                                                    # and K=1's with latency near an hour each), in
+                                                                    # as many sittings as it takes (the records)
     python bench/agent_speedup.py --latencies 0.5 --arms sync inflight --seeds 1 2
     python bench/agent_speedup.py --quick                           # a few minutes (a smoke test)
 """
@@ -91,8 +92,9 @@ class Args:
     times the median)"""
     seeds: tuple[int, ...] = (1, 2, 3, 4, 5)
     """seeds per arm, interleaved across the arms"""
-    updates: int = 60
-    """updates per run, of the scripts' default batch (32 rows x 4 episodes)"""
+    updates: int = 70
+    """updates per run, of the scripts' default batch (32 rows x 4 episodes): room past the levels (a synchronous
+    probe run without latency, seed 1, first evaluated at 0.6 at update 50)"""
     snapshot_every: int = 5
     """updates between the policy snapshots that are evaluated"""
     eval_rows: int = 256
