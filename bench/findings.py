@@ -600,9 +600,9 @@ def what_the_controls_show(runs: dict, key) -> list[str]:
                 horizon = max(next(iter(by_seed.values()))["update"])
                 troughs = [fall(runs[key(16, c)][seed])[1] for seed in depth]
                 left = span([(horizon - u) / horizon for u in troughs], "{:.2f}")
-                schedule = (f" (where the preset's runs fall, by their troughs at updates {updates(troughs)}, its "
-                            f"linearly decaying rate is still {left} of its peak: this control changes the "
-                            "rate little there, and says nothing of a smaller one)")
+                schedule = (f" (at the troughs of the preset's runs, updates {updates(troughs)}, its linearly "
+                            f"decaying rate is still {left} of its peak, against 1 in this control; it says nothing "
+                            "of a smaller rate)")
             shown.append(f"with {name[0].lower() + name[1:]}, {c} {sum(d >= 0.1 for d in depths)} of {len(depths)} "
                          f"runs fall, its fall minus the preset's of the same seed {difference(depth)}, onset at "
                          "update " + ", ".join(f"{mine or 'none'} against {base or 'none'}" for mine, base in onsets)
@@ -734,7 +734,8 @@ def passages(results_dir: str) -> dict[str, str]:
             "latency_findings": latency_findings(latency),
             "toy_build_load": toy_build_table(toy_builds),
             **optional_passage(results_dir, "turn_credit.json", "turn_credit", turn_credit_findings),
-            **optional_passage(results_dir, "agent_speedup_pilot.json", "agent_pilot", agent_findings)}
+            **optional_passage(results_dir, "agent_speedup_pilot.json", "agent_pilot", agent_findings),
+            **optional_passage(results_dir, "agent_speedup.json", "agent_speedup", agent_findings)}
 
 
 def optional_passage(results_dir: str, file: str, name: str, render) -> dict[str, str]:
@@ -747,15 +748,29 @@ def optional_passage(results_dir: str, file: str, name: str, render) -> dict[str
 
 
 def agent_findings(results: dict) -> str:
-    """bench/agent_speedup.py's pilot: per latency, each arm's seconds per update, fill, evaluated returns and the
-    update and minutes (from launch, from update 1) of each level's first reaching; then each arm against sync, per
-    seed: its times to the levels, its mean return over sync's time, its seconds per update; and the overlap's bound
-    from sync's parts."""
+    """bench/agent_speedup.py's results: per latency, each run's seconds per update, fill, evaluated returns and the
+    update and minutes (from launch, from update 1) of each level's first reaching; then each arm against sync,
+    paired per seed: its times to the levels on both clocks, its mean return over sync's time, its seconds per
+    update, each as the median of the per-seed ratios with its bootstrap 95% interval (the seeds resampled) and the
+    ratios themselves; and the overlap's bound from sync's parts."""
     args, lines = results["args"], []
+
+    def ratios(values: list[float], form: str = "{:.2f}x") -> str:
+        if not values:
+            return "not reached by both"
+        each = ", ".join(form.format(v) for v in values)
+        if len(values) == 1:
+            return f"{each} (one seed)"
+        middle, low, high = agent_speedup.median_interval(values, args["bootstrap"])
+        return (f"median {form.format(middle)} [{form.format(low)}, {form.format(high)}] over {len(values)} seeds "
+                f"({each})")
+
     for latency, by_arm in results["table"].items():
         lines.append(f"`--env_latency {latency} --env_latency_spread {args['latency_spread']:g}`, {args['updates']} "
                      f"updates, seeds {args['seeds']}, snapshots every {args['snapshot_every']} updates evaluated on "
-                     f"{args['eval_rows']} rows:")
+                     f"{args['eval_rows']} rows:" if float(latency) else
+                     f"No latency, {args['updates']} updates, seeds {args['seeds']}, snapshots every "
+                     f"{args['snapshot_every']} updates evaluated on {args['eval_rows']} rows:")
         lines.append("")
         lines.append("| arm | s per update | fill (min) | evaluated return at 0, 5, 10, ... updates | "
                      + " | ".join(f"to {level}: update, min from launch, from update 1" for level in args["levels"])
@@ -775,13 +790,14 @@ def agent_findings(results: dict) -> str:
         for arm in (arm for arm in args["arms"] if arm != "sync"):
             versus = by_arm[f"{arm}_vs_sync"]
             to_levels = "; ".join(
-                f"to {level} {', '.join(f'{r:.2f}x' for r in entry['minutes'])} from launch and "
-                f"{', '.join(f'{r:.2f}x' for r in entry['minutes_from_update_1'])} from update 1 "
-                f"({', '.join(f'{u:+d}' for u in entry['updates_more'])} updates)"
+                f"to {level}, from launch {ratios(entry['minutes'])}, from update 1 "
+                f"{ratios(entry['minutes_from_update_1'])}, updates more than sync "
+                f"{', '.join(f'{u:+d}' for u in entry['updates_more']) or '-'}"
                 for level, entry in versus["levels"].items())
-            lines.append(f"- {arm} against sync, seed by seed: {to_levels}; mean return over sync's time "
-                         f"{', '.join(f'{r:.2f}x' for r in versus['mean_return']['minutes'])} from launch; seconds "
-                         f"per update {', '.join(f'{r:.2f}x' for r in versus['seconds_per_update'])}.")
+            unpaired = f" ({versus['unpaired']} seeds left out: run on two machines)" if versus.get("unpaired") else ""
+            lines.append(f"- {arm} against sync (sync's time over the arm's, per seed){unpaired}: {to_levels}; mean "
+                         f"return over sync's time, from launch {ratios(versus['mean_return']['minutes'])}; seconds "
+                         f"per update {ratios(versus['seconds_per_update'])}.")
         lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
     return "\n".join(lines)
 

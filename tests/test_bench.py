@@ -546,6 +546,12 @@ def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_
     assert table["inflight_vs_sync"]["levels"]["0.5"] == {"updates_more": [2, 2], "minutes": [1.0, 1.0],
                                                          "minutes_from_update_1": [1.0, 1.0]}
     assert table["inflight_vs_sync"]["seconds_per_update"] == [2.0, 2.0] and table["inflight_vs_sync"]["unpaired"] == 0
+    # RESULTS' passage of it: each ratio as the median of the seeds' with its bootstrap interval, then each seed's
+    # (update 1 of the in-flight runs began at launch: its 30 s are all phases)
+    passage = bench_module("findings").agent_findings(json.loads((tmp_path / "runs" / "results.json").read_text()))
+    assert "seconds per update median 2.00x [2.00x, 2.00x] over 2 seeds (2.00x, 2.00x)" in passage
+    assert "to 0.5, from launch median 1.00x [1.00x, 1.00x] over 2 seeds (1.00x, 1.00x)" in passage
+    assert "| inflight (seed 2) | 30.0 | 0.50 | 0.30, 0.40, 0.70 | 4, 2.0, 2.0 |" in passage
 
     # the records stand for the runs, which need not be there (another sitting, another machine): nothing is run
     shutil.rmtree(tmp_path / "runs")
