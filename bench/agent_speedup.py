@@ -58,10 +58,10 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from multiturn_sync_vs_async import bound  # noqa: E402  (the overlap's bound from sync's parts, as its sweep's)
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(ROOT)
 import toy  # noqa: E402  (after bench/: the kit's root)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"sync": ("grpo_multiturn.py",), "k1": ("grpo_multiturn_vllm.py", "--async_steps", "1"),
         "continuous": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--continuous_episodes"),
         "inflight": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--inflight_updates")}
