@@ -766,6 +766,8 @@ def agent_findings(results: dict) -> str:
                 f"({each})")
 
     for latency, by_arm in results["table"].items():
+        if lines:  # a paragraph of its own, not the last list's item
+            lines.append("")
         lines.append(f"`--env_latency {latency} --env_latency_spread {args['latency_spread']:g}`, {args['updates']} "
                      f"updates, seeds {args['seeds']}, snapshots every {args['snapshot_every']} updates evaluated on "
                      f"{args['eval_rows']} rows:" if float(latency) else
