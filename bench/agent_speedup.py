@@ -57,6 +57,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from multiturn_sync_vs_async import bound  # noqa: E402  (the overlap's bound from sync's parts, as its sweep's)
+from off_policy_corrections import cpu  # noqa: E402  (the CPU model, as its runs' world records it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)
@@ -157,10 +158,8 @@ def evaluate_snapshots(output_dir: str, seed: int, args: Args) -> dict[int, floa
 
 def machine() -> dict:
     """The machine a run is timed on: its CPU and this boot of it (two machines of one kind differ in speed)."""
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
     with open("/proc/sys/kernel/random/boot_id") as f:
-        return {"cpu": cpu, "boot_id": f.read().strip()}
+        return {"cpu": cpu()[0], "boot_id": f.read().strip()}
 
 
 def record(arm: str, latency: float, seed: int, args: Args) -> dict:

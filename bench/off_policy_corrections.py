@@ -121,6 +121,14 @@ def run_name(algorithm: str, task: str, k: int, correction: str, seed: int, args
     return f"{algorithm}-{task}-k{k}-{correction}{extra_suffix(args)}-seed{seed}"
 
 
+def cpu() -> tuple[str, str]:
+    """This machine's CPU model (its architecture where /proc/cpuinfo names none) and /proc/cpuinfo's text."""
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    return model, cpuinfo
+
+
 def world(run_dir: str) -> dict:
     """What a run's numbers depend on besides its flags: the starting policy's weights (the toy tasks are built the
     same on one CPU every time, not across CPUs) and the CPU (float rounding in sampling and training)."""
@@ -130,9 +138,7 @@ def world(run_dir: str) -> dict:
     for path in sorted(glob.glob(os.path.join(policy, "*.safetensors"))):
         with open(path, "rb") as f:
             digest.update(f.read())
-    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-                 platform.machine())
+    model, cpuinfo = cpu()
     return {"policy_sha256": digest.hexdigest(), "cpu": model, "avx512": "avx512f" in cpuinfo}
 
 
