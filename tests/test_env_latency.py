@@ -51,9 +51,15 @@ def test_each_step_time_is_its_own_not_the_wait_for_the_slowest(chat_model):
     loop.replies(every_step=True)
     args = EnvArgs(env_latency=0.3, env_latency_spread=1.0)
     drawn = [environments.draw_latency(environments.latency_generator(args, 7, i), args)[1] for i in range(8)]
-    assert max(drawn) > 2 * min(drawn)
+    slowest = max(drawn)
+    assert slowest > 2 * min(drawn)
     for episode, seconds in zip(episodes, drawn):
-        assert seconds <= episode.step_times[0] < seconds + 0.25, (episode.step_times, drawn)
+        assert episode.step_times[0] >= seconds, (episode.step_times, drawn)
+    # the wrong measure reads every step as the slowest; a loaded machine (CI builds tasks beside the tests) adds
+    # tenths of a second to a step's own time, so the steps far from the slowest are held nearer their own draw
+    quick = [(episode.step_times[0], seconds) for episode, seconds in zip(episodes, drawn) if seconds < slowest / 2]
+    assert len(quick) >= 4
+    assert all(own < (seconds + slowest) / 2 for own, seconds in quick), (quick, slowest)
 
 
 def test_a_share_of_the_steps_hang_past_the_timeout_and_env_failure_takes_them(chat_model):
