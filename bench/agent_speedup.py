@@ -27,7 +27,8 @@ start. Per latency, printed and kept (results.json, with every run's curve):
   training T per update, what running them side by side alone can give; an arm that no longer waits for a turn's
   slowest step can beat it, which its seconds per update show.
 Each finished and evaluated run leaves a record in --records_dir (bench/results/agent_speedup_runs: its evaluated
-curve on both clocks, its curves per update, its command and the machine it ran on), and a run with a record is not
+curve on both clocks, its curves per update, its command, the machine it ran on and its starting policy's sha256:
+toy:hops is built the same on one CPU every time, not across CPUs), and a run with a record is not
 made again, on this machine or another: the seeds of one benchmark can be run in several sittings, and an interrupted
 one goes on where it stopped (within a sitting, a finished run's `done` marker and evaluations.json in --output_dir
 are kept too). A ratio pairs an arm's run with sync's of the same seed only where both ran on one machine (one boot:
@@ -57,7 +58,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from multiturn_sync_vs_async import bound  # noqa: E402  (the overlap's bound from sync's parts, as its sweep's)
-from off_policy_corrections import cpu  # noqa: E402  (the CPU model, as its runs' world records it)
+from off_policy_corrections import cpu, world  # noqa: E402  (the CPU model; the starting policy's build)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)
@@ -177,7 +178,7 @@ def record(arm: str, latency: float, seed: int, args: Args) -> dict:
         return kept
     output_dir = train(arm, latency, seed, args)
     kept = read_run(output_dir, arm, evaluate_snapshots(output_dir, seed, args)) | {
-        "command": command, "machine": machine()}
+        "command": command, "machine": machine(), "world": world(output_dir)}
     os.makedirs(args.records_dir, exist_ok=True)
     with open(path + ".tmp", "w") as f:  # written whole, then moved: an interrupted write leaves no record
         json.dump(kept, f)
