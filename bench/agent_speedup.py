@@ -116,6 +116,9 @@ class Args:
     records_dir: str = os.path.join(ROOT, "bench", "results", "agent_speedup_runs")
     """where each finished run's record goes, one file per run, read instead of running it again (with --quick:
     --output_dir's records/)"""
+    recorded_only: bool = False
+    """make no run: the table of the runs --records_dir holds, an arm's latency and seed without a record left out
+    (the arms of a benchmark run in several sittings, some seeds of an arm not yet made)"""
 
 
 def run_command(arm: str, latency: float, seed: int, args: Args, output_dir: str) -> list[str]:
@@ -163,9 +166,10 @@ def machine() -> dict:
         return {"cpu": cpu()[0], "boot_id": f.read().strip()}
 
 
-def record(arm: str, latency: float, seed: int, args: Args) -> dict:
-    """One run's record (read_run's numbers, its command and machine): read from --records_dir where it is there,
-    else the run made, evaluated and recorded. A record made with other flags is an error, not a run to reuse."""
+def record(arm: str, latency: float, seed: int, args: Args) -> dict | None:
+    """One run's record (read_run's numbers, its command, machine and world): read from --records_dir where it is
+    there, else the run made, evaluated and recorded (with --recorded_only: None). A record made with other flags is an
+    error, not a run to reuse."""
     name = f"{arm}-latency{latency:g}-seed{seed}"
     path = os.path.join(args.records_dir, name + ".json")
     command = run_command(arm, latency, seed, args, "OUTPUT_DIR")[2:]  # the script's flags, the interpreter's path out
@@ -176,6 +180,8 @@ def record(arm: str, latency: float, seed: int, args: Args) -> dict:
             sys.exit(f"{path} was made with other flags ({' '.join(kept['command'])}), not {' '.join(command)}: "
                      "remove it or give another --records_dir")
         return kept
+    if args.recorded_only:
+        return None
     output_dir = train(arm, latency, seed, args)
     kept = read_run(output_dir, arm, evaluate_snapshots(output_dir, seed, args)) | {
         "command": command, "machine": machine(), "world": world(output_dir)}
@@ -240,13 +246,14 @@ def median_interval(values: list[float], resamples: int, seed: int = 0) -> tuple
     return statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def compare(sync: list[dict], arm: list[dict], args: Args) -> dict:
-    """The arm against sync, seed by seed (the runs in seed order), each pair run on one machine (the others left
-    out, their number `unpaired`): per level and clock, sync's time to it over the arm's (where both reached it), and
-    the updates to it (the arm's minus sync's); per clock, the arm's mean return over sync's time over sync's; the
-    seconds per update, sync's over the arm's."""
-    pairs = [(s, a) for s, a in zip(sync, arm) if s.get("machine") == a.get("machine")]
-    out = {"levels": {}, "mean_return": {}, "unpaired": len(sync) - len(pairs)}
+def compare(sync: dict[int, dict], arm: dict[int, dict], args: Args) -> dict:
+    """The arm against sync, seed by seed (seed -> run), each of the arm's runs paired with sync's of the same seed
+    made on the same machine (the others left out, their number `unpaired`): per level and clock, sync's time to it
+    over the arm's (where both reached it), and the updates to it (the arm's minus sync's); per clock, the arm's mean
+    return over sync's time over sync's; the seconds per update, sync's over the arm's."""
+    pairs = [(sync[seed], run) for seed, run in sorted(arm.items())
+             if seed in sync and sync[seed].get("machine") == run.get("machine")]
+    out = {"levels": {}, "mean_return": {}, "unpaired": len(arm) - len(pairs)}
     sync, arm = [s for s, _ in pairs], [a for _, a in pairs]
     for level in args.levels:
         entry = {"updates_more": [], **{clock: [] for clock in CLOCKS}}
@@ -279,11 +286,12 @@ def main(args: Args):
     if args.quick:
         args.records_dir = os.path.join(args.output_dir, "records")
     os.makedirs(args.output_dir, exist_ok=True)
-    runs = {latency: {arm: [] for arm in args.arms} for latency in args.latencies}
+    runs = {latency: {arm: {} for arm in args.arms} for latency in args.latencies}  # latency -> arm -> seed -> run
     for seed in args.seeds:  # interleaved, so that a slow spell of a shared machine hits every arm alike
         for latency in args.latencies:
             for arm in args.arms:
-                runs[latency][arm].append(record(arm, latency, seed, args))
+                if (run := record(arm, latency, seed, args)) is not None:
+                    runs[latency][arm][seed] = run
 
     table = {}
     for latency, by_arm in runs.items():
@@ -291,20 +299,24 @@ def main(args: Args):
         print(f"\n--env_latency {latency:g} s{spread}: {args.updates} updates, seeds {list(args.seeds)}, evaluated on "
               f"{args.eval_rows} rows every {args.snapshot_every} updates {args.extra}")
         table[latency] = {}
-        for arm, seeds in by_arm.items():
-            horizon = {clock: statistics.median(run["points"][-1][clock] for run in seeds) for clock in CLOCKS}
-            row = {"last_return": [run["points"][-1]["return"] for run in seeds],
-                   "fill_minutes": [run["fill_minutes"] for run in seeds],
-                   "seconds_per_update": [run["seconds_per_update"] for run in seeds],
-                   "phases": {phase: statistics.median(run["phases"][phase] for run in seeds)
+        for arm, by_seed in by_arm.items():
+            if not by_seed:
+                print(f"{arm:10} no run recorded")
+                continue
+            arm_runs = [by_seed[seed] for seed in sorted(by_seed)]
+            horizon = {clock: statistics.median(run["points"][-1][clock] for run in arm_runs) for clock in CLOCKS}
+            row = {"seeds": sorted(by_seed), "last_return": [run["points"][-1]["return"] for run in arm_runs],
+                   "fill_minutes": [run["fill_minutes"] for run in arm_runs],
+                   "seconds_per_update": [run["seconds_per_update"] for run in arm_runs],
+                   "phases": {phase: statistics.median(run["phases"][phase] for run in arm_runs)
                               for phase in ("time/generate", "time/train")},
-                   "runs": seeds}
+                   "runs": arm_runs}
             table[latency][arm] = row
             reached = []
             for level in args.levels:
-                found = {key: [value for run in seeds if (value := first_reaching(run, level, key)) is not None]
+                found = {key: [value for run in arm_runs if (value := first_reaching(run, level, key)) is not None]
                          for key in ("update", *CLOCKS)}
-                reached.append(f"{level}: {len(found['update'])}/{len(seeds)} seeds" + (
+                reached.append(f"{level}: {len(found['update'])}/{len(arm_runs)} seeds" + (
                     f", median update {statistics.median(found['update']):g}, {statistics.median(found['minutes']):.1f}"
                     f" min from launch, {statistics.median(found['minutes_from_update_1']):.1f} from update 1"
                     if found["update"] else ""))
@@ -312,16 +324,17 @@ def main(args: Args):
                   f"{statistics.median(row['seconds_per_update']):.1f} s per update, fill "
                   f"{statistics.median(row['fill_minutes']):.2f} min, {horizon['minutes']:.1f} min in all; "
                   + "; ".join(reached))
-        if "sync" not in by_arm:
+        if not by_arm.get("sync"):
             continue
         sync_phases = table[latency]["sync"]["phases"]
         table[latency]["bound"] = bound(sync_phases)
         print(f"the overlap's bound from sync's parts (generation {sync_phases['time/generate']:.2f} s, training "
               f"{sync_phases['time/train']:.2f} s an update): {table[latency]['bound']:.2f}x")
-        for arm in (arm for arm in args.arms if arm != "sync"):
+        for arm in (arm for arm in args.arms if arm != "sync" and by_arm[arm]):
             versus = compare(by_arm["sync"], by_arm[arm], args)
             table[latency][f"{arm}_vs_sync"] = versus
-            unpaired = f" ({versus['unpaired']} seeds left out: run on two machines)" if versus["unpaired"] else ""
+            unpaired = (f" ({versus['unpaired']} seeds left out: no sync run on their machine)"
+                        if versus["unpaired"] else "")
             print(f"{arm} vs sync, per seed (median [bootstrap 95%]){unpaired}: seconds per update "
                   f"{interval_text(versus['seconds_per_update'], args)}")
             for level, entry in versus["levels"].items():

@@ -778,8 +778,10 @@ def agent_findings(results: dict) -> str:
                      + " | ".join(f"to {level}: update, min from launch, from update 1" for level in args["levels"])
                      + " |")
         lines.append("|---" * (4 + len(args["levels"])) + "|")
-        for arm in args["arms"]:
-            for seed, run in zip(args["seeds"], by_arm[arm]["runs"]):
+        arms = [arm for arm in args["arms"] if arm in by_arm]  # an arm with no run recorded has no row
+        for arm in arms:
+            # each row's seeds (before --recorded_only, every arm ran every seed of the benchmark's)
+            for seed, run in zip(by_arm[arm].get("seeds", args["seeds"]), by_arm[arm]["runs"]):
                 reached = []
                 for level in args["levels"]:
                     point = next((p for p in run["points"] if p["return"] >= level), None)
@@ -789,18 +791,20 @@ def agent_findings(results: dict) -> str:
                              + ", ".join(f"{p['return']:.2f}" for p in run["points"]) + " | "
                              + " | ".join(reached) + " |")
         lines.append("")
-        for arm in (arm for arm in args["arms"] if arm != "sync"):
+        for arm in (arm for arm in arms if f"{arm}_vs_sync" in by_arm):
             versus = by_arm[f"{arm}_vs_sync"]
             to_levels = "; ".join(
                 f"to {level}, from launch {ratios(entry['minutes'])}, from update 1 "
                 f"{ratios(entry['minutes_from_update_1'])}, updates more than sync "
                 f"{', '.join(f'{u:+d}' for u in entry['updates_more']) or '-'}"
                 for level, entry in versus["levels"].items())
-            unpaired = f" ({versus['unpaired']} seeds left out: run on two machines)" if versus.get("unpaired") else ""
+            unpaired = (f" ({versus['unpaired']} seeds left out: no sync run on their machine)"
+                        if versus.get("unpaired") else "")
             lines.append(f"- {arm} against sync (sync's time over the arm's, per seed){unpaired}: {to_levels}; mean "
                          f"return over sync's time, from launch {ratios(versus['mean_return']['minutes'])}; seconds "
                          f"per update {ratios(versus['seconds_per_update'])}.")
-        lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
+        if "bound" in by_arm:  # with a sync run
+            lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
     return "\n".join(lines)
 
 

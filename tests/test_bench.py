@@ -1,7 +1,9 @@
 """The paper-finding benchmarks in --quick mode: they run end to end, and each cell of their tables is
 the number its run logged."""
 
+import hashlib
 import json
+import os
 import shutil
 import statistics
 import time
@@ -479,8 +481,12 @@ def test_agent_speedup_quick(tmp_path):
 
 def agent_run(folder, launched: float, ends: list[float], returns: dict[int, float], phases: dict[str, float]):
     """A finished run of bench/agent_speedup.py made by hand: its `done` marker (launched at `launched`), an update's
-    metrics line ending at each of `ends` with `phases` (seconds), and its snapshots' evaluations."""
+    metrics line ending at each of `ends` with `phases` (seconds), its snapshots' evaluations, and its args.json
+    naming a starting policy whose one weights file holds b"weights"."""
     folder.mkdir(parents=True)
+    (folder / "start").mkdir()
+    (folder / "start" / "model.safetensors").write_bytes(b"weights")
+    (folder / "args.json").write_text(json.dumps({"args": {"model_name_or_path": str(folder / "start")}}))
     (folder / "done").write_text(json.dumps({"launched": launched}))
     (folder / "metrics.jsonl").write_text("".join(
         json.dumps({"update": u, "time": end, "loss/policy_avg": 0.0, **phases}) + "\n"
@@ -516,7 +522,7 @@ def test_the_agent_benchmarks_clocks_levels_areas_and_intervals_on_hand_computed
               {0: 0.3, 1: 0.3, 2: 0.4, 3: 0.5, 4: 0.7}, fast_phases)
     fast = bench.read_run(tmp_path / "fast", "inflight", {0: 0.3, 1: 0.3, 2: 0.4, 3: 0.5, 4: 0.7})
     assert fast["fill_minutes"] == 1.5 and fast["seconds_per_update"] == 30.0
-    versus = bench.compare([sync], [fast], bench.Args(levels=(0.5, 0.9)))
+    versus = bench.compare({1: sync}, {1: fast}, bench.Args(levels=(0.5, 0.9)))
     # to 0.5: sync at 3 min from launch (2 from update 1), the arm at 2.5 (1.5: update 1 began at 1060)
     assert versus["levels"][0.5] == {"updates_more": [1], "minutes": [3.0 / 2.5], "minutes_from_update_1": [2.0 / 1.5]}
     assert versus["levels"][0.9] == {"updates_more": [], "minutes": [], "minutes_from_update_1": []}
@@ -558,6 +564,7 @@ def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_
     kept = tmp_path / "kept" / "sync-latency0.5-seed2.json"
     elsewhere = json.loads(kept.read_text())
     assert elsewhere["command"][:2] == ["--env", "toy:hops"] and elsewhere["machine"]["boot_id"]
+    assert elsewhere["world"]["policy_sha256"] == hashlib.sha256(b"weights").hexdigest()
     elsewhere["machine"]["boot_id"] = "another boot"  # seed 2's sync ran on another machine than its in-flight run
     kept.write_text(json.dumps(elsewhere))
     bench.main(bench.Args(**args))
@@ -565,6 +572,17 @@ def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_
     assert table["sync"]["last_return"] == [0.6, 0.6]
     assert table["inflight_vs_sync"]["seconds_per_update"] == [2.0] and table["inflight_vs_sync"]["unpaired"] == 1
 
+    # --recorded_only: the records there are, an arm's seed without one left out (sync's seed 1 not yet made); no run
+    (tmp_path / "kept" / "sync-latency0.5-seed1.json").unlink()
+    bench.main(bench.Args(**args, recorded_only=True))
+    table = json.loads((tmp_path / "runs" / "results.json").read_text())["table"]["0.5"]
+    assert table["sync"]["seeds"] == [2] and table["inflight"]["seeds"] == [1, 2]
+    assert table["inflight_vs_sync"]["seconds_per_update"] == [] and table["inflight_vs_sync"]["unpaired"] == 2
+    assert os.listdir(tmp_path / "runs") == ["results.json"]  # nothing run
+    passage = bench_module("findings").agent_findings(json.loads((tmp_path / "runs" / "results.json").read_text()))
+    assert "| sync (seed 2) |" in passage and "| sync (seed 1) |" not in passage and "| inflight (seed 1) |" in passage
+    assert "(2 seeds left out: no sync run on their machine)" in passage
+
     # a record made with other flags is not taken for this benchmark's run
-    with pytest.raises(SystemExit, match="sync-latency0.5-seed1.json was made with other flags"):
+    with pytest.raises(SystemExit, match="inflight-latency0.5-seed1.json was made with other flags"):
         bench.main(bench.Args(**(args | {"extra": "--num_epochs 2"})))

@@ -57,20 +57,32 @@ def test_a_short_run_with_in_flight_updates_beats_the_sft_policy(tmp_path):
 @pytest.mark.slow
 def test_eval_checkpoints_with_the_engine_scores_the_same_greedy_completions_as_hf(tmp_path, k1_run):
     # greedy (--eval_temperature 0): the engine, started once and given each policy's weights in turn,
-    # completes every prompt as HF generate does, so every number but KL (from samples) agrees
+    # completes every prompt as HF generate does, so every number but KL (from samples) agrees. Besides the run's
+    # policies (whose greedy completions 4 small updates may leave as the SFT policy's, on some CPUs' toy builds),
+    # one whose completions surely differ: the SFT policy with every weight matrix moved by a tenth of its spread
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    moved = AutoModelForCausalLM.from_pretrained(toy.SFT_POLICY)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in moved.parameters():
+            if weight.dim() > 1:
+                weight.add_(0.1 * weight.std() * torch.randn(weight.shape, generator=generator))
+    moved.save_pretrained(tmp_path / "moved")
+    AutoTokenizer.from_pretrained(toy.SFT_POLICY).save_pretrained(tmp_path / "moved")
     tables = {}
     for name, engine in (("hf", []), ("vllm", ["--vllm"])):
-        run_script("--run_dir", k1_run, "--eval_temperature", "0", *engine, "--output_dir", tmp_path / name,
-                   script="eval_checkpoints.py")
+        run_script("--run_dir", k1_run, "--model_paths", tmp_path / "moved", "--eval_temperature", "0", *engine,
+                   "--output_dir", tmp_path / name, script="eval_checkpoints.py")
         tables[name] = [json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
-    assert [row["update"] for row in tables["vllm"]] == [row["update"] for row in tables["hf"]] == [0, 2, 4]
+    assert [row["update"] for row in tables["vllm"]] == [row["update"] for row in tables["hf"]] == [0, 2, 4, None]
     for hf, vllm in zip(tables["hf"], tables["vllm"]):
         assert vllm["policy"] == hf["policy"]
         assert {name: value for name, value in vllm.items() if name.startswith("eval/") and name != "eval/kl"} == (
             pytest.approx({name: value for name, value in hf.items() if name.startswith("eval/") and name != "eval/kl"},
                           rel=1e-5, abs=1e-6))
-    # the SFT policy's greedy completions differ from the trained ones: the engine took each policy's weights
-    assert tables["hf"][0]["eval/ref_perplexity"] != tables["hf"][2]["eval/ref_perplexity"]
+    # the moved policy's greedy completions differ from the SFT policy's: the engine took its weights
+    assert tables["hf"][0]["eval/ref_perplexity"] != tables["hf"][3]["eval/ref_perplexity"]
 
 
 @pytest.mark.slow
