@@ -692,6 +692,55 @@ def toy_build_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+# the 32-update sweeps of 4 and 5: (title, (file, its table's cell) per block of K rows, columns as (heading, the
+# correction's key in that file)); 4's files were made when the kit called pure_is "decoupled"
+PURE_IS_THEN = 'pure_is (then "decoupled")'
+SWEEPS_OF_4 = (
+    ("GRPO, K", (("off_policy_corrections_grpo_rloo.json", "grpo math"),),
+     (("none", "none"), (PURE_IS_THEN, "decoupled"), ("tis", "tis"), ("mask", "mask"))),
+    ("RLOO, K", (("off_policy_corrections_grpo_rloo.json", "rloo math"),),
+     (("none", "none"), (PURE_IS_THEN, "decoupled"), ("tis", "tis"), ("mask", "mask"))),
+    ("PPO, K", (("off_policy_corrections.json", "ppo math"),
+                ("off_policy_corrections_ppo_none_pure_is_tis_mask.json", "ppo math")),
+     (("none", "none"), (PURE_IS_THEN, ("decoupled", "pure_is")), ("tis", "tis"), ("mask", "mask"))),
+)
+SWEEP_OF_4_TLDR = ("RLOO TL;DR, K", (("off_policy_corrections_tldr_rloo.json", "rloo tldr"),),
+                   (("none", "none"), (PURE_IS_THEN, "decoupled"), ("tis", "tis"), ("mask", "mask")))
+SWEEP_OF_5 = ("GRPO, K", (("off_policy_corrections_grpo.json", "grpo math"),),
+              tuple((c, c) for c in ("none", "decoupled", "pure_is", "tis", "mask", "m2po")))
+
+
+def sweep_table(results_dir: str, title: str, blocks: tuple, columns: tuple, ess: bool) -> str:
+    """A table of off_policy_corrections.py's 32-update sweeps: a row per K (from each file in turn), a cell per
+    correction: the accuracy after 8 updates / at the end ± the std of the final over the seeds, the final KL in
+    brackets where the algorithm has a KL term, the mismatch KL averaged over the updates, with `ess` the ESS (and
+    the dropped share where the correction drops tokens). At K = 0 every correction is none: "(none)". A file of
+    one seed has no std."""
+    rows = [f"| {title} | " + " | ".join(heading for heading, _ in columns) + " |", "| --- " * (len(columns) + 1) + "|"]
+    for file, cell in blocks:
+        with open(os.path.join(results_dir, file)) as f:
+            results = json.load(f)
+        by_k, one_seed = results["table"][cell], len(results["args"]["seeds"]) == 1
+        for k, by_correction in by_k.items():
+            cells = []
+            for _, keys in columns:
+                key = next(key for key in ((keys,) if isinstance(keys, str) else keys) if key in by_correction)
+                values = by_correction[key]
+                if k == "0" and key != "none" and not ess:
+                    cells.append("(none)")
+                    continue
+                text = f"{values['early_score'][0]:.3f} / {values['score'][0]:.3f}"
+                text += "" if one_seed else f" ± {values['score'][1]:.3f}"
+                text += f" ({values['kl'][0]:.2f})" if values["kl"] else ""
+                text += f", {values['mismatch_kl'][0]:.1e}"
+                if ess:
+                    text += f", ESS {values['ess'][0]:.2f}"
+                    text += f", dropped {values['dropped_frac'][0]:.2f}" if key in ("mask", "m2po") else ""
+                cells.append(text)
+            rows.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def turn_credit_findings(results: dict) -> str:
     """bench/turn_credit.py's tables, then per environment: the estimator soonest at the target in the synchronous
     runs (turn_credit.soonest: the lowest median over seeds of the updates to it, among those reaching it in every
@@ -733,6 +782,9 @@ def passages(results_dir: str) -> dict[str, str]:
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),
             "latency_findings": latency_findings(latency),
             "toy_build_load": toy_build_table(toy_builds),
+            "sweeps_of_4": "\n\n".join(sweep_table(results_dir, *sweep, ess=False) for sweep in SWEEPS_OF_4),
+            "sweep_of_4_tldr": sweep_table(results_dir, *SWEEP_OF_4_TLDR, ess=False),
+            "sweep_of_5": sweep_table(results_dir, *SWEEP_OF_5, ess=True),
             **optional_passage(results_dir, "turn_credit.json", "turn_credit", turn_credit_findings),
             **optional_passage(results_dir, "agent_speedup_pilot.json", "agent_pilot", agent_findings),
             **optional_passage(results_dir, "agent_speedup.json", "agent_speedup", agent_findings)}
