@@ -857,7 +857,24 @@ def agent_findings(results: dict) -> str:
                          f"per update {ratios(versus['seconds_per_update'])}.")
         if "bound" in by_arm:  # with a sync run
             lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
+        lines.append(f"- Made on: {machines_of(by_arm, arms, args['seeds'])}.")
     return "\n".join(lines)
+
+
+def machines_of(by_arm: dict, arms: list[str], seeds: list[int]) -> str:
+    """The machines (CPU and boot) and toy:hops builds (the starting policy's sha256, where the record has it) the
+    runs of one latency were made on, with the starting policy's evaluated return on each, and the arms' seeds."""
+    made = {}  # (the machine, the build, the starting policy's return) -> arm -> seeds
+    for arm in arms:
+        for seed, run in zip(by_arm[arm].get("seeds", seeds), by_arm[arm]["runs"]):
+            machine, build = run.get("machine", {}), run.get("world", {}).get("policy_sha256")
+            key = (f"{machine['cpu']}, boot {machine['boot_id'][:8]}" if machine else "machine not recorded",
+                   f"build {build[:8]}" if build else "build not recorded", run["points"][0]["return"])
+            made.setdefault(key, {}).setdefault(arm, []).append(seed)
+    return "; ".join(f"{machine}, {build}, starting policy evaluated at {start:.3f}: "
+                     + ", ".join(f"{arm} seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}"
+                                 for arm, s in by_arm_seeds.items())
+                     for (machine, build, start), by_arm_seeds in made.items())
 
 
 def main(args: Args):

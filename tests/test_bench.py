@@ -565,7 +565,7 @@ def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_
     elsewhere = json.loads(kept.read_text())
     assert elsewhere["command"][:2] == ["--env", "toy:hops"] and elsewhere["machine"]["boot_id"]
     assert elsewhere["world"]["policy_sha256"] == hashlib.sha256(b"weights").hexdigest()
-    elsewhere["machine"]["boot_id"] = "another boot"  # seed 2's sync ran on another machine than its in-flight run
+    elsewhere["machine"]["boot_id"] = "another-boot"  # seed 2's sync ran on another machine than its in-flight run
     kept.write_text(json.dumps(elsewhere))
     bench.main(bench.Args(**args))
     table = json.loads((tmp_path / "runs" / "results.json").read_text())["table"]["0.5"]
@@ -582,6 +582,9 @@ def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_
     passage = bench_module("findings").agent_findings(json.loads((tmp_path / "runs" / "results.json").read_text()))
     assert "| sync (seed 2) |" in passage and "| sync (seed 1) |" not in passage and "| inflight (seed 1) |" in passage
     assert "(2 seeds left out: no sync run on their machine)" in passage
+    build = hashlib.sha256(b"weights").hexdigest()[:8]  # the runs' machines and builds, each with its arms' seeds
+    assert f"boot another-, build {build}, starting policy evaluated at 0.300: sync seed 2;" in passage
+    assert f", build {build}, starting policy evaluated at 0.300: inflight seeds 1, 2." in passage
 
     # a record made with other flags is not taken for this benchmark's run
     with pytest.raises(SystemExit, match="inflight-latency0.5-seed1.json was made with other flags"):
