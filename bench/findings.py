@@ -814,6 +814,94 @@ def sweep_of_4_tldr_findings(results_dir: str) -> str:
         (2) leaves little room to fall.""")
 
 
+def sweep_of_5_findings(results_dir: str) -> str:
+    """What 5's table and its side runs show, each number from their stored files (means over the seeds; "±" the
+    std of the final over the seeds)."""
+    def table(file: str) -> dict:
+        with open(os.path.join(results_dir, f"off_policy_corrections_{file}.json")) as f:
+            results = json.load(f)
+        return {(cell.split()[0], int(k), correction): values for cell, by_k in results["table"].items()
+                for k, by_correction in by_k.items() for correction, values in by_correction.items()}
+
+    grpo, one_epoch = table("grpo"), table("grpo_none_decoupled_tis_m2po_num_epochs-1_learning_rate-1e-4")
+    slow_epoch = table("grpo_none_decoupled_tis_m2po_num_epochs-1")
+    per_completion = table("grpo_tis_is_level-sequence")[("grpo", 16, "tis")]
+    others = table("rloo_ppo_decoupled_m2po") | table("rloo_ppo_pure_is_m2po")
+    token_level = ("decoupled", "pure_is", "tis", "mask", "m2po")
+    two, three = "{:.2f}", "{:.3f}"
+
+    def final(cells: dict, key: tuple, kl: bool = False) -> str:
+        values = cells[key]
+        text = f"{values['score'][0]:.3f}" + (f" ± {values['score'][1]:.3f}" if values["score"][1] else "")
+        return text + (f" ({values['kl'][0]:.2f})" if kl else "")
+
+    def of(cells: dict, keys, name: str) -> list[float]:
+        return [cells[key][name][0] for key in keys]
+
+    k16 = [("grpo", 16, c) for c in token_level]
+    none16 = grpo[("grpo", 16, "none")]
+    epoch16 = [("grpo", 16, c) for c in ("decoupled", "tis", "m2po")]
+    return "\n".join([paragraph(f"""**Which holds at K = 16: none, of the per-token corrections; `tis` per
+        completion.** At K = 0 every correction is none (pure_is and m2po could differ with 4 epochs; here they end
+        at {span(of(grpo, [('grpo', 0, c) for c in ('none', *token_level)], 'score'), three)}). At K = 4 every
+        correction learns at full speed ({span(of(grpo, [('grpo', 4, c) for c in token_level], 'early_score'), three)}
+        after 8 updates, none {grpo[('grpo', 4, 'none')]['early_score'][0]:.3f}) and ends at
+        {span(of(grpo, [('grpo', 4, c) for c in token_level], 'score'), three)}. At K = 16 every per-token correction
+        learns at full speed and then collapses (final {span(of(grpo, k16, 'score'), two)}): AReaL's decoupled
+        {final(grpo, k16[0])}, M2PO {final(grpo, k16[4])}, tis {final(grpo, k16[2])}, mask {final(grpo, k16[3])},
+        pure_is {final(grpo, k16[1])} (4's "decoupled", today's pure_is, on the same seeds:
+        {final(table('grpo_rloo'), ('grpo', 16, 'decoupled'))}; the collapsed policies of two seeds can land on the
+        same accuracy, with different losses). none alone holds ({none16['score'][0]:.3f}), slowly: its clip, against
+        the stale sampling weights, stops the gradient of every token the trainer has already moved more than 20% the
+        way its advantage pushes. The metrics beside the collapse (6: they rise after the fall): `async/mismatch_kl`
+        {span(of(grpo, k16, 'mismatch_kl'), three)} under the corrections against {none16['mismatch_kl'][0]:.4f}
+        under none ({span([v / none16['mismatch_kl'][0] for v in of(grpo, k16, 'mismatch_kl')], '{:.0f}')}x), and
+        ESS {span(of(grpo, k16, 'ess'), two)} against {none16['ess'][0]:.2f}; the weights themselves stay under their
+        caps (truncated share {span(of(grpo, k16, 'truncated_frac'), two)}), and M2PO's mask drops
+        {grpo[k16[4]]['dropped_frac'][0]:.0%} of the tokens (5 read this as many tokens moved a little; 6 measured one
+        run token by token and found the decision token moved far). Two runs, one seed each, tell why:"""),
+        bullet(f"""**One epoch per batch** (`--num_epochs 1 --learning_rate 1e-4`, the paper's M2PO setting of one
+        step per batch; at the preset's 3e-5 one epoch barely learns in 32 updates:
+        {slow_epoch[('grpo', 16, 'none')]['early_score'][0]:.2f} after 8 updates, then
+        {span(of(slow_epoch, list(slow_epoch), 'score'), two)} at the end in every cell): the same shape. K = 0:
+        {span(of(one_epoch, [k for k in one_epoch if k[1] == 0], 'early_score'), three)} /
+        {span(of(one_epoch, [k for k in one_epoch if k[1] == 0], 'score'), three)} for all; K = 16: none
+        {one_epoch[('grpo', 16, 'none')]['early_score'][0]:.3f} / {final(one_epoch, ('grpo', 16, 'none'))}, """
+        + ", ".join(f"{c} {one_epoch[('grpo', 16, c)]['early_score'][0]:.3f} / {final(one_epoch, ('grpo', 16, c))}"
+                    for c in ("decoupled", "tis", "m2po"))
+        + f""" (mismatch KL {span(of(one_epoch, epoch16, 'mismatch_kl'), three)} against
+        {one_epoch[('grpo', 16, 'none')]['mismatch_kl'][0]:.4f}). Several epochs are not what breaks them."""),
+        bullet(f"""**tis per completion** (`--correction_level sequence`, K = 16):
+        {per_completion['early_score'][0]:.3f} / {per_completion['score'][0]:.3f}, mismatch KL
+        {per_completion['mismatch_kl'][0]:.3f}, ESS {per_completion['ess'][0]:.2f},
+        {per_completion['truncated_frac'][0]:.0%} of the completions' weights truncated at 2. One weight per
+        completion, the product of its token ratios, shrinks a drifted completion's whole update; per token, each
+        token is corrected alone and the drift goes on. (Measured when the flag was `--is_level`: its files are
+        results/off_policy_corrections_grpo_tis_is_level-sequence.*; the command above now writes
+        ..._correction_level-sequence.*.)"""),
+        "",
+        paragraph(f"""RLOO and PPO with AReaL's decoupled and M2PO (`python bench/off_policy_corrections.py
+        --algorithms rloo ppo --async_steps 4 16 --corrections decoupled m2po --seeds 1 2`, 11 minutes a seed; their
+        none, pure_is, tis and mask are in 4; after 8 updates / final, final KL in brackets) fall where 4's
+        corrections fell: RLOO holds at K = 16 (decoupled {others[('rloo', 16, 'decoupled')]['early_score'][0]:.3f}
+        / {final(others, ('rloo', 16, 'decoupled'), kl=True)}, mismatch KL
+        {others[('rloo', 16, 'decoupled')]['mismatch_kl'][0]:.3f}, ESS
+        {others[('rloo', 16, 'decoupled')]['ess'][0]:.2f}; m2po {others[('rloo', 16, 'm2po')]['early_score'][0]:.3f}
+        / {final(others, ('rloo', 16, 'm2po'), kl=True)}, ESS {others[('rloo', 16, 'm2po')]['ess'][0]:.2f}), PPO
+        collapses already at K = 4 (decoupled {others[('ppo', 4, 'decoupled')]['early_score'][0]:.3f} /
+        {final(others, ('ppo', 4, 'decoupled'), kl=True)}, m2po {others[('ppo', 4, 'm2po')]['early_score'][0]:.3f} /
+        {final(others, ('ppo', 4, 'm2po'), kl=True)}) and completely at K = 16
+        ({final(others, ('ppo', 16, 'decoupled'))} and {final(others, ('ppo', 16, 'm2po'))}, final KL
+        {span(of(others, [('ppo', 16, 'decoupled'), ('ppo', 16, 'm2po')], 'kl'), '{:.0f}')}, mismatch KL
+        {span(of(others, [('ppo', 16, 'decoupled'), ('ppo', 16, 'm2po')], 'mismatch_kl'), two)}). At K = 0
+        (`--algorithms rloo ppo --async_steps 0 --corrections pure_is m2po --seeds 1 2`) both end at
+        {span(of(others, [k for k in others if k[1] == 0], 'score'), three)} like none (RLOO final KL
+        {others[('rloo', 0, 'pure_is')]['kl'][0]:.2f}, PPO {others[('ppo', 0, 'pure_is')]['kl'][0]:.2f}; m2po drops
+        {span(of(others, [(a, 0, 'm2po') for a in ('rloo', 'ppo')], 'dropped_frac'), two)} of the tokens there and
+        ends as pure_is does). On this task no correction's trust region, AReaL's and M2PO's included, stops the
+        per-token drift of PPO and GRPO at large K; RLOO's one ratio per completion and its KL penalty do.""")])
+
+
 def turn_credit_findings(results: dict) -> str:
     """bench/turn_credit.py's tables, then per environment: the estimator soonest at the target in the synchronous
     runs (turn_credit.soonest: the lowest median over seeds of the updates to it, among those reaching it in every
@@ -860,6 +948,7 @@ def passages(results_dir: str) -> dict[str, str]:
             "sweep_of_4_tldr": sweep_table(results_dir, *SWEEP_OF_4_TLDR, ess=False),
             "sweep_of_4_tldr_findings": sweep_of_4_tldr_findings(results_dir),
             "sweep_of_5": sweep_table(results_dir, *SWEEP_OF_5, ess=True),
+            "sweep_of_5_findings": sweep_of_5_findings(results_dir),
             **optional_passage(results_dir, "turn_credit.json", "turn_credit", turn_credit_findings),
             **optional_passage(results_dir, "agent_speedup_pilot.json", "agent_pilot", agent_findings),
             **optional_passage(results_dir, "agent_speedup.json", "agent_speedup", agent_findings)}
