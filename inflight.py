@@ -104,9 +104,9 @@ class InflightCompletions:
         self.window = EngineWindow()
 
     def admit(self):
-        """Fill the engine up to a batch's worth of groups in flight, prompts salted with the loaded version:
-        a prompt's cached KV serves only prompts of the same weights."""
-        while len(self.groups) < self.capacity:
+        """Fill the engine up to --inflight_batches batches' worth of groups in flight, prompts salted with the
+        loaded version: a prompt's cached KV serves only prompts of the same weights."""
+        while len(self.groups) < self.capacity * self.asynchronous.inflight_batches:
             if not self.prompts:
                 self.prompts.extend(vllm_generator.engine_share(self.source.sampler.next_indices(), self.job.share))
             self.serial += 1
@@ -217,7 +217,7 @@ class InflightCompletions:
         """The engine's time and drops since the last batch."""
         return {"time/generate": time.time() - self.window.start - self.window.idle,
                 "time/engine_idle": self.window.idle, "time/weight_load": self.window.weight_load,
-                "async/dropped_groups": self.window.dropped}
+                "async/dropped_groups": self.window.dropped, "async/groups_in_flight": len(self.groups)}
 
     def batch(self, update: int) -> Batch:
         """The accepted groups as a batch (rows: each group's k samples, adjacent), with each token's version

@@ -41,6 +41,10 @@ class AsyncArgs(common.FlagGroup):
     grpo_multiturn_vllm.py, groups of episodes, which go on across loads), each token records the version that
     sampled it (async/token_staleness_*); --async_steps K still bounds how far ahead the engine runs (README:
     In-flight weight updates)"""
+    inflight_batches: int = 1
+    """with --inflight_updates: how many batches' worth of prompt groups the engine keeps in flight. More than 1:
+    a batch, the first groups to finish, waits less for the slowest ones (long-tailed episodes), at the cost of
+    staler tokens in the groups that finish late (async/token_staleness_*, async/groups_in_flight)"""
     inflight_deterministic: bool = False
     """with --inflight_updates: swap versions at fixed points (the version after update t-K once the batch of
     update t is finished, waiting for it if need be) instead of as soon as each arrives: repeatable, and a run
@@ -83,10 +87,15 @@ class AsyncArgs(common.FlagGroup):
         if self.logprob_check_rows < 1:
             common.fail(f"--logprob_check_rows must be at least 1 (async/logprob_diff needs a row), "
                         f"got {self.logprob_check_rows}")
+        if self.inflight_batches < 1:
+            common.fail(f"--inflight_batches must be at least 1 (a batch's worth of groups), got "
+                        f"{self.inflight_batches}")
         if not self.inflight_updates:
             for name in ("inflight_deterministic", "max_lag"):
                 if getattr(self, name) not in (False, None):
                     common.fail(f"--{name} applies to --inflight_updates, which is off")
+            if self.inflight_batches != 1:
+                common.fail("--inflight_batches applies to --inflight_updates, which is off")
         elif self.max_lag is not None and self.max_lag < self.async_steps:
             common.fail(f"--max_lag must be at least --async_steps {self.async_steps} (the newest groups of a batch "
                         f"are that many versions behind), got {self.max_lag}")

@@ -9,6 +9,8 @@ in) and from update 1, and by how much against the bound that overlap alone allo
   continuous  the same with --continuous_episodes: an episode's next turn goes into the engine when its step returns
   inflight    --async_steps 1 --inflight_updates: a batch's worth of episodes always in flight, new weights taken
               between decode steps, a batch the first groups to end
+  inflight2   the same with --inflight_batches 2: two batches' worth in flight, so that a batch waits less for the
+              slowest groups (not among the default arms)
 
 Every run starts from the same SFT policy with the same rows, seed and hyper-parameters (the scripts' defaults but a
 constant learning rate), and saves its policy every --snapshot_every updates (no evaluation in the run: its clock
@@ -66,11 +68,12 @@ import toy  # noqa: E402  (after bench/: the kit's root)
 
 ARMS = {"sync": ("grpo_multiturn.py",), "k1": ("grpo_multiturn_vllm.py", "--async_steps", "1"),
         "continuous": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--continuous_episodes"),
-        "inflight": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--inflight_updates")}
+        "inflight": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--inflight_updates"),
+        "inflight2": ("grpo_multiturn_vllm.py", "--async_steps", "1", "--inflight_updates", "--inflight_batches", "2")}
 # an update's time on the trainer's path (from the sync script's or the engine's metrics): its start is the end of
 # the update before it
 UPDATE_PHASES = {"sync": ("time/generate", "time/score", "time/train"),
-                 **dict.fromkeys(("k1", "continuous", "inflight"),
+                 **dict.fromkeys(("k1", "continuous", "inflight", "inflight2"),
                                  ("time/wait", "time/score", "time/train", "time/weight_send"))}
 # the per-update curves results.json keeps
 CURVES = ("rollout/return_mean", "rollout/turns_mean", "async/staleness", "async/token_staleness_mean",
@@ -85,7 +88,8 @@ TRAINING = ["--lr_scheduler_type", "constant"]
 
 @dataclass
 class Args:
-    arms: tuple[Literal["sync", "k1", "continuous", "inflight"], ...] = ("sync", "k1", "continuous", "inflight")
+    arms: tuple[Literal["sync", "k1", "continuous", "inflight", "inflight2"], ...] = (
+        "sync", "k1", "continuous", "inflight")
     """the arms, each with every seed at every latency"""
     latencies: tuple[float, ...] = (0.0, 0.5)
     """the medians of --env_latency, seconds a search step takes (0: no latency)"""

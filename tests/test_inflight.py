@@ -203,6 +203,21 @@ def test_free_swaps_learn_and_log_each_tokens_staleness(free_run):
 
 
 @pytest.mark.slow
+def test_more_batches_in_flight_keep_more_groups_in_the_engine(tmp_path):
+    """--inflight_batches 2: the engine holds up to two batches' worth of groups (32 of 16 prompts each), more than
+    a batch's worth when a batch is done, and every batch's engine log-probs still check (every batch); with 1,
+    never more than a batch's worth."""
+    for batches in (1, 2):
+        run_script(*INFLIGHT, "--inflight_batches", str(batches), "--output_dir", tmp_path / str(batches),
+                   script=SCRIPT)
+    one, two = ([m["async/groups_in_flight"] for m in train_metrics(tmp_path / str(b))] for b in (1, 2))
+    assert len(one) == len(two) == 6
+    assert max(one) <= 16 < max(two) <= 32
+    checked = [m["async/logprob_diff"] for m in train_metrics(tmp_path / "2") if "async/logprob_diff" in m]
+    assert checked and max(checked) < 1e-3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo_vllm.py", "ppo_vllm.py"])
 def test_rloo_and_ppo_take_in_flight_updates(tmp_path, script):
     """RLOO's and PPO's asynchronous twins train on in-flight batches (PPO's groups of one completion) and log

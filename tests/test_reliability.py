@@ -108,6 +108,9 @@ def bad_input_cases(script, folder):
         cases.append((["--max_lag", "3"], "--max_lag applies to --inflight_updates, which is off"))
         cases.append((["--inflight_deterministic"],
                       "--inflight_deterministic applies to --inflight_updates, which is off"))
+        cases.append((["--inflight_batches", "2"], "--inflight_batches applies to --inflight_updates, which is off"))
+        cases.append((["--inflight_updates", "--inflight_batches", "0"],
+                      "--inflight_batches must be at least 1 (a batch's worth of groups), got 0"))
         cases.append((["--inflight_updates", "--vllm_device", "shared"],
                       "--inflight_updates needs an engine that samples while the trainer trains: not --vllm_device"))
     if script == "grpo_vllm.py":
