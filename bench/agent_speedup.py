@@ -251,10 +251,11 @@ def median_interval(values: list[float], resamples: int, seed: int = 0) -> tuple
 
 
 def compare(sync: dict[int, dict], arm: dict[int, dict], args: Args) -> dict:
-    """The arm against sync, seed by seed (seed -> run), each of the arm's runs paired with sync's of the same seed
-    made on the same machine (the others left out, their number `unpaired`): per level and clock, sync's time to it
-    over the arm's (where both reached it), and the updates to it (the arm's minus sync's); per clock, the arm's mean
-    return over sync's time over sync's; the seconds per update, sync's over the arm's."""
+    """The arm against sync (or another baseline: inflight2 against inflight), seed by seed (seed -> run), each of the
+    arm's runs paired with sync's of the same seed made on the same machine (the others left out, their number
+    `unpaired`): per level and clock, sync's time to it over the arm's (where both reached it), and the updates to it
+    (the arm's minus sync's); per clock, the arm's mean return over sync's time over sync's; the seconds per update,
+    sync's over the arm's."""
     pairs = [(sync[seed], run) for seed, run in sorted(arm.items())
              if seed in sync and sync[seed].get("machine") == run.get("machine")]
     out = {"levels": {}, "mean_return": {}, "unpaired": len(arm) - len(pairs)}
@@ -334,18 +335,22 @@ def main(args: Args):
         table[latency]["bound"] = bound(sync_phases)
         print(f"the overlap's bound from sync's parts (generation {sync_phases['time/generate']:.2f} s, training "
               f"{sync_phases['time/train']:.2f} s an update): {table[latency]['bound']:.2f}x")
-        for arm in (arm for arm in args.arms if arm != "sync" and by_arm[arm]):
-            versus = compare(by_arm["sync"], by_arm[arm], args)
-            table[latency][f"{arm}_vs_sync"] = versus
-            unpaired = (f" ({versus['unpaired']} seeds left out: no sync run on their machine)"
+        pairs = [(arm, "sync") for arm in args.arms if arm != "sync" and by_arm[arm]]
+        if by_arm.get("inflight") and by_arm.get("inflight2"):  # what two batches in flight change
+            pairs.append(("inflight2", "inflight"))
+        for arm, baseline in pairs:
+            versus = compare(by_arm[baseline], by_arm[arm], args)
+            table[latency][f"{arm}_vs_{baseline}"] = versus
+            unpaired = (f" ({versus['unpaired']} seeds left out: no {baseline} run on their machine)"
                         if versus["unpaired"] else "")
-            print(f"{arm} vs sync, per seed (median [bootstrap 95%]){unpaired}: seconds per update "
+            print(f"{arm} vs {baseline}, per seed (median [bootstrap 95%]){unpaired}: seconds per update "
                   f"{interval_text(versus['seconds_per_update'], args)}")
             for level, entry in versus["levels"].items():
                 print(f"  to return {level}: from launch {interval_text(entry['minutes'], args)}, from update 1 "
                       f"{interval_text(entry['minutes_from_update_1'], args)}, updates more "
                       f"{interval_text(entry['updates_more'], args, '{:+.0f}')}")
-            print(f"  mean return over sync's time: from launch {interval_text(versus['mean_return']['minutes'], args)}"
+            print(f"  mean return over {baseline}'s time: from launch "
+                  f"{interval_text(versus['mean_return']['minutes'], args)}"
                   f", from update 1 {interval_text(versus['mean_return']['minutes_from_update_1'], args)}")
     destinations = [os.path.join(args.output_dir, "results.json"), *([args.results_file] if args.results_file else [])]
     for destination in destinations:

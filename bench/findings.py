@@ -1007,18 +1007,21 @@ def agent_findings(results: dict) -> str:
                              + ", ".join(f"{p['return']:.2f}" for p in run["points"]) + " | "
                              + " | ".join(reached) + " |")
         lines.append("")
-        for arm in (arm for arm in arms if f"{arm}_vs_sync" in by_arm):
-            versus = by_arm[f"{arm}_vs_sync"]
+        versions = [(arm, "sync") for arm in arms if f"{arm}_vs_sync" in by_arm]
+        versions += [("inflight2", "inflight")] if "inflight2_vs_inflight" in by_arm else []
+        for arm, baseline in versions:
+            versus = by_arm[f"{arm}_vs_{baseline}"]
             to_levels = "; ".join(
                 f"to {level}, from launch {ratios(entry['minutes'])}, from update 1 "
-                f"{ratios(entry['minutes_from_update_1'])}, updates more than sync "
+                f"{ratios(entry['minutes_from_update_1'])}, updates more than {baseline} "
                 f"{', '.join(f'{u:+d}' for u in entry['updates_more']) or '-'}"
                 for level, entry in versus["levels"].items())
-            unpaired = (f" ({versus['unpaired']} seeds left out: no sync run on their machine)"
+            unpaired = (f" ({versus['unpaired']} seeds left out: no {baseline} run on their machine)"
                         if versus.get("unpaired") else "")
-            lines.append(f"- {arm} against sync (sync's time over the arm's, per seed){unpaired}: {to_levels}; mean "
-                         f"return over sync's time, from launch {ratios(versus['mean_return']['minutes'])}; seconds "
-                         f"per update {ratios(versus['seconds_per_update'])}.")
+            lines.append(f"- {arm} against {baseline} ({baseline}'s time over the arm's, per seed){unpaired}: "
+                         f"{to_levels}; mean return over {baseline}'s time, from launch "
+                         f"{ratios(versus['mean_return']['minutes'])}; seconds per update "
+                         f"{ratios(versus['seconds_per_update'])}.")
         if "bound" in by_arm:  # with a sync run
             lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
         lines.append(f"- Made on: {machines_of(by_arm, arms, args['seeds'])}.")

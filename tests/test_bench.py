@@ -532,6 +532,26 @@ def test_the_agent_benchmarks_clocks_levels_areas_and_intervals_on_hand_computed
     assert abs(versus["mean_return"]["minutes"][0] - arm_area / (2.4 / 5)) < 1e-12
 
 
+def test_two_batches_in_flight_are_compared_with_one_seed_by_seed(tmp_path):
+    """inflight2 (--inflight_batches 2) is compared with sync, as every arm, and with inflight of the same seed:
+    in flight's seconds per update over inflight2's, its time to each level over inflight2's."""
+    bench = bench_module("agent_speedup")
+    phases = {"time/wait": 5.0, "time/score": 1.0, "time/train": 4.0, "time/weight_send": 0.0}
+    for arm, seconds in (("sync", 60.0), ("inflight", 30.0), ("inflight2", 20.0)):  # updates of 60, 30 and 20 s
+        agent_run(tmp_path / "runs" / f"{arm}-latency0.5-seed1", 0.0, [seconds * u for u in range(1, 5)],
+                  {0: 0.3, 2: 0.4, 4: 0.6}, {"time/generate": 50.0, "time/train": 9.0} if arm == "sync" else phases)
+    bench.main(bench.Args(arms=("sync", "inflight", "inflight2"), latencies=(0.5,), seeds=(1,), updates=4,
+                          snapshot_every=2, levels=(0.5,), bootstrap=100, output_dir=str(tmp_path / "runs"),
+                          results_file=None, records_dir=str(tmp_path / "kept")))
+    results = json.loads((tmp_path / "runs" / "results.json").read_text())
+    versus = results["table"]["0.5"]["inflight2_vs_inflight"]
+    assert versus["seconds_per_update"] == [1.5] and versus["levels"]["0.5"]["minutes"] == [1.5]
+    assert results["table"]["0.5"]["inflight2_vs_sync"]["seconds_per_update"] == [3.0]
+    passage = bench_module("findings").agent_findings(results)
+    assert ("- inflight2 against inflight (inflight's time over the arm's, per seed): to 0.5, from launch 1.50x (one "
+            "seed)") in passage
+
+
 def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_table(tmp_path):
     """Runs with their `done` marker and evaluations.json are read, neither run nor evaluated again (here all are,
     so nothing starts); results.json holds each arm's numbers and the ratios against sync, seed by seed."""
