@@ -41,6 +41,8 @@ machines of one kind differ in speed); a pair that did not is left out and count
                                                                     # and K=1's with latency near an hour each), in
                                                                     # as many sittings as it takes (the records)
     python bench/agent_speedup.py --latencies 0.5 --arms sync inflight --seeds 1 2
+    python bench/agent_speedup.py --recorded_only --arms sync k1 continuous inflight inflight2   # the table of the
+                                                                    # records there are, no run made
     python bench/agent_speedup.py --quick                           # a few minutes (a smoke test)
 """
 
