@@ -1024,8 +1024,30 @@ def agent_findings(results: dict) -> str:
                          f"{ratios(versus['seconds_per_update'])}.")
         if "bound" in by_arm:  # with a sync run
             lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
+        lines.append(f"- What the batches held: {batch_contents(by_arm, arms)}.")
         lines.append(f"- Made on: {machines_of(by_arm, arms, args['seeds'])}.")
     return "\n".join(lines)
+
+
+def batch_contents(by_arm: dict, arms: list[str]) -> str:
+    """Per arm, the median over its seeds of the turns per episode its batches held over the last 10 updates (the
+    mean of rollout/turns_mean) and, where tokens record their versions (in flight), of each token's staleness over
+    the whole run (the mean of async/token_staleness_mean)."""
+    def median_over_runs(arm: str, name: str, last: int | None = None) -> float | None:
+        means = []
+        for run in by_arm[arm]["runs"]:
+            values = [v for v in run["curves"][name][-last if last else 0:] if v is not None]
+            if not values:
+                return None
+            means.append(statistics.mean(values))
+        return statistics.median(means)
+
+    turns = ", ".join(f"{arm} {value:.2f}" for arm in arms
+                      if (value := median_over_runs(arm, "rollout/turns_mean", 10)) is not None)
+    stale = ", ".join(f"{arm} {value:.2f}" for arm in arms
+                      if (value := median_over_runs(arm, "async/token_staleness_mean")) is not None)
+    return (f"turns per episode over the last 10 updates (median over the seeds) {turns}"
+            + (f"; a token's staleness over the run (versions behind the trained weights) {stale}" if stale else ""))
 
 
 def machines_of(by_arm: dict, arms: list[str], seeds: list[int]) -> str:

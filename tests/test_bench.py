@@ -537,9 +537,14 @@ def test_two_batches_in_flight_are_compared_with_one_seed_by_seed(tmp_path):
     in flight's seconds per update over inflight2's, its time to each level over inflight2's."""
     bench = bench_module("agent_speedup")
     phases = {"time/wait": 5.0, "time/score": 1.0, "time/train": 4.0, "time/weight_send": 0.0}
-    for arm, seconds in (("sync", 60.0), ("inflight", 30.0), ("inflight2", 20.0)):  # updates of 60, 30 and 20 s
+    # updates of 60, 30 and 20 s; the turns of the batches' episodes and, in flight, each token's staleness
+    for arm, seconds, held in (("sync", 60.0, {"time/generate": 50.0, "time/train": 9.0, "rollout/turns_mean": 4.0}),
+                               ("inflight", 30.0, phases | {"rollout/turns_mean": 3.0,
+                                                            "async/token_staleness_mean": 1.0}),
+                               ("inflight2", 20.0, phases | {"rollout/turns_mean": 2.5,
+                                                             "async/token_staleness_mean": 2.0})):
         agent_run(tmp_path / "runs" / f"{arm}-latency0.5-seed1", 0.0, [seconds * u for u in range(1, 5)],
-                  {0: 0.3, 2: 0.4, 4: 0.6}, {"time/generate": 50.0, "time/train": 9.0} if arm == "sync" else phases)
+                  {0: 0.3, 2: 0.4, 4: 0.6}, held)
     bench.main(bench.Args(arms=("sync", "inflight", "inflight2"), latencies=(0.5,), seeds=(1,), updates=4,
                           snapshot_every=2, levels=(0.5,), bootstrap=100, output_dir=str(tmp_path / "runs"),
                           results_file=None, records_dir=str(tmp_path / "kept")))
@@ -550,6 +555,9 @@ def test_two_batches_in_flight_are_compared_with_one_seed_by_seed(tmp_path):
     passage = bench_module("findings").agent_findings(results)
     assert ("- inflight2 against inflight (inflight's time over the arm's, per seed): to 0.5, from launch 1.50x (one "
             "seed)") in passage
+    assert ("What the batches held: turns per episode over the last 10 updates (median over the seeds) sync 4.00, "
+            "inflight 3.00, inflight2 2.50; a token's staleness over the run (versions behind the trained weights) "
+            "inflight 1.00, inflight2 2.00.") in passage
 
 
 def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_table(tmp_path):
