@@ -1026,7 +1026,31 @@ def agent_findings(results: dict) -> str:
             lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
         lines.append(f"- What the batches held: {batch_contents(by_arm, arms)}.")
         lines.append(f"- Made on: {machines_of(by_arm, arms, args['seeds'])}.")
+    if (same := sync_with_and_without_latency(results["table"], args["seeds"])) is not None:
+        lines += ["", same]
     return "\n".join(lines)
+
+
+def sync_with_and_without_latency(table: dict, seeds: list[int]) -> str | None:
+    """Whether sync's runs of a seed with latency and without, made on one machine, evaluated to the same returns at
+    every snapshot (a synchronous run's samples do not depend on when a step returns); None where no seed has both.
+    `seeds`: the benchmark's, each row's where it names none (every arm ran every seed before --recorded_only)."""
+    if "0.0" not in table or "sync" not in table["0.0"]:
+        return None
+    without = dict(zip(table["0.0"]["sync"].get("seeds", seeds), table["0.0"]["sync"]["runs"]))
+    lines = []
+    for latency, by_arm in table.items():
+        if latency == "0.0" or "sync" not in by_arm:
+            continue
+        with_latency = zip(by_arm["sync"].get("seeds", seeds), by_arm["sync"]["runs"])
+        pairs = [(seed, run, without[seed]) for seed, run in with_latency
+                 if seed in without and without[seed].get("machine") == run.get("machine")]
+        same = [seed for seed, run, other in pairs
+                if [p["return"] for p in run["points"]] == [p["return"] for p in other["points"]]]
+        if pairs:
+            lines.append(f"at {latency} s, {len(same)} of {len(pairs)} seeds (seeds {', '.join(map(str, same))})")
+    return (f"Sync with latency and without, the same seed on one machine, evaluated to the same return at every "
+            f"snapshot: {'; '.join(lines)}." if lines else None)
 
 
 def batch_contents(by_arm: dict, arms: list[str]) -> str:
