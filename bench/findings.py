@@ -1026,31 +1026,38 @@ def agent_findings(results: dict) -> str:
             lines.append(f"- The overlap's bound from sync's parts: {by_arm['bound']:.2f}x.")
         lines.append(f"- What the batches held: {batch_contents(by_arm, arms)}.")
         lines.append(f"- Made on: {machines_of(by_arm, arms, args['seeds'])}.")
-    if (same := sync_with_and_without_latency(results["table"], args["seeds"])) is not None:
+    if (same := alike(results["table"], args["seeds"])) is not None:
         lines += ["", same]
     return "\n".join(lines)
 
 
-def sync_with_and_without_latency(table: dict, seeds: list[int]) -> str | None:
-    """Whether sync's runs of a seed with latency and without, made on one machine, evaluated to the same returns at
-    every snapshot (a synchronous run's samples do not depend on when a step returns); None where no seed has both.
-    `seeds`: the benchmark's, each row's where it names none (every arm ran every seed before --recorded_only)."""
-    if "0.0" not in table or "sync" not in table["0.0"]:
+def same_returns(table: dict, seeds: list[int], first: tuple[str, str], second: tuple[str, str]) -> str | None:
+    """Of the seeds with a run of both (latency, arm)s made on one machine, how many evaluated to the same return at
+    every snapshot ("N of M seeds (seeds ...)"); None where no seed has both. `seeds`: the benchmark's, each row's
+    where it names none (every arm ran every seed before --recorded_only)."""
+    rows = [table.get(latency, {}).get(arm) for latency, arm in (first, second)]
+    if None in rows:
         return None
-    without = dict(zip(table["0.0"]["sync"].get("seeds", seeds), table["0.0"]["sync"]["runs"]))
-    lines = []
-    for latency, by_arm in table.items():
-        if latency == "0.0" or "sync" not in by_arm:
-            continue
-        with_latency = zip(by_arm["sync"].get("seeds", seeds), by_arm["sync"]["runs"])
-        pairs = [(seed, run, without[seed]) for seed, run in with_latency
-                 if seed in without and without[seed].get("machine") == run.get("machine")]
-        same = [seed for seed, run, other in pairs
-                if [p["return"] for p in run["points"]] == [p["return"] for p in other["points"]]]
-        if pairs:
-            lines.append(f"at {latency} s, {len(same)} of {len(pairs)} seeds (seeds {', '.join(map(str, same))})")
-    return (f"Sync with latency and without, the same seed on one machine, evaluated to the same return at every "
-            f"snapshot: {'; '.join(lines)}." if lines else None)
+    runs = [dict(zip(row.get("seeds", seeds), row["runs"])) for row in rows]
+    pairs = [(seed, run, runs[1][seed]) for seed, run in runs[0].items()
+             if seed in runs[1] and runs[1][seed].get("machine") == run.get("machine")]
+    same = [seed for seed, run, other in pairs
+            if [p["return"] for p in run["points"]] == [p["return"] for p in other["points"]]]
+    return f"{len(same)} of {len(pairs)} seeds (seeds {', '.join(map(str, same))})" if pairs else None
+
+
+def alike(table: dict, seeds: list[int]) -> str | None:
+    """Runs that sample the same episodes, checked by their evaluated returns: sync with latency and without (a
+    synchronous run's samples do not depend on when a step returns), and K = 1 and continuous episodes at each latency
+    (the same samples, played in another order)."""
+    found = []
+    for latency in table:
+        if latency != "0.0" and (same := same_returns(table, seeds, ("0.0", "sync"), (latency, "sync"))):
+            found.append(f"sync with latency {latency} s and without, {same}")
+        if same := same_returns(table, seeds, (latency, "k1"), (latency, "continuous")):
+            found.append(f"K = 1 and continuous episodes at {latency} s, {same}")
+    return ("Evaluated to the same return at every snapshot, the same seed on one machine: " + "; ".join(found) + "."
+            if found else None)
 
 
 def batch_contents(by_arm: dict, arms: list[str]) -> str:

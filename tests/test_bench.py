@@ -560,17 +560,19 @@ def test_two_batches_in_flight_are_compared_with_one_seed_by_seed(tmp_path):
             "inflight 1.00, inflight2 2.00.") in passage
 
 
-def test_sync_with_and_without_latency_is_checked_for_the_same_returns_seed_by_seed():
-    """findings: sync's evaluated returns with latency against without, seed by seed, where both ran on one machine
-    (seed 1 the same, seed 2 not, seed 3 on two machines: left out)."""
+def test_runs_that_sample_alike_are_checked_for_the_same_returns_seed_by_seed():
+    """findings: sync's evaluated returns with latency against without, and K = 1's against continuous's, seed by
+    seed, where both ran on one machine (seed 1 the same, seed 2 not, seed 3 on two machines: left out)."""
     def run(returns, boot="a"):
         return {"points": [{"return": r} for r in returns], "machine": {"cpu": "x", "boot_id": boot}}
 
     table = {"0.0": {"sync": {"seeds": [1, 2, 3], "runs": [run([0.3, 0.5]), run([0.3, 0.5]), run([0.3, 0.4])]}},
-             "0.5": {"sync": {"seeds": [1, 2, 3], "runs": [run([0.3, 0.5]), run([0.3, 0.6]), run([0.3, 0.4], "b")]}}}
-    assert bench_module("findings").sync_with_and_without_latency(table, [1, 2, 3]) == (
-        "Sync with latency and without, the same seed on one machine, evaluated to the same return at every snapshot: "
-        "at 0.5 s, 1 of 2 seeds (seeds 1).")
+             "0.5": {"sync": {"seeds": [1, 2, 3], "runs": [run([0.3, 0.5]), run([0.3, 0.6]), run([0.3, 0.4], "b")]},
+                     "k1": {"seeds": [2, 3], "runs": [run([0.3, 0.6]), run([0.3, 0.4])]},
+                     "continuous": {"seeds": [2, 3], "runs": [run([0.3, 0.6]), run([0.3, 0.5])]}}}
+    assert bench_module("findings").alike(table, [1, 2, 3]) == (
+        "Evaluated to the same return at every snapshot, the same seed on one machine: sync with latency 0.5 s and "
+        "without, 1 of 2 seeds (seeds 1); K = 1 and continuous episodes at 0.5 s, 1 of 2 seeds (seeds 2).")
 
 
 def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_table(tmp_path):
