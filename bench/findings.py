@@ -741,17 +741,21 @@ def sweep_table(results_dir: str, title: str, blocks: tuple, columns: tuple, ess
     return "\n".join(rows)
 
 
+def sweep_cells(results_dir: str, file: str) -> dict:
+    """An off_policy_corrections.py results file's cells by (algorithm, K, correction)."""
+    with open(os.path.join(results_dir, file)) as f:
+        results = json.load(f)
+    return {(cell.split()[0], int(k), correction): values for cell, by_k in results["table"].items()
+            for k, by_correction in by_k.items() for correction, values in by_correction.items()}
+
+
 def sweeps_of_4_findings(results_dir: str) -> str:
     """What 4's tables show, each number from them: means over the seeds of the accuracy after 8 updates ("early")
     and at the end, of the final KL and of the mean mismatch KL; ranges are over the cells named."""
     cells = {}  # (algorithm, K, correction) -> the cell; pure_is under its name of today
-    for _, blocks, _ in SWEEPS_OF_4:
-        for file, cell in blocks:
-            with open(os.path.join(results_dir, file)) as f:
-                for k, by_correction in json.load(f)["table"][cell].items():
-                    for correction, values in by_correction.items():
-                        name = "pure_is" if correction == "decoupled" else correction
-                        cells.setdefault((cell.split()[0], int(k), name), values)
+    for file in dict.fromkeys(file for _, blocks, _ in SWEEPS_OF_4 for file, _ in blocks):
+        for (algorithm, k, correction), values in sweep_cells(results_dir, file).items():
+            cells.setdefault((algorithm, k, "pure_is" if correction == "decoupled" else correction), values)
     corrected = ("pure_is", "tis", "mask")
     two = "{:.2f}"
 
@@ -817,11 +821,8 @@ def sweep_of_4_tldr_findings(results_dir: str) -> str:
 def sweep_of_5_findings(results_dir: str) -> str:
     """What 5's table and its side runs show, each number from their stored files (means over the seeds; "±" the
     std of the final over the seeds)."""
-    def table(file: str) -> dict:
-        with open(os.path.join(results_dir, f"off_policy_corrections_{file}.json")) as f:
-            results = json.load(f)
-        return {(cell.split()[0], int(k), correction): values for cell, by_k in results["table"].items()
-                for k, by_correction in by_k.items() for correction, values in by_correction.items()}
+    def table(name: str) -> dict:
+        return sweep_cells(results_dir, f"off_policy_corrections_{name}.json")
 
     grpo, one_epoch = table("grpo"), table("grpo_none_decoupled_tis_m2po_num_epochs-1_learning_rate-1e-4")
     slow_epoch = table("grpo_none_decoupled_tis_m2po_num_epochs-1")
