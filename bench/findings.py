@@ -741,6 +741,48 @@ def sweep_table(results_dir: str, title: str, blocks: tuple, columns: tuple, ess
     return "\n".join(rows)
 
 
+# 1's and 3's arms: (the results file's arm, the table's name for it)
+SYNC_VS_ASYNC_ARMS = (("sync HF", "sync, HF `generate` (`online_dpo.py`)"),
+                      ("sync vLLM", "sync, vLLM (`online_dpo_vllm.py --async_steps 0`)"),
+                      ("async", "async, vLLM (`online_dpo_vllm.py --async_steps 1`)"))
+MATH_ARMS = (("online_dpo sync", "online DPO, sync"), ("online_dpo async", "online DPO, async"),
+             ("rloo sync", "RLOO, sync"), ("rloo async", "RLOO, async"))
+
+
+def sync_vs_async_table(results_dir: str, file: str, arms: tuple, columns: tuple[str, str, str], finals: str) -> str:
+    """1's or 3's table from its results file: per arm, the final number's mean ± std over the seeds, the mean
+    minutes to the target (from launch), the total minutes."""
+    with open(os.path.join(results_dir, file)) as f:
+        table = json.load(f)["table"]
+    rows = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    for key, name in arms:
+        row = table[key]
+        rows.append(f"| {name} | {statistics.mean(row[finals]):.3f} ± {statistics.stdev(row[finals]):.3f} | "
+                    f"{statistics.mean(row['minutes_to_target']):.2f} | {row['total_minutes']:.2f} |")
+    return "\n".join(rows)
+
+
+def sync_vs_async_findings(results_dir: str, file: str) -> str:
+    """1's or 3's ratios from its results file (times from launch, means over the seeds)."""
+    with open(os.path.join(results_dir, file)) as f:
+        table = json.load(f)["table"]
+
+    def to_target(arm: str) -> float:
+        return statistics.mean(table[arm]["minutes_to_target"])
+
+    if "async" in table:  # 1
+        return paragraph(f"""From the results file (times from launch, means over the seeds): async takes
+            {table['sync vLLM']['total_minutes'] / table['async']['total_minutes']:.2f}x less total time than the same
+            engine run synchronously, and {table['async']['total_minutes'] / table['sync HF']['total_minutes']:.2f}x
+            the total time of sync HF; it reaches 0.5 in {to_target('async') / to_target('sync HF'):.2f}x sync HF's
+            time.""")
+    return paragraph(f"""From the results file (times from launch, means over the seeds): async takes
+        {to_target('online_dpo async') / to_target('online_dpo sync'):.2f}x (online DPO) and
+        {to_target('rloo async') / to_target('rloo sync'):.2f}x (RLOO) the time of sync to 0.9 accuracy, and
+        {table['online_dpo async']['total_minutes'] / table['online_dpo sync']['total_minutes']:.2f}x and
+        {table['rloo async']['total_minutes'] / table['rloo sync']['total_minutes']:.2f}x its total time.""")
+
+
 def sweep_cells(results_dir: str, file: str) -> dict:
     """An off_policy_corrections.py results file's cells by (algorithm, K, correction)."""
     with open(os.path.join(results_dir, file)) as f:
@@ -944,6 +986,14 @@ def passages(results_dir: str) -> dict[str, str]:
             "latency_table": "\n".join(latency_table.table(latency, 0.7)),
             "latency_findings": latency_findings(latency),
             "toy_build_load": toy_build_table(toy_builds),
+            "sync_vs_async_table": sync_vs_async_table(
+                results_dir, "sync_vs_async.json", SYNC_VS_ASYNC_ARMS,
+                ("arm", "final gold win-rate", "minutes to 0.5 win-rate", "total minutes"), "final_win_rates"),
+            "math_sync_vs_async_table": sync_vs_async_table(
+                results_dir, "math_sync_vs_async.json", MATH_ARMS,
+                ("run", "final accuracy", "minutes to 0.9 accuracy", "total minutes"), "final_accuracies"),
+            "sync_vs_async_findings": sync_vs_async_findings(results_dir, "sync_vs_async.json"),
+            "math_sync_vs_async_findings": sync_vs_async_findings(results_dir, "math_sync_vs_async.json"),
             "sweeps_of_4": "\n\n".join(sweep_table(results_dir, *sweep, ess=False) for sweep in SWEEPS_OF_4),
             "sweeps_of_4_findings": sweeps_of_4_findings(results_dir),
             "sweep_of_4_tldr": sweep_table(results_dir, *SWEEP_OF_4_TLDR, ess=False),
