@@ -783,6 +783,27 @@ def sync_vs_async_findings(results_dir: str, file: str) -> str:
         {table['rloo async']['total_minutes'] / table['rloo sync']['total_minutes']:.2f}x its total time.""")
 
 
+OFF_POLICY_ARMS = (("online_dpo", "online DPO"), ("ppo", "PPO"), ("rloo", "RLOO"), ("bok", "best-of-2"),
+                   ("ppo_decoupled", "PPO, pure_is"), ("rloo_decoupled", "RLOO, pure_is"))  # 2's arms, as stored
+
+
+def off_policy_table(results_dir: str, size: str) -> str:
+    """2's table of one policy size from bench/results/off_policy.json: per arm, the win-rate after 32 steps at each
+    N and at the end at N = 1 and 32 (mean ± std over the seeds), the drop (final at N = 1 minus at N = 32, seeds
+    paired) and the final KL at N = 1 and 32."""
+    with open(os.path.join(results_dir, "off_policy.json")) as f:
+        table = json.load(f)["table"][size]
+    rows = ["| arm | after 32 steps, N=1 | N=4 | N=16 | N=32 | final, N=1 | final, N=32 | drop (final) | final KL, "
+            "N=1 / 32 |", "| --- " * 9 + "|"]
+    for key, name in OFF_POLICY_ARMS:
+        arm = table[key]
+        cells = [f"{arm['half_win_rate'][n][0]:.3f} ± {arm['half_win_rate'][n][1]:.3f}" for n in ("1", "4", "16", "32")]
+        cells += [f"{arm['win_rate'][n][0]:.3f} ± {arm['win_rate'][n][1]:.3f}" for n in ("1", "32")]
+        cells += [f"{arm['drop'][0]:.3f} ± {arm['drop'][1]:.3f}", f"{arm['kl']['1'][0]:.2f} / {arm['kl']['32'][0]:.2f}"]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def sweep_cells(results_dir: str, file: str) -> dict:
     """An off_policy_corrections.py results file's cells by (algorithm, K, correction)."""
     with open(os.path.join(results_dir, file)) as f:
@@ -994,6 +1015,8 @@ def passages(results_dir: str) -> dict[str, str]:
                 ("run", "final accuracy", "minutes to 0.9 accuracy", "total minutes"), "final_accuracies"),
             "sync_vs_async_findings": sync_vs_async_findings(results_dir, "sync_vs_async.json"),
             "math_sync_vs_async_findings": sync_vs_async_findings(results_dir, "math_sync_vs_async.json"),
+            "off_policy_small": off_policy_table(results_dir, "small"),
+            "off_policy_large": off_policy_table(results_dir, "large"),
             "sweeps_of_4": "\n\n".join(sweep_table(results_dir, *sweep, ess=False) for sweep in SWEEPS_OF_4),
             "sweeps_of_4_findings": sweeps_of_4_findings(results_dir),
             "sweep_of_4_tldr": sweep_table(results_dir, *SWEEP_OF_4_TLDR, ess=False),
