@@ -91,11 +91,9 @@ class AsyncArgs(common.FlagGroup):
             common.fail(f"--inflight_batches must be at least 1 (a batch's worth of groups), got "
                         f"{self.inflight_batches}")
         if not self.inflight_updates:
-            for name in ("inflight_deterministic", "max_lag"):
-                if getattr(self, name) not in (False, None):
+            for name, off in (("inflight_deterministic", False), ("max_lag", None), ("inflight_batches", 1)):
+                if getattr(self, name) != off:
                     common.fail(f"--{name} applies to --inflight_updates, which is off")
-            if self.inflight_batches != 1:
-                common.fail("--inflight_batches applies to --inflight_updates, which is off")
         elif self.max_lag is not None and self.max_lag < self.async_steps:
             common.fail(f"--max_lag must be at least --async_steps {self.async_steps} (the newest groups of a batch "
                         f"are that many versions behind), got {self.max_lag}")

@@ -1131,8 +1131,7 @@ def agent_findings(results: dict) -> str:
         lines.append("|---" * (4 + len(args["levels"])) + "|")
         arms = [arm for arm in args["arms"] if arm in by_arm]  # an arm with no run recorded has no row
         for arm in arms:
-            # each row's seeds (before --recorded_only, every arm ran every seed of the benchmark's)
-            for seed, run in zip(by_arm[arm].get("seeds", args["seeds"]), by_arm[arm]["runs"]):
+            for seed, run in runs_by_seed(by_arm[arm], args["seeds"]).items():
                 reached = []
                 for level in args["levels"]:
                     point = next((p for p in run["points"] if p["return"] >= level), None)
@@ -1168,12 +1167,11 @@ def agent_findings(results: dict) -> str:
 
 def same_returns(table: dict, seeds: list[int], first: tuple[str, str], second: tuple[str, str]) -> str | None:
     """Of the seeds with a run of both (latency, arm)s made on one machine, how many evaluated to the same return at
-    every snapshot ("N of M seeds (seeds ...)"); None where no seed has both. `seeds`: the benchmark's, each row's
-    where it names none (every arm ran every seed before --recorded_only)."""
+    every snapshot ("N of M seeds (seeds ...)"); None where no seed has both (`seeds`: runs_by_seed's)."""
     rows = [table.get(latency, {}).get(arm) for latency, arm in (first, second)]
     if None in rows:
         return None
-    runs = [dict(zip(row.get("seeds", seeds), row["runs"])) for row in rows]
+    runs = [runs_by_seed(row, seeds) for row in rows]
     pairs = [(seed, run, runs[1][seed]) for seed, run in runs[0].items()
              if seed in runs[1] and runs[1][seed].get("machine") == run.get("machine")]
     same = [seed for seed, run, other in pairs
@@ -1216,12 +1214,18 @@ def batch_contents(by_arm: dict, arms: list[str]) -> str:
             + (f"; a token's staleness over the run (versions behind the trained weights) {stale}" if stale else ""))
 
 
+def runs_by_seed(row: dict, seeds: list[int]) -> dict[int, dict]:
+    """An agent benchmark row's runs by seed: the row's own seeds, or the benchmark's `seeds` where it names none
+    (before --recorded_only every arm ran every seed)."""
+    return dict(zip(row.get("seeds", seeds), row["runs"]))
+
+
 def machines_of(by_arm: dict, arms: list[str], seeds: list[int]) -> str:
     """The machines (CPU and boot) and toy:hops builds (the starting policy's sha256, where the record has it) the
     runs of one latency were made on, with the starting policy's evaluated return on each, and the arms' seeds."""
     made = {}  # (the machine, the build, the starting policy's return) -> arm -> seeds
     for arm in arms:
-        for seed, run in zip(by_arm[arm].get("seeds", seeds), by_arm[arm]["runs"]):
+        for seed, run in runs_by_seed(by_arm[arm], seeds).items():
             machine, build = run.get("machine", {}), run.get("world", {}).get("policy_sha256")
             key = (f"{machine['cpu']}, boot {machine['boot_id'][:8]}" if machine else "machine not recorded",
                    f"build {build[:8]}" if build else "build not recorded", run["points"][0]["return"])
