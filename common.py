@@ -30,7 +30,6 @@ import os
 import random
 import re
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -181,28 +180,32 @@ def exit_preempted(update: int, logger):
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
 # ----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A free local port, so that parallel single-process runs do not collide."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(timeout_seconds: float = 1800):
     """Start torch.distributed through DeepSpeed (a plain `python script.py` becomes a 1-rank world), and
     catch the preemption signals. A collective fails after `timeout_seconds` (DeepSpeed's default, 10
     minutes, is shorter than rank 0 may take to save an 8B policy while the others wait)."""
     for preemption_signal in PREEMPTION_SIGNALS:
         signal.signal(preemption_signal, record_preemption)
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    world_of_one = None
     if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
         os.environ.update(srun_ranks(os.environ))
-    elif "RANK" not in os.environ:  # neither a launcher nor srun
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    elif os.environ.get("WORLD_SIZE", "1") == "1" and not torch.distributed.is_initialized():
+        # no launcher, or a launcher's one rank (a process's next run keeps its last one's group): a rendezvous on
+        # the port the system gives it as it binds; a free port picked first, then bound after DeepSpeed's seconds
+        # of import, can be taken meanwhile by a parallel job (EADDRINUSE)
+        world_of_one = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(world_of_one.port))
     deepspeed = load_deepspeed()
     if torch.cuda.is_available():  # before any CUDA work, so that each rank's tensors and NCCL use its own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_seconds))
+    if world_of_one is not None:  # DeepSpeed takes the group as it is (gloo on a CPU, NCCL on a GPU)
+        from deepspeed.accelerator import get_accelerator
+
+        torch.distributed.init_process_group(get_accelerator().communication_backend_name(), store=world_of_one,
+                                             rank=0, world_size=1, timeout=timeout)
+    deepspeed.init_distributed(timeout=timeout)
     atexit.unregister(end_distributed)  # once, however many runs one process makes (the tests do)
     atexit.register(end_distributed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

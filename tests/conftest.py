@@ -97,9 +97,9 @@ def one_rank_group():
     with pytest.MonkeyPatch.context() as patch:
         for name, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
             patch.setenv(name, value)
-        import common
+        from scripts import free_port
 
-        patch.setenv("MASTER_PORT", str(common.free_port()))
+        patch.setenv("MASTER_PORT", str(free_port()))
         torch.distributed.init_process_group("gloo")
         try:
             yield

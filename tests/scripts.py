@@ -2,7 +2,9 @@
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,22 @@ SCRIPTS = ("online_dpo.py", "online_dpo_vllm.py", "ppo.py", "rloo.py", "bok.py",
 # a short run: 16 prompts per update, a small evaluation
 QUICK = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--eval_num_prompts", "32",
          "--local_rollout_forward_batch_size", "32"]
+
+
+def free_port() -> int:
+    """A free port for a launcher's --master_port, from below the range the system hands out to sockets bound
+    to port 0 and to outgoing connections (an engine's, a parallel test's): none of those can take it between
+    this check and the launcher's rank 0 binding it; a parallel test could only by drawing the same port."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        first_ephemeral = int(f.read().split()[0])
+    while True:
+        port = random.randrange(10000, first_ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
 
 
 def run_script(*args, script="online_dpo.py", check=True, launcher=(sys.executable,), env=None, timeout=900,

@@ -2,12 +2,14 @@
 
 import json
 import math
+import os
 import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import word_tokenizer
+from scripts import free_port
 
 import common
 import data
@@ -103,7 +105,7 @@ def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, 
     from transformers import AutoModelForCausalLM
 
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(common.free_port())).items():
+                            MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(name, value)
     common.load_deepspeed().init_distributed("gloo")
     try:
@@ -127,6 +129,44 @@ def test_one_rank_trains_at_stage_0_with_the_plain_clipped_adamw_step(tiny_dir, 
             torch.testing.assert_close(a, b, msg=name)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_a_world_of_one_holds_its_rendezvous_port_while_deepspeed_loads(monkeypatch):
+    """A plain `python script.py`'s rendezvous is bound from the start: a parallel job that binds the port it
+    names while DeepSpeed loads (seconds, as CI's parallel tests did: EADDRINUSE) cannot take it. Twice, as a
+    process that makes two runs."""
+    import signal
+    import socket
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # restored (absent) after the test, whatever init_distributed set
+    load_deepspeed, taken = common.load_deepspeed, []
+
+    def load_deepspeed_while_a_parallel_job_binds_the_port():
+        thief = socket.socket()
+        try:
+            thief.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+            taken.append(thief)
+        except OSError:
+            thief.close()
+        return load_deepspeed()
+
+    monkeypatch.setattr(common, "load_deepspeed", load_deepspeed_while_a_parallel_job_binds_the_port)
+    handlers = {number: signal.getsignal(number) for number in common.PREEMPTION_SIGNALS}
+    try:
+        for _ in range(2):
+            assert common.init_distributed() == (0, 1)
+            total = torch.ones(1)
+            torch.distributed.all_reduce(total)
+            assert total.item() == 1 and not taken
+            torch.distributed.destroy_process_group()
+    finally:
+        for thief in taken:
+            thief.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
 
 
 # ---- the math reward -------------------------------------------------------------------------------
@@ -509,7 +549,7 @@ def test_two_srun_tasks_make_one_world_of_two_ranks():
     base = {name: value for name, value in environment().items()
             if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
     slurm = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
-             "SLURM_JOB_ID": "1", "MASTER_PORT": str(common.free_port())}
+             "SLURM_JOB_ID": "1", "MASTER_PORT": str(free_port())}
     tasks = [subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                               env={**base, **slurm, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)})
              for task in range(2)]
@@ -532,7 +572,7 @@ def test_two_ranks_under_deepspeeds_launcher_compile_nothing_and_map_no_shared_m
                        "total = torch.ones(1); torch.distributed.all_reduce(total); "
                        f"open(f'{tmp_path}/rank{{torch.distributed.get_rank()}}', 'w').write(str([total.item(), "
                        "[line for line in open('/proc/self/maps') if '/dev/shm/' in line]]))\n")
-    port = str(common.free_port())
+    port = str(free_port())
     ranks = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", port, str(program)], cwd=ROOT,
                            text=True, capture_output=True, timeout=120,
                            env=environment({"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}))

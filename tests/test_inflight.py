@@ -16,6 +16,7 @@ from scripts import (
     assert_learns,
     assert_same_weights_and_metrics,
     assert_two_ranks_train_as_one,
+    free_port,
     read_metrics,
     run_script,
     start_script,
@@ -115,13 +116,12 @@ def test_deterministic_swaps_resume_exactly_after_a_kill(deterministic_runs):
 def test_two_ranks_in_flight_train_as_one(deterministic_runs, tmp_path):
     """Two ranks and one engine, deterministic swaps: each rank trains on its share of the engine's in-flight
     batch, as one rank on the whole (the same samples, losses and token staleness)."""
-    import common
 
     two = tmp_path / "two"
     args = [arg if arg != "2" or previous != "--gradient_accumulation_steps" else "1"
             for previous, arg in zip(["", *DETERMINISTIC], DETERMINISTIC)]  # 8 prompts a rank, 16 a step
     run_script(*args, "--output_dir", two, script=SCRIPT, env={"OMP_NUM_THREADS": "1"},
-               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())))
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(free_port())))
     assert_two_ranks_train_as_one(two, deterministic_runs[0])
     staleness = [[m["async/token_staleness_mean"] for m in train_metrics(run)] for run in (two, deterministic_runs[0])]
     assert staleness[0] == pytest.approx(staleness[1], abs=1e-6)

@@ -16,6 +16,7 @@ from scripts import (
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     assert_two_ranks_train_as_one,
+    free_port,
     read_metrics,
     run_script,
     uninterrupted_and_resumed_runs,
@@ -289,7 +290,7 @@ def test_two_ranks_train_as_one(tmp_path):
             "tests/envs.py:SecretFromSeed", "--turn_advantage", "turn_index_norm"]
     script = "grpo_multiturn.py"
     run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script=script,
-               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(free_port())),
                env={"OMP_NUM_THREADS": "1"})
     run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script=script,
                env={"OMP_NUM_THREADS": "1"})

@@ -15,6 +15,7 @@ from scripts import (
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     assert_two_ranks_train_as_one,
+    free_port,
     read_metrics,
     run_script,
     uninterrupted_and_resumed_runs,
@@ -126,7 +127,7 @@ def test_two_ranks_and_one_engine_train_as_one_rank(tmp_path):
             "--env", "tests/envs.py:SecretFromSeedNarrowing", "--turn_advantage", "gigpo", "--logprob_check_every",
             "1"]
     run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script=SCRIPT,
-               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(free_port())),
                env={"OMP_NUM_THREADS": "1"})
     run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script=SCRIPT,
                env={"OMP_NUM_THREADS": "1"})
@@ -279,7 +280,7 @@ def test_two_ranks_with_episodes_in_flight_train_as_one(deterministic_inflight_r
     staleness)."""
     two = tmp_path / "two"
     run_script(*DETERMINISTIC_INFLIGHT, "--gradient_accumulation_steps", "2", "--output_dir", two, script=SCRIPT,
-               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(free_port())),
                env={"OMP_NUM_THREADS": "1"})
     one = deterministic_inflight_runs[0]
     assert_two_ranks_train_as_one(two, one)

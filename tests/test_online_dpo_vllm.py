@@ -18,6 +18,7 @@ from scripts import (
     ROOT,
     assert_learns,
     assert_same_weights_and_metrics,
+    free_port,
     read_metrics,
     run_script,
     start_script,
@@ -26,7 +27,6 @@ from vllm_script_tests import *  # noqa: F403 (the tests of every vLLM script, r
 from vllm_script_tests import ASYNC_QUICK, train_metrics
 from weight_sync_check import engine_environment
 
-import common
 import toy
 
 SCRIPT = "online_dpo_vllm.py"
@@ -308,9 +308,9 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     args = [*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2", "--save_every", "2"]
     (tmp_path / "hostfile").write_text("localhost slots=1\n127.0.0.1 slots=1\n")  # two "nodes" of one rank
     torchrun = ("torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-                "--master_port", str(common.free_port()), "--node_rank")
+                "--master_port", str(free_port()), "--node_rank")
     deepspeed = ("deepspeed", "--hostfile", str(tmp_path / "hostfile"), "--no_ssh", "--master_addr", "127.0.0.1",
-                 "--master_port", str(common.free_port()), "--node_rank")
+                 "--master_port", str(free_port()), "--node_rank")
     nodes = start_two_nodes(torchrun, args, out)
     deadline = time.time() + 600
     while not (out / "checkpoints" / "update-2").exists():
@@ -325,7 +325,7 @@ def test_two_nodes_with_an_engine_each_train_as_one_node_with_one_engine(tmp_pat
     assert [[batch["engine"] for batch in batches] for batches in pending] == [[(0, 2)] * 2, [(1, 2)] * 2]
     # one node of two ranks has one engine for both: the batches sampled ahead for two engines are refused
     refused = run_script(*args, "--resume", "--output_dir", out, script=SCRIPT, check=False,
-                         launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(common.free_port())),
+                         launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())),
                          env={"OMP_NUM_THREADS": "1"})
     assert refused.returncode != 0 and ("sampled-ahead batches are engine 0 of 2's, and this rank's engine would be "
                                         "0 of 1") in refused.stderr, refused.stderr[-3000:]
@@ -342,6 +342,6 @@ def test_two_engines_on_one_node_train_as_one_engine(tmp_path, two_rank_k2_run):
     out = tmp_path / "run"
     run_script(*QUICK, "--total_episodes", "128", "--eval_every", "100", "--async_steps", "2",
                "--vllm_engines_per_node", "2", "--output_dir", out, script=SCRIPT,
-               launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(common.free_port())),
+               launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())),
                env={"OMP_NUM_THREADS": "1"})
     assert_same_weights_and_metrics(two_rank_k2_run, out, ["loss/policy_avg", "objective/scores", "async/staleness"])

@@ -5,9 +5,8 @@ import json
 import shutil
 
 import pytest
-from scripts import QUICK, SCRIPTS, assert_trained_policy_saved, read_metrics, run_script
+from scripts import QUICK, SCRIPTS, assert_trained_policy_saved, free_port, read_metrics, run_script
 
-import common
 import toy
 
 # k >= 2 per prompt
@@ -203,7 +202,7 @@ def test_a_resume_that_would_change_the_training_is_refused_before_anything_is_w
         "32 -> 16; --learning_rate 0.0001 -> 0.001; --total_episodes 32 -> 64; resume with its own (its args.json) "
         "or start a new run")
     two_ranks = run_script(*run_args, "--resume", check=False, env={"OMP_NUM_THREADS": "1"},
-                           launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())))
+                           launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(free_port())))
     assert two_ranks.returncode != 0 and "was trained with other settings: ranks 1 -> 2;" in two_ranks.stderr
     assert files() == before
     # evaluation, checkpoint frequency, snapshots kept and logging may change; a bad --keep_snapshots stops first

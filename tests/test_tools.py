@@ -282,15 +282,13 @@ def test_tool_episodes_in_flight_resume_exactly(tool_policy, tmp_path):
 # episodes in flight resume exactly (above): the tool layer is each rank's episode loop's, the same on every rank
 def test_tool_episodes_in_flight_on_two_ranks_train_as_one(tool_policy, tmp_path):
     """Two ranks and one engine playing episodes with tool calls in flight train as one rank on the same rows."""
-    from scripts import assert_two_ranks_train_as_one, run_script
-
-    import common
+    from scripts import assert_two_ranks_train_as_one, free_port, run_script
 
     args = [*TOOL_INFLIGHT, *tool_policy]
     run_script(*args, "--output_dir", tmp_path / "one", script="grpo_multiturn_vllm.py")
     run_script(*args, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
                "--output_dir", tmp_path / "two", script="grpo_multiturn_vllm.py",
-               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(common.free_port())),
+               launcher=("deepspeed", "--num_gpus", "2", "--master_port", str(free_port())),
                env={"OMP_NUM_THREADS": "1"})
     assert_two_ranks_train_as_one(tmp_path / "two", tmp_path / "one")
 

@@ -13,12 +13,11 @@ from scripts import (
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     assert_two_ranks_train_as_one,
+    free_port,
     preempt,
     read_metrics,
     run_script,
 )
-
-import common
 
 TWO_RANKS = ("deepspeed", "--num_gpus", "2", "--master_port")
 SYNC_SCRIPTS = tuple(script for script in SCRIPTS if not script.endswith("_vllm.py"))
@@ -53,7 +52,7 @@ def run_on_two_ranks(script, args, out, updates: int, one_rank_dir=None):
     """Two ranks of 16 prompts each, under the deepspeed launcher: both evaluate and save. With `one_rank_dir`,
     they train as one rank taking the same 32 prompts per update in 4 micro-batches: samples, losses and
     weights (HF generate's rows are seeded by their place in the global batch, the vLLM engine's by row)."""
-    launcher, env = (*TWO_RANKS, str(common.free_port())), {"OMP_NUM_THREADS": "1"}
+    launcher, env = (*TWO_RANKS, str(free_port())), {"OMP_NUM_THREADS": "1"}
     run_script(*args, "--output_dir", out, script=script, launcher=launcher, env=env)
     if one_rank_dir:
         run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", one_rank_dir, script=script, env=env)
@@ -89,7 +88,7 @@ def test_two_ranks_resume_at_zero_3(tmp_path, script):
     out, args = tmp_path / "run", two_rank_args(script, 3, updates=3)
     run_on_two_ranks(script, args, out, updates=3,
                      one_rank_dir=tmp_path / "one" if script in ZERO_3_AGAINST_ONE_RANK else None)
-    launcher, env = (*TWO_RANKS, str(common.free_port())), {"OMP_NUM_THREADS": "1"}
+    launcher, env = (*TWO_RANKS, str(free_port())), {"OMP_NUM_THREADS": "1"}
     resumed = tmp_path / "resumed"
     after_update = -1  # every update and evaluation is the resumed run's own
     if script in PREEMPTION_ON_TWO_RANKS:
@@ -128,7 +127,7 @@ def changed_on_resume(script: str, folder) -> list:
 @pytest.mark.slow
 def test_metrics_and_data_across_two_real_ranks():
     result = run_script(script="tests/two_rank_helpers.py",
-                        launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(common.free_port())),
+                        launcher=("torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())),
                         env={"OMP_NUM_THREADS": "1"})
     assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
 
@@ -153,7 +152,7 @@ def test_sft_on_two_ranks_takes_the_one_rank_step(tmp_path):
             "--per_device_train_batch_size", "8"]
     run_script(*args, "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "one", script="sft.py")
     run_script(*args, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "two", script="sft.py",
-               launcher=(*TWO_RANKS, str(common.free_port())), env={"OMP_NUM_THREADS": "1"})
+               launcher=(*TWO_RANKS, str(free_port())), env={"OMP_NUM_THREADS": "1"})
     for name in ("train/loss", "tokens", "eval/loss"):
         one, two = ([m[name] for m in read_metrics(tmp_path / run) if name in m] for run in ("one", "two"))
         assert len(one) >= 3 and one == pytest.approx(two, rel=1e-5), name

@@ -17,6 +17,7 @@ from scripts import (
     assert_same_weights_and_metrics,
     assert_trained_policy_saved,
     assert_two_ranks_train_as_one,
+    free_port,
     interrupted_and_resumed,
     read_metrics,
     run_script,
@@ -156,7 +157,7 @@ def two_rank_k2_run(request, tmp_path_factory):
     torchrun (the README's SLURM recipe: it keeps the job's CUDA_VISIBLE_DEVICES), the others' under the
     deepspeed launcher."""
     out = tmp_path_factory.mktemp("two_ranks") / "run"
-    port = str(common.free_port())
+    port = str(free_port())
     launcher = ("torchrun", "--nproc_per_node", "2", "--master_port", port)
     if request.module.SCRIPT != "online_dpo_vllm.py":
         launcher = ("deepspeed", "--num_gpus", "2", "--master_port", port)
