@@ -39,6 +39,7 @@ import horizon_table  # noqa: E402
 import latency_table  # noqa: E402
 import off_policy_corrections  # noqa: E402
 import turn_credit  # noqa: E402
+import vs_trl  # noqa: E402
 
 PASSAGE = re.compile(r"(<!-- computed: (\w+) -->\n)(.*?)(<!-- /computed -->)", re.S)
 CORRECTIONS = ("decoupled", "pure_is", "tis", "mask", "m2po")  # none's alternatives, in the kit's order
@@ -1046,6 +1047,113 @@ def turn_credit_findings(results: dict) -> str:
     return "\n".join(lines).strip()
 
 
+MULTITURN_ARMS = {"sync": "sync", "async": "async (K=1)", "continuous": "async, continuous episodes",
+                  "inflight": "in flight (K=1)"}
+
+
+def multiturn_table(results: dict) -> str:
+    """The first bench/multiturn_sync_vs_async.py's table (toy:guess_number_slow, one latency): per arm, the median
+    over the seeds of the final return and of the training minutes to the target and for the whole run (each seed's
+    in brackets), and the median update's parts on the trainer's path and the engine's batch."""
+    args, rows = results["args"], []
+    rows = [f"| arm | final return (seeds {', '.join(map(str, args['seeds']))}) | training minutes to "
+            f"{args['target_return']} | training minutes, {args['updates']} updates | median update: trainer's path | "
+            "the engine's batch |", "| --- " * 6 + "|"]
+    for arm, row in results["table"].items():
+        phases = row["phases"]
+        path = " + ".join(f"{phase.removeprefix('time/').replace('_', ' ')} {phases[phase]:.3f} s"
+                          for phase in phases if phase != "time/generate" or arm == "sync")
+        engine = f"{phases['time/generate']:.3f} s" if arm != "sync" else "-"
+        rows.append(f"| {MULTITURN_ARMS[arm]} | " + " | ".join(
+            f"{statistics.median(row[name]):.3f} ({', '.join(f'{v:.3f}' for v in row[name])})"
+            for name in ("final_returns", "training_minutes_to_target", "training_minutes_total")) +
+            f" | {path} | {engine} |")
+    return "\n".join(rows)
+
+
+def multiturn_findings(results: dict) -> str:
+    """Each engine arm of the first bench/multiturn_sync_vs_async.py against sync, paired per seed (the same
+    seed's rows and starting policy): sync's training minutes over the arm's, for the whole run and to the target,
+    and the final returns' difference, each as the median over the seeds with their range; since launch, the whole
+    run's minutes the same way."""
+    table, args = results["table"], results["args"]
+    sync = table["sync"]
+
+    def against_sync(arm: str, name: str) -> list[float]:
+        return [s / a for s, a in zip(sync[name], table[arm][name])]
+
+    def told(values: list[float], form: str = "{:.2f}x") -> str:
+        none = 0 if form.endswith("f}") else 1  # a difference's "no difference", or a ratio's
+        verdict = "; no evidence of a difference" if min(values) <= none <= max(values) else ""
+        return f"{form.format(statistics.median(values))} ({span(values, form.removesuffix('x'), ' to ')}{verdict})"
+
+    sentences = []
+    for arm in (arm for arm in table if arm != "sync"):
+        returns = [a - s for s, a in zip(sync["final_returns"], table[arm]["final_returns"])]
+        sentences.append(f"""{MULTITURN_ARMS[arm]}: {told(against_sync(arm, 'training_minutes_total'))} for the
+            {args['updates']} updates, {told(against_sync(arm, 'training_minutes_to_target'))} to
+            {args['target_return']}, {told(against_sync(arm, 'total_minutes'))} for the whole run since launch; its
+            final return minus sync's {told(returns, '{:+.3f}')}""")
+    return paragraph(f"""Against sync, paired per seed (sync's minutes over the arm's: above 1 the arm is faster;
+        medians over the {len(args['seeds'])} seeds, their range in brackets, where it reaches the other side of no
+        difference, no evidence of one): {'; '.join(sentences)}.""")
+
+
+TRL_ARMS = (("kit", "kit ({script})"), ("TRL tuned", "TRL, gradient checkpointing off (tuned)"),
+            ("TRL default", "TRL defaults (gradient checkpointing on)"))
+
+
+def trl_table(results: dict, script: str) -> str:
+    """bench/vs_trl.py's table: per arm, the median over its runs of each run's median seconds per step (or update)
+    and of its mean parts."""
+    unit = "update" if results["args"].get("algorithm") == "grpo" else "step"
+    rows = [f"| arm | s/{unit} | generate | score | train |", "| --- " * 5 + "|"]
+    form = "{:.3f}" if unit == "update" else "{:.4f}"
+    for key, name in TRL_ARMS:
+        row = results["table"][key]
+        rows.append(f"| {name.format(script=script)} | " + " | ".join(
+            form.format(row[part]) for part in ("seconds_per_step", "generate", "score", "train")) + " |")
+    return "\n".join(rows)
+
+
+def trl_findings(results: dict) -> str:
+    """bench/vs_trl.py's comparison: TRL's seconds per step over the kit's, paired per round (each round runs every
+    arm once, interleaved), as the median of the rounds' ratios with its bootstrap 95% interval; each arm's runs'
+    range; the work done (completions, stopped, TRL's tokens)."""
+    runs, table = results["runs"], results["table"]
+    seconds = {arm: [run["seconds_per_step"] for run in arm_runs] for arm, arm_runs in runs.items()}
+    unit = "update" if results["args"].get("algorithm") == "grpo" else "step"
+    names = {"kit": "kit", "TRL tuned": "TRL tuned", "TRL default": "TRL defaults"}
+
+    def against_kit(arm: str) -> str:
+        ratios = [trl / kit for trl, kit in zip(seconds[arm], seconds["kit"])]
+        middle, low, high = agent_speedup.median_interval(ratios, 10000)
+        verdict = "no evidence of a difference" if low <= 1 <= high else "the kit faster" if low > 1 else "TRL faster"
+        faster = sum(ratio > 1 for ratio in ratios)
+        return (f"**{middle:.2f}x** [{low:.2f}, {high:.2f}] ({verdict}; per round {span(ratios, '{:.2f}', ' to ')}, "
+                f"the kit faster in {faster} of {len(ratios)})")
+
+    kit = table["kit"]
+    work = (f"{kit['completions']} completions a{'n' if unit == 'update' else ''} {unit}, {kit['stopped']} of them "
+            f"stopped, in every arm")
+    if "tokens" in table["TRL tuned"]:
+        work += f" (TRL: {table['TRL tuned']['tokens']:,.0f} tokens a{'n' if unit == 'update' else ''} {unit})"
+    accuracy, args = results.get("accuracy"), results["args"]
+    work_per_unit = (f"{vs_trl.GRPO_PROMPTS} prompts x {vs_trl.GRPO_SAMPLES} completions x at most "
+                     f"{vs_trl.GRPO_RESPONSE_LENGTH} new tokens an update, {vs_trl.GRPO_EPOCHS} epochs of one optimizer "
+                     f"step in {vs_trl.GRPO_MICRO_BATCHES} micro-batches" if unit == "update" else
+                     f"{args['prompts_per_step']} prompts x 2 completions x at most {args['response_length']} new "
+                     "tokens a step")
+    return paragraph(f"""{args['repeats']} runs of each arm, interleaved, of {args['steps']} {unit}s each (the
+        first {args['warmup']} left out); {work_per_unit}. TRL's seconds per {unit} over the kit's, paired per round of interleaved runs (median of the
+        {len(seconds['kit'])} rounds' ratios, bootstrap 95% interval; above 1 the kit is faster): TRL tuned
+        {against_kit('TRL tuned')}, TRL defaults {against_kit('TRL default')}. The runs of each arm span
+        {'; '.join(f"{names[arm]} {span(values, '{:.3f}')} s" for arm, values in seconds.items())}. {work}.""" + (
+        f""" Accuracy after {results['args']['accuracy_updates']} updates, both policies scored by
+        `eval_checkpoints.py` on the task's test split: kit {accuracy['kit']:.3f}, TRL tuned
+        {accuracy['TRL tuned']:.3f}.""" if accuracy else ""))
+
+
 def passages(results_dir: str) -> dict[str, str]:
     runs, results, worlds = horizon_runs(results_dir)
     stored_build, other_builds = builds(runs, worlds, reproduced(results))
@@ -1084,6 +1192,17 @@ def passages(results_dir: str) -> dict[str, str]:
             "sweep_of_4_tldr_findings": sweep_of_4_tldr_findings(results_dir),
             "sweep_of_5": sweep_table(results_dir, *SWEEP_OF_5, ess=True),
             "sweep_of_5_findings": sweep_of_5_findings(results_dir),
+            **optional_passage(results_dir, "multiturn_sync_vs_async.json", "multiturn_table", multiturn_table),
+            **optional_passage(results_dir, "multiturn_sync_vs_async.json", "multiturn_findings", multiturn_findings),
+            **optional_passage(results_dir, "multiturn_sync_vs_async_inflight.json", "multiturn_inflight_table",
+                               multiturn_table),
+            **optional_passage(results_dir, "multiturn_sync_vs_async_inflight.json", "multiturn_inflight_findings",
+                               multiturn_findings),
+            **optional_passage(results_dir, "vs_trl.json", "vs_trl_table", lambda r: trl_table(r, "`online_dpo.py`")),
+            **optional_passage(results_dir, "vs_trl.json", "vs_trl_findings", trl_findings),
+            **optional_passage(results_dir, "vs_trl_grpo.json", "vs_trl_grpo_table", lambda r: trl_table(
+                r, "`grpo.py`, the toy-math preset without clip-higher and dynamic sampling")),
+            **optional_passage(results_dir, "vs_trl_grpo.json", "vs_trl_grpo_findings", trl_findings),
             **optional_passage(results_dir, "turn_credit.json", "turn_credit", turn_credit_findings),
             **optional_passage(results_dir, "agent_speedup_pilot.json", "agent_pilot", agent_findings),
             **optional_passage(results_dir, "agent_speedup.json", "agent_speedup", agent_findings)}
