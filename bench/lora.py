@@ -18,14 +18,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import psutil
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import real_size  # noqa: E402  (bench/, this script's folder, is on the path)
+import off_policy_corrections  # noqa: E402  (bench/, this script's folder, is on the path: the CPU's model)
+import real_size  # noqa: E402
 
 
 @dataclass
@@ -40,6 +41,9 @@ class Args:
     """runs of each setting, interleaved; the table shows medians over them"""
     extra: str = "--response_length 32"
     """extra flags passed to every run, in one argument: --extra='--response_length 128'"""
+    results_file: str | None = None
+    """also write every run's numbers and the medians here as JSON, with the date and the CPU (bench/findings.py
+    renders RESULTS.md's table and ratios from it)"""
 
 
 def tree_rss(process: psutil.Process) -> int:
@@ -95,6 +99,12 @@ def main(args: Args):
     full, lora = medians.values()
     print(f"LoRA over full: {full['seconds_per_update'] / lora['seconds_per_update']:.2f}x per update, "
           f"{lora['peak_gib'] / full['peak_gib']:.2f}x the peak memory")
+    if args.results_file:
+        kept = {"date": time.strftime("%Y-%m-%d"), "cpu": off_policy_corrections.cpu()[0], "args": asdict(args),
+                "settings": {name: {**medians[name], "runs": runs[name]} for name in settings}}
+        with open(args.results_file + ".tmp", "w") as f:  # written whole, then moved
+            json.dump(kept, f, indent=1)
+        os.replace(args.results_file + ".tmp", args.results_file)
 
 
 if __name__ == "__main__":

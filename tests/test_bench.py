@@ -336,6 +336,51 @@ def test_the_findings_statistics_on_hand_computed_numbers():
         "grpo-math-k16-decoupled_total_episodes-8192_eval_in_trainer_lr_scheduler_type-constant-seed2")
 
 
+def test_the_speed_benchmarks_comparisons_are_paired_per_round_on_hand_made_runs():
+    """The speed sections' ratios pair each round (or seed) of one arm with the same round of the other: TRL over the
+    kit, sync's training minutes over an engine arm's, K=0 over K=1, K=1 over in flight; each the median of the
+    pairs with their range, "no evidence" where the range reaches the other side of no difference."""
+    findings = bench_module("findings")
+
+    def trl_run(seconds: float) -> dict:
+        return {"seconds_per_step": seconds}
+
+    trl = {"args": {"repeats": 3, "steps": 30, "warmup": 3, "prompts_per_step": 8, "response_length": 32},
+           "runs": {"kit": [trl_run(1.0), trl_run(2.0), trl_run(1.0)],
+                    "TRL tuned": [trl_run(1.5), trl_run(1.0), trl_run(1.2)],  # 1.5, 0.5, 1.2: the median 1.2
+                    "TRL default": [trl_run(2.0), trl_run(5.0), trl_run(3.0)]},  # 2, 2.5, 3: the kit faster
+           "table": {"kit": {"completions": 16, "stopped": 16}, "TRL tuned": {}}}
+    text = " ".join(findings.trl_findings(trl).split())
+    assert "TRL tuned **1.20x** [" in text and "(no evidence of a difference; per round 0.50 to 1.50, the kit faster " \
+        "in 2 of 3)" in text
+    assert "TRL defaults **2.50x** [2.00, 3.00] (the kit faster; per round 2.00 to 3.00, the kit faster in 3 of 3)" \
+        in text
+    arm = {"final_returns": [0.8, 0.7], "training_minutes_to_target": [0.1, 0.4],
+           "training_minutes_total": [0.5, 0.4], "total_minutes": [1.0, 1.0]}
+    multiturn = {"args": {"seeds": [1, 2], "updates": 40, "target_return": 0.6},
+                 "table": {"sync": {"final_returns": [0.7, 0.8], "training_minutes_to_target": [0.2, 0.2],
+                                    "training_minutes_total": [1.0, 1.0], "total_minutes": [1.2, 0.8]},
+                           "async": arm}}
+    text = " ".join(findings.multiturn_findings(multiturn).split())
+    assert "async (K=1): 2.25x (2.00 to 2.50) for the 40 updates, 1.25x (0.50 to 2.00; no evidence of a difference) " \
+        "to 0.6, 1.00x (0.80 to 1.20; no evidence of a difference) for the whole run since launch; its final return " \
+        "minus sync's +0.000 (-0.100 to +0.100; no evidence of a difference)" in text
+
+    def setting(seconds: list[float], **parts) -> dict:
+        return {"runs": [{"seconds_per_update": s, "end_to_end": 10 * s, "gold_win_rate": 0.5} for s in seconds],
+                "wait": 0.01, **parts}
+
+    speed = {"settings": {"hf": setting([1.0, 1.2]), "k1": setting([0.5, 0.8]), "k0": setting([1.0, 1.2])}}
+    text = " ".join(findings.async_speedup_findings([("toy", speed)]).split())
+    assert "toy: K=1 over K=0 1.75x (1.50 to 2.00), over sync HF 1.75x (1.50 to 2.00) per update" in text
+    assert findings.overlap_bound({"generate": 0.3, "weight_sync": 0.05, "logprob_check": 0.05, "score": 0.2,
+                                   "train": 0.6}) == (pytest.approx(0.4), pytest.approx(0.8), pytest.approx(1.5))
+    inflight = {"settings": {"k1": setting([1.0, 1.0, 1.0]), "inflight": setting([0.5, 1.0, 2.0])}}
+    inflight["settings"]["inflight"]["runs"][0]["gold_win_rate"] = 0.6
+    text = " ".join(findings.inflight_findings(inflight).split())
+    assert "1.00x (0.50 to 2.00) per update" in text and "minus K=1's +0.000 (+0.000 to +0.100)" in text
+
+
 @pytest.mark.slow  # on the arithmetic task, which only the slow tier builds
 def test_dip_diagnostics_reads_a_runs_snapshots(tmp_path):
     """bench/dip_diagnostics.py on a run whose snapshot at update 4 is the starting policy itself: the classes hold
