@@ -5,7 +5,7 @@ at the end. The toy tasks are built the same on one CPU every time, not across C
 property of the build: the results file names the machine and each task's build (its starting policy's sha256) beside
 the numbers.
 
-    python bench/default_runs.py                                   # every run, about 20 minutes on 2 CPU cores
+    python bench/default_runs.py                                   # every run, about 25 minutes on 2 CPU cores
     python bench/default_runs.py --runs online_dpo ppo             # some of them
     python bench/default_runs.py --results_file bench/results/default_runs.json
 
@@ -33,7 +33,10 @@ import toy  # noqa: E402  (the kit's root on the path first)
 # name -> the command's flags after `python`, and the toy task it trains on (built before it is timed)
 RUNS = {"online_dpo": (("online_dpo.py",), "tldr"), "ppo": (("ppo.py",), "tldr"), "rloo": (("rloo.py",), "tldr"),
         "bok": (("bok.py",), "tldr"), "grpo": (("grpo.py",), "tldr"),
-        "online_dpo_vllm": (("online_dpo_vllm.py",), "tldr"), "grpo_vllm": (("grpo_vllm.py",), "tldr"),
+        "grpo_dr_grpo": (("grpo.py", "--loss_type", "dr_grpo", "--scale_rewards", "none"), "tldr"),
+        "grpo_gspo": (("grpo.py", "--loss_type", "grpo", "--importance_sampling_level", "sequence"), "tldr"),
+        "online_dpo_vllm": (("online_dpo_vllm.py",), "tldr"), "rloo_vllm": (("rloo_vllm.py",), "tldr"),
+        "ppo_vllm": (("ppo_vllm.py",), "tldr"), "grpo_vllm": (("grpo_vllm.py",), "tldr"),
         "grpo_math": (("grpo.py", "--preset", "toy-math"), "math"),
         "grpo_multiturn": (("grpo_multiturn.py",), "guess"),
         "grpo_multiturn_vllm": (("grpo_multiturn_vllm.py",), "guess"),

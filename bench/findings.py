@@ -23,6 +23,7 @@ The statistics, each named where the prose uses it:
 import collections
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -778,7 +779,8 @@ def sync_vs_async_findings(results_dir: str, file: str) -> str:
             engine run synchronously, and {table['async']['total_minutes'] / table['sync HF']['total_minutes']:.2f}x
             the total time of sync HF; it reaches 0.5 in {to_target('async') / to_target('sync HF'):.2f}x sync HF's
             time.""")
-    return paragraph(f"""From the results file (times from launch, means over the seeds): async takes
+    return paragraph(f"""From the results file (times from launch, means over the seeds; the SFT policy's accuracy
+        {table['online_dpo sync']['start_accuracy']:.3f}): async takes
         {to_target('online_dpo async') / to_target('online_dpo sync'):.2f}x (online DPO) and
         {to_target('rloo async') / to_target('rloo sync'):.2f}x (RLOO) the time of sync to 0.9 accuracy, and
         {table['online_dpo async']['total_minutes'] / table['online_dpo sync']['total_minutes']:.2f}x and
@@ -1107,6 +1109,33 @@ def async_speedup_findings(files: list[tuple[str, dict]]) -> str:
                      "first is faster): " + "; ".join(sentences) + ".")
 
 
+REAL_SIZE_SETTINGS = (("hf", "sync, HF generate (`online_dpo.py`)"), ("k0", "vLLM K=0, engine on its own core"),
+                      ("k1", "vLLM K=1, engine on its own core"), ("shared", "vLLM K=0, `--vllm_device shared`"))
+
+
+def real_size_table(results: dict) -> str:
+    """bench/async_speedup.py --real_size: per setting, the medians over its runs of the seconds per update (after
+    the first), end to end (start-up included) and the parts; then the ratios, paired per round."""
+    rows = ["| setting | s/update | end to end | generate | weight sync | score | train |", "| --- " * 7 + "|"]
+    settings = results["settings"]
+    for key, name in REAL_SIZE_SETTINGS:
+        if key in settings:
+            row = settings[key]
+            sync = "-" if key == "hf" else f"{row['weight_sync']:.2f}"
+            rows.append(f"| {name} | {row['seconds_per_update']:.1f} | {row['end_to_end']:.0f} s | "
+                        f"{row['generate']:.1f} | {sync} | {row['score']:.1f} | {row['train']:.1f} |")
+    generation, trainer, bound = overlap_bound(settings["k0"])
+    k1 = settings["k1"]
+    return "\n".join(rows) + "\n\n" + paragraph(f"""Paired per round ({len(k1['runs'])} of each setting; above 1
+        the first is faster): `--vllm_device shared` over sync HF {told_ratio(per_round(results, 'hf', 'shared'))}
+        per update and {told_ratio(per_round(results, 'hf', 'shared', 'end_to_end'))} end to end; K=1 over K=0
+        {told_ratio(per_round(results, 'k0', 'k1'))} per update, against the overlap's bound {bound:.2f}x (K=0's
+        G = {generation:.1f} s, T = {trainer:.1f} s); the engine on its own core against sync HF: K=0
+        {told_ratio(per_round(results, 'hf', 'k0'))}, K=1 {told_ratio(per_round(results, 'hf', 'k1'))} per update.
+        At K=1 the trainer waited {k1['wait']:.3f} s per update for its batch, and {k1['weight_send']:.3f} s per
+        weight send (the median after the first two, which touch each new shared buffer's pages first).""")
+
+
 def inflight_table(results: dict) -> str:
     """bench/async_speedup.py --settings k1 inflight: per setting, the medians over its runs."""
     rows = ["| setting | s/update | end to end | generate | trainer's wait | engine idle | token staleness (mean, max) "
@@ -1211,6 +1240,62 @@ def lora_table(results: dict) -> str:
         per round (the median of the rounds' ratios, their range): peak memory {paired(lora, full, 'peak_gib')} of
         full's; full's seconds per update over LoRA's {paired(full, lora, 'seconds_per_update')}, its training's
         {paired(full, lora, 'train')}.""")
+
+
+PIPELINE_COLUMNS = (("eval/gold_win_rate", "gold win-rate", "{:.3f}"), ("eval/gold_score", "gold score", "{:.2f}"),
+                    ("eval/kl", "KL", "{:.2f}"), ("eval/ref_perplexity", "perplexity under SFT", "{:.2f}"))
+
+
+def pipeline_findings(results: dict) -> str:
+    """bench/pipeline.py's run of the README's pipeline: each step's seconds and what it reported, then
+    eval_checkpoints.py's table."""
+    seconds = {step["command"].split()[1]: step["seconds"] for step in results["steps"]}
+    loss, accuracy = results["sft_eval_loss"], results["reward_model_accuracy"]
+    swapped = "; ".join(f"{s['split']} {s['swapped']} of {s['pairs']} pairs ({s['swapped'] / s['pairs']:.1%})"
+                        for s in results["relabelled"])
+    lines = [f"Run {results['date']} on {results['cpu']}, each step timed from launch to exit:", "",
+             bullet(f"""`sft.py` ({seconds['sft.py']:.0f} s): evaluation loss per completion token {loss[0]:.2f} ->
+                    {loss[-1]:.2f} (perplexity {math.exp(loss[-1]):.2f})."""),
+             bullet(f"""`reward_model.py` ({seconds['reward_model.py']:.0f} s): swapped where the gold judge prefers
+                    the rejected completion: {swapped}; validation accuracy {accuracy[0]:.2f} ->
+                    {accuracy[-1]:.2f}."""),
+             bullet(f"""`online_dpo.py` ({seconds['online_dpo.py']:.0f} s) from the SFT policy and reward model
+                    above, a policy snapshot every 10 updates."""),
+             bullet(f"""`eval_checkpoints.py` ({seconds['eval_checkpoints.py']:.0f} s): one row per saved
+                    policy:"""), ""]
+    table = results["eval_table"]
+    columns = [column for column in PIPELINE_COLUMNS if column[0] in table[0]]
+    lines.append("| update | episode | " + " | ".join(name for _, name, _ in columns) + " |")
+    lines.append("| --- " * (2 + len(columns)) + "|")
+    for row in table:
+        lines.append(f"| {row['update']} | {row['episode']} | "
+                     + " | ".join(form.format(row[key]) for key, _, form in columns) + " |")
+    return "\n".join(lines)
+
+
+def math_inflight(results: dict) -> str:
+    """bench/math_sync_vs_async.py --arms async inflight: per run, the minutes to the target accuracy from launch per
+    seed, the final accuracies, the total minutes (the mean over the seeds: what the file keeps); then in flight
+    against K=1 whole batches, paired per seed: K=1's minutes to the target over in flight's."""
+    args, table = results["args"], results["table"]
+    names = {"online_dpo": "online DPO", "grpo_dr_grpo": "Dr. GRPO"}
+    arms = {"async": "K=1 whole batches", "inflight": "K=1 in flight"}
+    seeds = ", ".join(map(str, args["seeds"]))
+    rows = [f"| run | minutes to {args['target_accuracy']} accuracy (seeds {seeds}) | final accuracy | total minutes "
+            "(mean) |", "| --- " * 4 + "|"]
+    sentences = []
+    for algorithm in args["algorithms"]:
+        for arm in args["arms"]:
+            row = table[f"{algorithm} {arm}"]
+            rows.append(f"| {names[algorithm]}, {arms[arm]} | "
+                        f"{', '.join(f'{m:.2f}' for m in row['minutes_to_target'])} | "
+                        f"{', '.join(f'{a:.3f}' for a in row['final_accuracies'])} | {row['total_minutes']:.2f} |")
+        ratios = [a / b for a, b in zip(table[f"{algorithm} async"]["minutes_to_target"],
+                                        table[f"{algorithm} inflight"]["minutes_to_target"])]
+        sentences.append(f"{names[algorithm]} {span(ratios, '{:.2f}', ' and ')}")
+    return "\n".join(rows) + "\n\n" + paragraph(f"""In flight against K=1 whole batches, per seed (K=1's minutes to
+        {args['target_accuracy']} over in flight's; above 1 in flight is faster): {'; '.join(sentences)}. With
+        {len(args['seeds'])} seeds, no more than their range.""")
 
 
 def tool_templates_table(results: dict) -> str:
@@ -1410,12 +1495,15 @@ def passages(results_dir: str) -> dict[str, str]:
             "sweep_of_5": sweep_table(results_dir, *SWEEP_OF_5, ess=True),
             "sweep_of_5_findings": sweep_of_5_findings(results_dir),
             **async_speedup_passages(results_dir),
+            **optional_passage(results_dir, "async_speedup_real_size.json", "real_size_table", real_size_table),
             **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_table", inflight_table),
             **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_findings", inflight_findings),
             **optional_passage(results_dir, "default_runs.json", "default_runs", default_runs_table),
             "ci_slow_tier": ci_slow_tier(results_dir),
             **optional_passage(results_dir, "tool_templates.json", "tool_templates", tool_templates_table),
             **optional_passage(results_dir, "lora.json", "lora", lora_table),
+            **optional_passage(results_dir, "math_inflight.json", "math_inflight", math_inflight),
+            **optional_passage(results_dir, "pipeline.json", "pipeline", pipeline_findings),
             **optional_passage(results_dir, "weight_sync.json", "weight_sync_table", weight_sync_table),
             **optional_passage(results_dir, "weight_sync.json", "weight_sync_findings", weight_sync_findings),
             **optional_passage(results_dir, "multiturn_sync_vs_async.json", "multiturn_table", multiturn_table),

