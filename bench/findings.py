@@ -1298,6 +1298,17 @@ def math_inflight(results: dict) -> str:
         {len(args['seeds'])} seeds, no more than their range.""")
 
 
+def default_runs_passage(results_dir: str) -> dict[str, str]:
+    """Every stored file of bench/default_runs.py (default_runs*.json: one per machine that made them), each its
+    table with its machine and builds, or nothing where none is stored."""
+    tables = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "default_runs*.json"))):
+        with open(path) as f:
+            tables.append(f"`{os.path.relpath(path, os.path.dirname(results_dir))}`:\n\n" +
+                          default_runs_table(json.load(f)))
+    return {"default_runs": "\n\n".join(tables)} if tables else {}
+
+
 def tool_templates_table(results: dict) -> str:
     """bench/tool_templates.py's outcomes: how many templates play (by the format their calls are read in) and how
     many are refused at load (by their one line's reason), as the script prints them."""
@@ -1498,7 +1509,7 @@ def passages(results_dir: str) -> dict[str, str]:
             **optional_passage(results_dir, "async_speedup_real_size.json", "real_size_table", real_size_table),
             **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_table", inflight_table),
             **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_findings", inflight_findings),
-            **optional_passage(results_dir, "default_runs.json", "default_runs", default_runs_table),
+            **default_runs_passage(results_dir),
             "ci_slow_tier": ci_slow_tier(results_dir),
             **optional_passage(results_dir, "tool_templates.json", "tool_templates", tool_templates_table),
             **optional_passage(results_dir, "lora.json", "lora", lora_table),
