@@ -1159,8 +1159,8 @@ def inflight_findings(results: dict) -> str:
     return paragraph(f"""In flight against K=1 whole batches, paired per round of interleaved runs (the median of the
         {len(differences)} rounds' values, their range; above 1 in flight is faster): {told_ratio(per_round(results,
         'k1', 'inflight'))} per update, {told_ratio(per_round(results, 'k1', 'inflight', 'end_to_end'))} end to end;
-        its final gold win-rate minus K=1's {statistics.median(differences):+.3f} ({span(differences, '{:+.3f}',
-        ' to ')}).""")
+        its final gold win-rate minus K=1's {statistics.median(differences):+.3f} ({"the same in every round" if
+        min(differences) == max(differences) else span(differences, '{:+.3f}', ' to ')}).""")
 
 
 def async_speedup_files(results_dir: str, files: tuple[tuple[str, str], ...]) -> list[tuple[str, dict]]:
