@@ -62,7 +62,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from multiturn_sync_vs_async import bound  # noqa: E402  (the overlap's bound from sync's parts, as its sweep's)
-from off_policy_corrections import cpu, world  # noqa: E402  (the CPU model; the starting policy's build)
+from off_policy_corrections import machine, world  # noqa: E402  (the CPU and boot; the starting policy's build)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)
@@ -164,12 +164,6 @@ def evaluate_snapshots(output_dir: str, seed: int, args: Args) -> dict[int, floa
             sys.exit(f"evaluating {output_dir} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     with open(path) as f:
         return {int(update): value for update, value in json.load(f).items()}
-
-
-def machine() -> dict:
-    """The machine a run is timed on: its CPU and this boot of it (two machines of one kind differ in speed)."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        return {"cpu": cpu()[0], "boot_id": f.read().strip()}
 
 
 def record(arm: str, latency: float, seed: int, args: Args) -> dict | None:

@@ -160,16 +160,11 @@ def main(args: Args):
 
 def write_results(args: Args, results: dict[str, dict], world: dict):
     """--results_file: the command, the date, the machine, the starting policy's build, each setting's medians and
-    runs (written whole, then moved: an interrupted write leaves no file)."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
+    runs."""
     kept = {"command": ["python", "bench/async_speedup.py", *sys.argv[1:]], "args": dataclasses.asdict(args),
-            "date": time.strftime("%Y-%m-%d"), "machine": {"cpu": world["cpu"], "boot_id": boot}, "world": world,
+            "date": time.strftime("%Y-%m-%d"), "machine": off_policy_corrections.machine(), "world": world,
             "settings": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.results_file)), exist_ok=True)
-    with open(args.results_file + ".tmp", "w") as f:
-        json.dump(kept, f, indent=1)
-    os.replace(args.results_file + ".tmp", args.results_file)
+    off_policy_corrections.write_whole(args.results_file, kept)
 
 
 def report(args: Args, results: dict[str, dict]):

@@ -87,13 +87,9 @@ def main(args: Args):
               f"{'-' if at_10 is None else f'{at_10:.3f}':>6} {run['scores'][-1]:6.3f} "
               f"{'-' if kl is None else f'{kl:.2f}':>14}")
     if args.results_file:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        kept = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpu": off_policy_corrections.cpu()[0],
-                                                               "boot_id": boot}, "runs": runs}
-        with open(args.results_file + ".tmp", "w") as f:  # written whole, then moved
-            json.dump(kept, f, indent=1)
-        os.replace(args.results_file + ".tmp", args.results_file)
+        off_policy_corrections.write_whole(args.results_file, {"date": time.strftime("%Y-%m-%d"),
+                                                               "machine": off_policy_corrections.machine(),
+                                                               "runs": runs})
 
 
 if __name__ == "__main__":

@@ -102,9 +102,7 @@ def main(args: Args):
     if args.results_file:
         kept = {"date": time.strftime("%Y-%m-%d"), "cpu": off_policy_corrections.cpu()[0], "args": asdict(args),
                 "settings": {name: {**medians[name], "runs": runs[name]} for name in settings}}
-        with open(args.results_file + ".tmp", "w") as f:  # written whole, then moved
-            json.dump(kept, f, indent=1)
-        os.replace(args.results_file + ".tmp", args.results_file)
+        off_policy_corrections.write_whole(args.results_file, kept)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,19 @@ def cpu() -> tuple[str, str]:
     return model, cpuinfo
 
 
+def machine() -> dict:
+    """The machine a run is timed on: its CPU and this boot of it (two machines of one kind differ in speed)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return {"cpu": cpu()[0], "boot_id": f.read().strip()}
+
+
+def write_whole(path: str, kept: dict):
+    """`kept` as JSON at `path`, written whole, then moved: an interrupted write leaves no file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(kept, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def world(run_dir: str) -> dict:
     """What a run's numbers depend on besides its flags: the starting policy's weights (the toy tasks are built the
     same on one CPU every time, not across CPUs) and the CPU (float rounding in sampling and training)."""

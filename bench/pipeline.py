@@ -78,9 +78,7 @@ def main(args: Args):
           + ", ".join(f"{s['split']} {s['swapped']} of {s['pairs']} pairs swapped" for s in swapped)
           + f", validation accuracy {accuracy[0]:.2f} -> {accuracy[-1]:.2f}; eval_checkpoints.py: {len(table)} rows")
     if args.results_file:
-        with open(args.results_file + ".tmp", "w") as f:  # written whole, then moved
-            json.dump(kept, f, indent=1)
-        os.replace(args.results_file + ".tmp", args.results_file)
+        off_policy_corrections.write_whole(args.results_file, kept)
 
 
 if __name__ == "__main__":

