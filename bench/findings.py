@@ -1188,12 +1188,12 @@ def default_runs_table(results: dict) -> str:
         rows.append(f"| `{' '.join(run['command'])}` | {run['seconds']:.0f} | {SCORE_NAMES[run['score']]} | "
                     f"{run['scores'][0]:.3f} | {'-' if 10 not in at else f'{at[10]:.3f}'} | {run['scores'][-1]:.3f} "
                     f"({run['updates'][-1]}) | {'-' if kl is None else f'{kl:.2f}'} |")
-        builds.setdefault(run["world"]["policy_sha256"][:8], []).append(run["command"][1])
+        builds.setdefault(run["world"]["policy_sha256"][:8], []).append(SCORE_NAMES[run["score"]])
     machine = results["machine"]["cpu"]
     return "\n".join(rows) + "\n\n" + paragraph(f"""Measured {results['date']} on {machine}
         ({'with' if next(iter(results['runs'].values()))['world']['avx512'] else 'without'} AVX-512); the starting
-        policies' builds (sha256): {'; '.join(f"{sha}... ({', '.join(dict.fromkeys(scripts))})"
-                                               for sha, scripts in builds.items())}.""")
+        policies' builds (sha256), by the task's score: {'; '.join(f"{'/'.join(dict.fromkeys(scores))} {sha}"
+                                                                  for sha, scores in builds.items())}.""")
 
 
 def ci_slow_tier(results_dir: str) -> str:
@@ -1714,7 +1714,10 @@ def main(args: Args):
                      f"{', '.join(wrong) or '-'}; passages no data make: {', '.join(unknown) or '-'}")
         print(f"{args.results_md}: every computed passage ({len(computed)}) is what the data give")
         return
-    missing = sorted(set(computed) - set(found))
+    missing, unknown = sorted(set(computed) - set(found)), sorted(set(found) - set(computed))
+    if unknown:
+        sys.exit(f"{args.results_md} has places for passages no data make: {', '.join(unknown)} (their results files "
+                 f"are not in {args.results_dir})")
     if missing:
         sys.exit(f"{args.results_md} has no place for {', '.join(missing)}: add `<!-- computed: NAME -->` and "
                  "`<!-- /computed -->` lines where each goes")
