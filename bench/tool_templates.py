@@ -23,7 +23,8 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import off_policy_corrections  # noqa: E402  (bench/, this script's folder: how a results file is written)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # also when a test imports this file as a module
+import off_policy_corrections  # noqa: E402  (how a results file is written)
 
 import environments  # noqa: E402
 import tool_calls  # noqa: E402
