@@ -23,7 +23,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))  # also when a test imports this file as a module
+sys.path.append(os.path.join(ROOT, "bench"))  # also when a test imports this file as a module (after the kit: lora.py)
 import off_policy_corrections  # noqa: E402  (how a results file is written)
 
 import environments  # noqa: E402

