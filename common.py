@@ -190,13 +190,13 @@ def init_distributed(timeout_seconds: float = 1800):
     world_of_one = None
     if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
         os.environ.update(srun_ranks(os.environ))
-    elif os.environ.get("WORLD_SIZE", "1") == "1" and not torch.distributed.is_initialized():
-        # no launcher, or a launcher's one rank (a process's next run keeps its last one's group): a rendezvous on
-        # the port the system gives it as it binds; a free port picked first, then bound after DeepSpeed's seconds
-        # of import, can be taken meanwhile by a parallel job (EADDRINUSE)
-        world_of_one = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(world_of_one.port))
+    elif os.environ.get("WORLD_SIZE", "1") == "1":  # no launcher, or a launcher's one rank
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # what DeepSpeed asks of every rank
+        if not torch.distributed.is_initialized():  # (a process's next run, or vLLM in it, keeps the group it has)
+            # a rendezvous on the port the system gives it as it binds; a free port picked first, then bound after
+            # DeepSpeed's seconds of import, can be taken meanwhile by a parallel job (EADDRINUSE)
+            world_of_one = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world_of_one.port))
     deepspeed = load_deepspeed()
     if torch.cuda.is_available():  # before any CUDA work, so that each rank's tensors and NCCL use its own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
