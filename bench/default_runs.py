@@ -5,7 +5,7 @@ at the end. The toy tasks are built the same on one CPU every time, not across C
 property of the build: the results file names the machine and each task's build (its starting policy's sha256) beside
 the numbers.
 
-    python bench/default_runs.py                                   # every run, about 25 minutes on 2 CPU cores
+    python bench/default_runs.py                                   # every run, about 10 minutes on 2 CPU cores
     python bench/default_runs.py --runs online_dpo ppo             # some of them
     python bench/default_runs.py --results_file bench/results/default_runs.json
 

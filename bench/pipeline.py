@@ -4,7 +4,7 @@ reports: sft.py's evaluation loss and perplexity at its first and last evaluatio
 the gold judge and its validation accuracy at its first and last evaluation, and eval_checkpoints.py's table (a row
 per saved policy of the RL run).
 
-    python bench/pipeline.py                                              # about 4 minutes on 2 CPU cores
+    python bench/pipeline.py                                              # about 2 minutes on 2 CPU cores
     python bench/pipeline.py --results_file bench/results/pipeline.json   # kept for bench/findings.py
 """
 
