@@ -773,18 +773,22 @@ def sync_vs_async_findings(results_dir: str, file: str) -> str:
     def to_target(arm: str) -> float:
         return statistics.mean(table[arm]["minutes_to_target"])
 
+    # each arm's total minutes is a mean over its seeds: times the seeds, the runs' time together
+    runs = sum(len(row["minutes_to_target"]) for row in table.values())
+    together = sum(row["total_minutes"] * len(row["minutes_to_target"]) for row in table.values())
+    cost = f"Its {runs} runs took {together:.0f} minutes together, the toy's build and the figure left out."
     if "async" in table:  # 1
         return paragraph(f"""From the results file (times from launch, means over the seeds): async takes
             {table['sync vLLM']['total_minutes'] / table['async']['total_minutes']:.2f}x less total time than the same
             engine run synchronously, and {table['async']['total_minutes'] / table['sync HF']['total_minutes']:.2f}x
             the total time of sync HF; it reaches 0.5 in {to_target('async') / to_target('sync HF'):.2f}x sync HF's
-            time.""")
+            time. {cost}""")
     return paragraph(f"""From the results file (times from launch, means over the seeds; the SFT policy's accuracy
         {table['online_dpo sync']['start_accuracy']:.3f}): async takes
         {to_target('online_dpo async') / to_target('online_dpo sync'):.2f}x (online DPO) and
         {to_target('rloo async') / to_target('rloo sync'):.2f}x (RLOO) the time of sync to 0.9 accuracy, and
         {table['online_dpo async']['total_minutes'] / table['online_dpo sync']['total_minutes']:.2f}x and
-        {table['rloo async']['total_minutes'] / table['rloo sync']['total_minutes']:.2f}x its total time.""")
+        {table['rloo async']['total_minutes'] / table['rloo sync']['total_minutes']:.2f}x its total time. {cost}""")
 
 
 OFF_POLICY_ARMS = (("online_dpo", "online DPO"), ("ppo", "PPO"), ("rloo", "RLOO"), ("bok", "best-of-2"),
@@ -828,6 +832,9 @@ def off_policy_findings(results_dir: str) -> str:
              for size in ("small", "large")}
     drops = {arm: table["small"][arm]["drop"] for arm in ("ppo", "rloo")}
     stale_bok = all(half("small", "bok", n) < half("small", "bok", "1") for n in ("4", "16", "32"))
+    with open(os.path.join(results_dir, "off_policy.json")) as f:
+        evaluated_at = [e["time"] for size in json.load(f)["runs"].values() for arm in size.values()
+                        for seeds in arm.values() for run in seeds for e in run.values()]
     return "\n\n".join([paragraph(f"""What reproduces. **Online DPO is the most robust of the paper's four
         algorithms:** at both sizes its win-rate does not move with N (after 32 steps
         {half('small', 'online_dpo', '1'):.3f} on-policy vs {half('small', 'online_dpo', '32'):.3f} at N = 32 for the
@@ -865,7 +872,9 @@ def off_policy_findings(results_dir: str) -> str:
         win-rate-vs-KL frontier of the paper needs runs that over-optimise; here KL stays below 1 and the frontier
         plot shows clusters, not a curve. At the larger size KL also moves with N in ways the win-rate does not (at
         N = 32 RLOO ends with {kl_share('rloo'):.2f} of its on-policy KL, best-of-2 with {kl_share('bok'):.2f}):
-        staleness changes how far each arm travels, which a single final number hides.""")])
+        staleness changes how far each arm travels, which a single final number hides."""),
+        paragraph(f"""The runs took {(max(evaluated_at) - min(evaluated_at)) / 60:.0f} minutes from the first
+        run's first evaluation to the last run's last (the stored evaluations' clock).""")])
 
 
 def sweep_cells(results_dir: str, file: str) -> dict:
