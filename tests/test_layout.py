@@ -1,7 +1,7 @@
 """The kit's layout promises: no kit module imports another that imports it back (imports inside functions
 included), as the README's map says; no module is over 800 lines; a synchronous script never imports vLLM; the
-embedded tasks (the toy package) and the math reward import nothing of the kit; and the toy's own answer check
-agrees with the math reward's on the arithmetic task."""
+embedded tasks (the toy package) and the math reward import nothing of the kit; the toy's own answer check
+agrees with the math reward's on the arithmetic task; and every link between the docs reaches its file and heading."""
 
 import ast
 import glob
@@ -61,6 +61,37 @@ def test_the_readmes_map_of_imports_is_the_code():
     scripts = {"online_dpo", "online_dpo_vllm", "ppo", "ppo_vllm", "rloo", "rloo_vllm", "bok", "grpo", "grpo_vllm",
                "grpo_multiturn", "grpo_multiturn_vllm", "sft", "reward_model", "eval_checkpoints"}
     assert {module for module, _ in rows} == set(KIT_MODULES) - scripts
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation but hyphens dropped, spaces as
+    hyphens, a repeated heading's with -1, -2, ...; headings inside code blocks are none."""
+    anchors, seen, in_code = set(), {}, False
+    for line in markdown.splitlines():
+        in_code ^= line.startswith("```")
+        heading = None if in_code else re.match(r"#+ (.*)", line)
+        if heading:
+            anchor = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")
+            seen[anchor] = seen.get(anchor, 0) + 1
+    return anchors
+
+
+def test_every_link_between_the_docs_reaches_its_file_and_heading():
+    docs = glob.glob(os.path.join(ROOT, "*.md")) + glob.glob(os.path.join(ROOT, "bench", "*.md"))
+    links, broken = 0, []
+    for doc in docs:
+        with open(doc) as f:
+            targets = re.findall(r"\]\(([^)\s]+)\)", f.read())
+        for target in (t for t in targets if not t.startswith(("http://", "https://"))):
+            links += 1
+            file, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(os.path.dirname(doc), file)) if file else doc
+            if not os.path.exists(path):
+                broken.append(f"{os.path.relpath(doc, ROOT)}: {target} (no such file)")
+            elif anchor and path.endswith(".md") and anchor not in github_anchors(open(path).read()):
+                broken.append(f"{os.path.relpath(doc, ROOT)}: {target} (no such heading)")
+    assert links > 20 and not broken, broken
 
 
 def test_no_module_is_over_800_lines():
