@@ -1146,7 +1146,8 @@ def real_size_table(results: dict) -> str:
 
 
 def inflight_table(results: dict) -> str:
-    """bench/async_speedup.py --settings k1 inflight: per setting, the medians over its runs."""
+    """bench/async_speedup.py --settings k1 inflight: per setting, the medians over its runs (a task with no gold
+    scorer, as at the real size, has no win-rate: "-")."""
     rows = ["| setting | s/update | end to end | generate | trainer's wait | engine idle | token staleness (mean, max) "
             "| multi-version completions | final gold win-rate |", "| --- " * 9 + "|"]
     for key, name in (("k1", "K=1, whole batches"), ("inflight", "K=1, in flight")):
@@ -1156,7 +1157,7 @@ def inflight_table(results: dict) -> str:
                      f"{row['staleness']:.2f}, {row['staleness']:.0f}")
         rows.append(f"| {name} | {row['seconds_per_update']:.3f} | {row['end_to_end']:.1f} s | {row['generate']:.3f} | "
                     f"{row['wait']:.3f} | {idle} | {staleness} | {row['multi_version_share']:.0%} | "
-                    f"{row['gold_win_rate']:.3f} |")
+                    f"{'-' if math.isnan(row['gold_win_rate']) else format(row['gold_win_rate'], '.3f')} |")
     return "\n".join(rows)
 
 
@@ -1165,11 +1166,13 @@ def inflight_findings(results: dict) -> str:
     difference."""
     differences = [a["gold_win_rate"] - b["gold_win_rate"] for a, b in zip(results["settings"]["inflight"]["runs"],
                                                                              results["settings"]["k1"]["runs"])]
+    scored = "" if any(math.isnan(d) for d in differences) else f"""; its final gold win-rate minus K=1's
+        {statistics.median(differences):+.3f} ({"the same in every round" if min(differences) == max(differences)
+                                                else span(differences, '{:+.3f}', ' to ')})"""
     return paragraph(f"""In flight against K=1 whole batches, paired per round of interleaved runs (the median of the
         {len(differences)} rounds' values, their range; above 1 in flight is faster): {told_ratio(per_round(results,
-        'k1', 'inflight'))} per update, {told_ratio(per_round(results, 'k1', 'inflight', 'end_to_end'))} end to end;
-        its final gold win-rate minus K=1's {statistics.median(differences):+.3f} ({"the same in every round" if
-        min(differences) == max(differences) else span(differences, '{:+.3f}', ' to ')}).""")
+        'k1', 'inflight'))} per update, {told_ratio(per_round(results, 'k1', 'inflight', 'end_to_end'))} end to
+        end{scored}.""")
 
 
 def async_speedup_files(results_dir: str, files: tuple[tuple[str, str], ...]) -> list[tuple[str, dict]]:
@@ -1538,6 +1541,10 @@ def passages(results_dir: str) -> dict[str, str]:
             **optional_passage(results_dir, "async_speedup_real_size.json", "real_size_table", real_size_table),
             **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_table", inflight_table),
             **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_findings", inflight_findings),
+            **optional_passage(results_dir, "async_speedup_real_size_inflight.json", "real_size_inflight_table",
+                               inflight_table),
+            **optional_passage(results_dir, "async_speedup_real_size_inflight.json", "real_size_inflight_findings",
+                               inflight_findings),
             **default_runs_passage(results_dir),
             "ci_slow_tier": ci_slow_tier(results_dir),
             **optional_passage(results_dir, "tool_templates.json", "tool_templates", tool_templates_table),
