@@ -816,7 +816,10 @@ def off_policy_findings(results_dir: str) -> str:
     """What 2's tables show, each number from bench/results/off_policy.json (means over the seeds; a loss: the
     win-rate after 32 steps at N = 1 minus at N = 32)."""
     with open(os.path.join(results_dir, "off_policy.json")) as f:
-        table = json.load(f)["table"]
+        stored = json.load(f)
+    table = stored["table"]
+    evaluated_at = [e["time"] for size in stored["runs"].values() for arm in size.values() for seeds in arm.values()
+                    for run in seeds for e in run.values()]
 
     def half(size, arm, n):
         return table[size][arm]["half_win_rate"][n][0]
@@ -832,9 +835,6 @@ def off_policy_findings(results_dir: str) -> str:
              for size in ("small", "large")}
     drops = {arm: table["small"][arm]["drop"] for arm in ("ppo", "rloo")}
     stale_bok = all(half("small", "bok", n) < half("small", "bok", "1") for n in ("4", "16", "32"))
-    with open(os.path.join(results_dir, "off_policy.json")) as f:
-        evaluated_at = [e["time"] for size in json.load(f)["runs"].values() for arm in size.values()
-                        for seeds in arm.values() for run in seeds for e in run.values()]
     return "\n\n".join([paragraph(f"""What reproduces. **Online DPO is the most robust of the paper's four
         algorithms:** at both sizes its win-rate does not move with N (after 32 steps
         {half('small', 'online_dpo', '1'):.3f} on-policy vs {half('small', 'online_dpo', '32'):.3f} at N = 32 for the
@@ -1539,6 +1539,8 @@ def passages(results_dir: str) -> dict[str, str]:
             "sweep_of_5_findings": sweep_of_5_findings(results_dir),
             **async_speedup_passages(results_dir),
             **optional_passage(results_dir, "async_speedup_real_size.json", "real_size_table", real_size_table),
+            **optional_passage(results_dir, "async_speedup_real_size_128.json", "real_size_128_table",
+                               real_size_table),
             **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_table", inflight_table),
             **optional_passage(results_dir, "async_speedup_inflight.json", "inflight_findings", inflight_findings),
             **optional_passage(results_dir, "async_speedup_real_size_inflight.json", "real_size_inflight_table",
