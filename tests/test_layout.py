@@ -4,6 +4,7 @@ embedded tasks (the toy package) and the math reward import nothing of the kit; 
 agrees with the math reward's on the arithmetic task; and every link between the docs reaches its file and heading."""
 
 import ast
+import functools
 import glob
 import os
 import re
@@ -63,9 +64,12 @@ def test_the_readmes_map_of_imports_is_the_code():
     assert {module for module, _ in rows} == set(KIT_MODULES) - scripts
 
 
-def github_anchors(markdown: str) -> set[str]:
+@functools.cache
+def github_anchors(path: str) -> set[str]:
     """The anchors GitHub gives a markdown file's headings: lower case, punctuation but hyphens dropped, spaces as
     hyphens, a repeated heading's with -1, -2, ...; headings inside code blocks are none."""
+    with open(path) as f:
+        markdown = f.read()
     anchors, seen, in_code = set(), {}, False
     for line in markdown.splitlines():
         in_code ^= line.startswith("```")
@@ -89,7 +93,7 @@ def test_every_link_between_the_docs_reaches_its_file_and_heading():
             path = os.path.normpath(os.path.join(os.path.dirname(doc), file)) if file else doc
             if not os.path.exists(path):
                 broken.append(f"{os.path.relpath(doc, ROOT)}: {target} (no such file)")
-            elif anchor and path.endswith(".md") and anchor not in github_anchors(open(path).read()):
+            elif anchor and path.endswith(".md") and anchor not in github_anchors(path):
                 broken.append(f"{os.path.relpath(doc, ROOT)}: {target} (no such heading)")
     assert links > 20 and not broken, broken
 
